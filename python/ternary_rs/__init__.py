@@ -1,0 +1,49 @@
+"""ternary_rs — load, convert and serve ternary LLMs fast.
+
+Public API (see README):
+
+* ``ternary_rs.open(path)`` — zero-copy reader of GGUF / safetensors / sharded index / model directory.
+* ``ternary_rs.decode / encode / repack`` and :class:`TernaryTensor` — bit-exact ternary codecs.
+* ``ternary_rs.convert / inspect / verify / plan`` — the ``ternary-rs`` command's functions.
+* ``ternary_rs.set_num_threads / get_num_threads`` — size of the worker pool for heavy work.
+
+Every error derives from :class:`TernaryError`.
+"""
+
+from ._core import (
+    FormatError,
+    TernaryError,
+    UnsupportedTypeError,
+    ValidationError,
+    __version__,
+    get_num_threads,
+    set_num_threads,
+)
+from .io import TernaryFile, TensorInfo, open
+from .tensor import TernaryTensor, decode, encode, pack_codes, repack, ternarize, unpack_codes
+from .convert import convert, dequantize_checkpoint, inspect, plan, verify
+
+__all__ = [
+    "FormatError",
+    "TensorInfo",
+    "TernaryError",
+    "TernaryFile",
+    "TernaryTensor",
+    "UnsupportedTypeError",
+    "ValidationError",
+    "__version__",
+    "convert",
+    "decode",
+    "dequantize_checkpoint",
+    "encode",
+    "get_num_threads",
+    "inspect",
+    "open",
+    "pack_codes",
+    "plan",
+    "repack",
+    "set_num_threads",
+    "ternarize",
+    "unpack_codes",
+    "verify",
+]

@@ -1,0 +1,1 @@
+"""vLLM quantization backend for ternary checkpoints (``quant_method: "ternary"``)."""

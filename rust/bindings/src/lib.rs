@@ -1,0 +1,37 @@
+//! `ternary_rs._core`: thin PyO3 bindings over `ternary-core`.
+//!
+//! One file per area, each with a `register` function; heavy work runs with the GIL released
+//! (`py.detach`) and errors are mapped to the exception classes of [`errors`].
+
+mod codecs;
+mod container;
+mod cuda;
+mod errors;
+mod kernels;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    errors::register(m)?;
+    container::register(m)?;
+    codecs::register(m)?;
+    kernels::register(m)?;
+    cuda::register(m)?;
+    m.add_function(wrap_pyfunction!(set_num_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(get_num_threads, m)?)?;
+    Ok(())
+}
+
+/// Set the number of threads heavy work uses (0 = all cores).
+#[pyfunction]
+fn set_num_threads(n: usize) -> PyResult<()> {
+    ternary_core::threads::set_num_threads(n).map_err(errors::to_py)
+}
+
+/// The number of threads heavy work uses.
+#[pyfunction]
+fn get_num_threads() -> usize {
+    ternary_core::threads::num_threads()
+}

@@ -1,0 +1,1 @@
+//! GGUF reader (in progress)

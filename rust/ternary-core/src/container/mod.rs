@@ -1,0 +1,3 @@
+//! Container readers and writers.
+pub mod gguf;
+pub mod safetensors;

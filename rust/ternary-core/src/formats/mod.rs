@@ -1,0 +1,1 @@
+//! Ternary formats (in progress)

@@ -1,0 +1,1 @@
+//! CPU ternary GEMV/GEMM (in progress)

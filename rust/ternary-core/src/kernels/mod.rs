@@ -1,0 +1,2 @@
+//! Kernels.
+pub mod cpu;

@@ -1,0 +1,22 @@
+//! ternary-core: the pure-Rust heart of ternary_rs.
+//!
+//! * [`container`] — zero-copy readers (and streaming writers) for GGUF and safetensors.
+//! * [`formats`] — one module per ternary source format: block struct, scalar reference codec, fast path.
+//! * [`canonical`] — the one in-memory form every format decodes to (codes `t+1`, 4 per byte along K).
+//! * [`repack`] — multithreaded conversion between formats through the canonical form.
+//! * [`kernels`] — ternary GEMV/GEMM on the CPU (AVX-512, AVX2, scalar; picked at run time) and the
+//!   GPU weight layout permutation.
+//! * [`hadamard`] — the blockwise fast Walsh–Hadamard transform used by Bonsai 2's rotated weights.
+//!
+//! Nothing here panics on malformed input: every error is an [`Error`] that names file, tensor and offset.
+
+pub mod canonical;
+pub mod container;
+pub mod error;
+pub mod formats;
+pub mod hadamard;
+pub mod kernels;
+pub mod repack;
+pub mod threads;
+
+pub use error::{Error, Result};

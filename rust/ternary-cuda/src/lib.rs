@@ -1,0 +1,6 @@
+//! FFI to the fused ternary CUDA kernels (see `cuda/`).
+
+/// Whether this build contains the CUDA kernels.
+pub fn available() -> bool {
+    cfg!(feature = "nvcc")
+}

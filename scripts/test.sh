@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone: environment, Rust checks, CUDA compile checks, Python tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR=never
+bash scripts/setup_env.sh
+echo "== cargo fmt";    cargo fmt --all -- --check
+echo "== cargo clippy"; cargo clippy --workspace --all-targets -- -D warnings
+echo "== cargo test";   cargo test --workspace --release
+echo "== build";        bash scripts/build.sh
+echo "== pytest"
+# pytest exits 5 when it collects no test: set -e turns that into a failure, as it must.
+python3 -m pytest tests -q
