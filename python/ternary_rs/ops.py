@@ -1,4 +1,4 @@
-"""Torch custom ops of ternary_rs.
+"""Torch custom ops of ternary_rs — the one place the op is defined.
 
 Contract (stable; the vLLM backend codes against it):
 
@@ -7,10 +7,8 @@ Contract (stable; the vLLM backend codes against it):
   on the target device and returns them in the layout of that device's kernel (opaque to callers).
 * ``torch.ops.ternary_rs.ternary_linear(x, qweight_k, scales_k, out_features, in_features, group_size, bias)``
   — ``y[..., N] = x[..., K] @ W.T (+ bias)`` for bf16/fp16/fp32 ``x``; output dtype = ``x.dtype``.
-  CPU and CUDA implementations plus a fake (meta) implementation for ``torch.compile``.
-
-PLACEHOLDER: the implementations below are a plain dequantize + matmul reference; the CPU kernel work and
-the CUDA kernel work replace them.
+  Device implementations live in ``_ops_cpu.py`` (Rust SIMD kernel) and ``_ops_cuda.py`` (cuda/ kernels);
+  the fake implementation here makes the op traceable by ``torch.compile(fullgraph=True)``.
 """
 
 from __future__ import annotations
@@ -20,18 +18,18 @@ import torch
 LIB = "ternary_rs"
 
 
-def _dequantize_canonical(qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int, g: int) -> torch.Tensor:
-    shifts = torch.arange(0, 8, 2, device=qweight.device, dtype=torch.uint8)
-    codes = (qweight.unsqueeze(-1) >> shifts) & 3
-    trits = codes.reshape(n, k).to(torch.float32) - 1.0
-    return trits * scales.to(torch.float32).repeat_interleave(g, dim=1)
-
-
 def prepare_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int):
-    return qweight.contiguous(), scales.contiguous()
+    """Permute canonical tensors once into the layout of the kernel for their device."""
+    if qweight.device.type == "cuda":
+        from . import _ops_cuda
+
+        return _ops_cuda.prepare_weight(qweight, scales, group_size)
+    from . import _ops_cpu
+
+    return _ops_cpu.prepare_weight(qweight, scales, group_size)
 
 
-@torch.library.custom_op(f"{LIB}::ternary_linear", mutates_args=())
+@torch.library.custom_op(f"{LIB}::ternary_linear", mutates_args=(), device_types=("cpu", "cuda"))
 def ternary_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -41,11 +39,13 @@ def ternary_linear(
     group_size: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    w = _dequantize_canonical(qweight, scales, out_features, in_features, group_size)
-    y = x.to(torch.float32) @ w.T
-    if bias is not None:
-        y = y + bias.to(torch.float32)
-    return y.to(x.dtype)
+    if x.device.type == "cuda":
+        from . import _ops_cuda
+
+        return _ops_cuda.ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias)
+    from . import _ops_cpu
+
+    return _ops_cpu.ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias)
 
 
 @ternary_linear.register_fake
