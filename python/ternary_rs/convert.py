@@ -1,8 +1,785 @@
-"""Conversion commands (placeholder until the conversion work lands)."""
+"""``ternary-rs convert`` and friends: any ternary checkpoint -> vLLM directory or ternary GGUF.
+
+Flow for one source (``convert``):
+
+1. ``ternary_rs.open`` maps the source (GGUF, safetensors file, sharded index or HF directory) —
+   headers only.
+2. The architecture (``ternary_rs.arch``) gives Hugging Face <-> llama.cpp names and layout permutations.
+3. Every tensor is classified: *packed ternary* (GGUF TQ1_0/TQ2_0/PQ2_0/PTQ1_0/Q2_0/Q1_0/I2_S, BitNet,
+   MLX 2-bit, already-canonical ``qweight``/``scales``), *dense ternary* (a float linear weight whose every
+   group is exactly ``{-a, 0, +a}`` — unpacked Bonsai checkpoints; found by a full scan) or *copied*
+   (norms, and float weights that are not ternary). One group size is chosen for the checkpoint: the
+   smallest native one unless ``group_size`` asks otherwise (larger than the source = lossy = refused).
+4. Jobs (one per source tensor) are decoded on a worker thread (Rust codecs release the GIL) two ahead of
+   the writer, and streamed into shards — memory stays at a few tensors, not the model.
+5. Output goes to a temporary sibling, gets a ``ternary_rs.json`` manifest (SHA-256 of sources and of every
+   written file) and is renamed into place; ``dst`` is never replaced without ``force``.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._core import FormatError, TernaryError, UnsupportedTypeError, ValidationError, __version__
+from .arch import arch_for_config, arch_for_gguf
+from .checkpoint import (
+    INDEX_NAME,
+    MANIFEST_NAME,
+    SUPPORTED_GROUP_SIZES,
+    ConversionError,
+    Job,
+    OutTensor,
+    SourceHasher,
+    Staging,
+    parse_size,
+    quantization_config,
+    run_jobs,
+    write_manifest,
+    write_shards,
+)
+from .hf_gguf import (
+    GENERATION_CONFIG,
+    TOKENIZER_FILES,
+    config_from_gguf,
+    copy_hf_side_files,
+    generation_config_from_gguf,
+    gguf_metadata_from_hf,
+    scratch_dir,
+    tokenizer_from_gguf,
+)
+
+log = logging.getLogger("ternary_rs.convert")
+
+# Float storage types: bytes per element.
+FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+GGUF_FLOAT_TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30}
+# Ternary GGUF types we write: (type id, values per block, bytes per block, canonical group size).
+GGUF_OUTPUT_TYPES = {
+    "TQ1_0": (34, 256, 54, 256),
+    "TQ2_0": (35, 256, 66, 256),
+    "PQ2_0": (142, 128, 34, 128),
+    "PTQ1_0": (143, 128, 28, 128),
+}
+# llama.cpp ``general.file_type`` for the upstream types (LLAMA_FTYPE_MOSTLY_TQ1_0 / TQ2_0).
+GGUF_FILE_TYPES = {"TQ1_0": 36, "TQ2_0": 37}
+# Packed ternary GGUF source types and their native group size (None: one scale per tensor).
+GGUF_TERNARY_GROUPS = {
+    "TQ1_0": 256, "TQ2_0": 256, "PQ2_0": 128, "PTQ1_0": 128,
+    "Q2_0": 64, "Q2_0_G128": 128, "Q1_0": 128, "I2_S": None,
+}
+# Dense detection works on groups of this many values, then merges them into larger groups.
+DETECT_GROUP = 32
+DETECT_CHUNK_BYTES = 64 << 20
+# A source tensor's scales for a per-tensor format broadcast to this group when nothing else decides.
+DEFAULT_GROUP_SIZE = 128
 
 
-def _todo(*_a, **_k):
-    raise NotImplementedError("being built")
+# ------------------------------------------------------------------------------------------ numerics
+def float_view(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """Raw little-endian bytes of a float tensor -> float32 (bf16 widened by a 16-bit shift)."""
+    raw = np.asarray(raw).reshape(-1)
+    if dtype == "F32":
+        return raw.view(np.float32)
+    if dtype == "F16":
+        return raw.view(np.float16).astype(np.float32)
+    if dtype == "BF16":
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    raise UnsupportedTypeError(f"float type {dtype} (supported: {sorted(FLOAT_BYTES)})")
 
 
-convert = inspect = verify = plan = dequantize_checkpoint = _todo
+def _row_chunks(n_rows: int, row_bytes: int):
+    step = max(1, DETECT_CHUNK_BYTES // max(1, row_bytes))
+    for r0 in range(0, n_rows, step):
+        yield r0, min(n_rows, r0 + step)
+
+
+def dense_ternary_group(raw: np.ndarray, dtype: str, shape: Sequence[int]) -> int | None:
+    """Largest group size g (from 32..256, dividing K) for which the float matrix is exactly
+    ``t · a`` with t ∈ {-1,0,+1} and one fp16-exact ``a`` per g values of a row; None if not ternary.
+
+    Every group of 32 must hold only 0 and ±(its absmax); a larger group is feasible when all non-zero
+    32-group scales inside it are equal (an all-zero 32-group fits any scale).
+    """
+    if len(shape) != 2:
+        return None
+    n, k = int(shape[0]), int(shape[1])
+    if k % DETECT_GROUP or n == 0:
+        return None
+    feasible = [g for g in SUPPORTED_GROUP_SIZES if k % g == 0]
+    row_bytes = k * FLOAT_BYTES[dtype]
+    raw = np.asarray(raw).reshape(n, row_bytes)
+    for r0, r1 in _row_chunks(n, row_bytes):
+        w = float_view(raw[r0:r1], dtype).reshape(r1 - r0, k // DETECT_GROUP, DETECT_GROUP)
+        mag = np.abs(w)
+        a = mag.max(axis=-1)
+        if not np.isfinite(a).all():
+            return None
+        if not np.all((mag == 0) | (mag == a[..., None])):
+            return None
+        if not np.array_equal(a.astype(np.float16).astype(np.float32), a):
+            return None  # the scale would not survive fp16
+        for g in list(feasible):
+            if g == DETECT_GROUP:
+                continue
+            s = a.reshape(r1 - r0, k // g, g // DETECT_GROUP)
+            top = s.max(axis=-1, keepdims=True)
+            if not np.all((s == top) | (s == 0)):
+                feasible.remove(g)
+    return max(feasible) if feasible else None
+
+
+def pack_codes_np(codes: np.ndarray) -> np.ndarray:
+    """``[N, K]`` codes in {0,1,2} -> ``[N, K/4]`` bytes, column 4j+i at bits 2i (canonical order)."""
+    n, k = codes.shape
+    c = codes.reshape(n, k // 4, 4)
+    return (c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)).astype(np.uint8)
+
+
+def unpack_codes_np(qweight: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`pack_codes_np`."""
+    n, kb = qweight.shape
+    out = np.empty((n, kb, 4), dtype=np.uint8)
+    for i in range(4):
+        out[..., i] = (qweight >> (2 * i)) & 3
+    return out.reshape(n, kb * 4)
+
+
+def dequantize_np(qweight: np.ndarray, scales: np.ndarray, group_size: int) -> np.ndarray:
+    """Canonical tensors -> float32 ``W = (code - 1) · scale`` (plain NumPy)."""
+    t = unpack_codes_np(np.asarray(qweight)).astype(np.float32) - 1.0
+    n, k = t.shape
+    s = np.asarray(scales).astype(np.float32)
+    return (t.reshape(n, k // group_size, group_size) * s[..., None]).reshape(n, k)
+
+
+def dense_to_canonical(raw: np.ndarray, dtype: str, shape: Sequence[int], group_size: int):
+    """Exactly-ternary float matrix -> (qweight uint8 [N, K/4], scales fp16 [N, K/g]); zero groups get 1.0."""
+    n, k = int(shape[0]), int(shape[1])
+    row_bytes = k * FLOAT_BYTES[dtype]
+    raw = np.asarray(raw).reshape(n, row_bytes)
+    qweight = np.empty((n, k // 4), dtype=np.uint8)
+    scales = np.empty((n, k // group_size), dtype=np.float16)
+    for r0, r1 in _row_chunks(n, row_bytes):
+        w = float_view(raw[r0:r1], dtype).reshape(r1 - r0, k // group_size, group_size)
+        a = np.abs(w).max(axis=-1)
+        codes = (np.sign(w) + 1).astype(np.uint8).reshape(r1 - r0, k)
+        qweight[r0:r1] = pack_codes_np(codes)
+        scales[r0:r1] = np.where(a == 0, np.float32(1.0), a).astype(np.float16)
+    return qweight, scales
+
+
+# ------------------------------------------------------------------------------------------ sources
+@dataclass
+class SourceTensor:
+    """One weight of the source checkpoint, classified."""
+
+    name: str                      # tensor name in the source file
+    hf_name: str                   # Hugging Face name of the (logical) weight
+    kind: str                      # "packed" | "canonical" | "dense" | "copy"
+    dtype: str                     # source storage type (GGUF type name or safetensors dtype)
+    shape: tuple[int, ...]         # logical shape (PyTorch order; [N, K] for ternary)
+    nbytes: int                    # bytes read from the source
+    group: int | None = None       # native group (packed), max exact group (dense); None = per-tensor
+    aux: tuple[str, ...] = ()      # further source tensors this one consumes (scales, biases…)
+    candidate: bool = False        # a linear/embedding weight that could be ternary
+    gguf_name: str | None = None
+
+    @property
+    def ternary(self) -> bool:
+        return self.kind in ("packed", "canonical", "dense")
+
+
+@dataclass
+class ConvertOptions:
+    """Options handed to arch hooks (``write_vllm_checkpoint``) and the writers."""
+
+    to: str = "vllm"
+    gguf_type: str | None = None
+    group_size: int | None = None
+    threads: int | None = None
+    shard_size: int = 5 * 10**9
+    force: bool = False
+    progress: bool = True
+    source_paths: list[Path] = field(default_factory=list)
+    use_transformers: bool = True   # GGUF -> HF config/tokenizer via transformers (else built-in)
+
+
+class Source:
+    """An opened source checkpoint with its architecture and classified tensors."""
+
+    def __init__(self, path: Path, options: ConvertOptions):
+        from .io import open as open_checkpoint
+
+        self.path = path
+        self.file = open_checkpoint(path)
+        self.format = self.file.format
+        self.is_gguf = self.format == "gguf"
+        self.options = options
+        self.skipped: list[str] = []
+        if self.is_gguf:
+            self.metadata = dict(self.file.metadata)
+            arch_name = self.metadata.get("general.architecture")
+            if not isinstance(arch_name, str):
+                raise FormatError(f"{path}: GGUF metadata has no general.architecture")
+            self.arch = arch_for_gguf(arch_name)
+            md = self.metadata
+            heads = int(md.get(f"{arch_name}.attention.head_count", 0) or 0)
+            self.shape_config = {
+                "num_attention_heads": heads,
+                "num_key_value_heads": int(md.get(f"{arch_name}.attention.head_count_kv", heads) or heads),
+            }
+            self.config: dict[str, Any] | None = None
+        else:
+            self.metadata = {}
+            self.config = self._read_config()
+            self.arch = arch_for_config(self.config)
+            self.shape_config = self.config
+        self.tensors: list[SourceTensor] = []
+
+    # -- helpers
+    @property
+    def hf_dir(self) -> Path:
+        return self.path if self.path.is_dir() else self.path.parent
+
+    def _read_config(self) -> dict[str, Any]:
+        config = getattr(self.file, "config", None)
+        if config:
+            return dict(config)
+        p = self.hf_dir / "config.json"
+        if not p.is_file():
+            raise FormatError(f"{self.path}: no config.json next to the safetensors; cannot tell the architecture")
+        return json.loads(p.read_text())
+
+    def source_files(self) -> list[Path]:
+        files = {Path(getattr(info, "file", self.path)) for info in self.file.tensors.values()}
+        if self.is_gguf:
+            files.add(self.path)
+        else:
+            for fname in ("config.json", INDEX_NAME, GENERATION_CONFIG) + TOKENIZER_FILES:
+                if (self.hf_dir / fname).is_file():
+                    files.add(self.hf_dir / fname)
+        return sorted(p.absolute() for p in files if Path(p).is_file())
+
+    # -- classification
+    def classify(self) -> list[SourceTensor]:
+        self.tensors = self._classify_gguf() if self.is_gguf else self._classify_safetensors()
+        return self.tensors
+
+    def _float_or_copy(self, name, hf, info, shape) -> SourceTensor:
+        typ = info.type
+        cand = self.arch.ternary_candidate(hf, shape)
+        st = SourceTensor(name, hf, "copy", typ, shape, int(info.nbytes), candidate=cand)
+        if cand and typ in FLOAT_BYTES:
+            g = dense_ternary_group(self.file.raw(name), typ, shape)
+            if g is not None:
+                st.kind, st.group = "dense", g
+        return st
+
+    def _classify_gguf(self) -> list[SourceTensor]:
+        arch, out = self.arch, []
+        n_blocks = arch.n_blocks_from_gguf(self.metadata, arch.gguf_arch)
+        for name, info in self.file.tensors.items():
+            try:
+                hf = arch.hf_name(name, n_blocks)
+            except KeyError as e:
+                raise ConversionError(f"{self.path}: {e.args[0]}") from None
+            if hf is None:
+                self.skipped.append(name)
+                continue
+            shape, typ = tuple(int(d) for d in info.shape), info.type
+            if typ in GGUF_TERNARY_GROUPS:
+                out.append(SourceTensor(name, hf, "packed", typ, shape, int(info.nbytes),
+                                        group=GGUF_TERNARY_GROUPS[typ], candidate=True, gguf_name=name))
+            elif typ in FLOAT_BYTES:
+                st = self._float_or_copy(name, hf, info, shape)
+                st.gguf_name = name
+                out.append(st)
+            else:
+                raise UnsupportedTypeError(
+                    f"{self.path}: tensor {name} has GGUF type {typ}; convertible types are the ternary "
+                    f"{sorted(GGUF_TERNARY_GROUPS)} and the float {sorted(FLOAT_BYTES)}")
+        return out
+
+    def _classify_safetensors(self) -> list[SourceTensor]:
+        tensors = self.file.tensors
+        names = set(tensors)
+        consumed: set[str] = set()
+        out = []
+        for name, info in tensors.items():
+            if name in consumed:
+                continue
+            shape, typ = tuple(int(d) for d in info.shape), info.type
+            base = name.rsplit(".", 1)[0]
+            if name.endswith(".qweight") and f"{base}.scales" in names:  # ternary_rs canonical
+                sc = tensors[f"{base}.scales"]
+                n, k = shape[0], shape[1] * 4
+                group = k // int(sc.shape[1])
+                consumed.add(f"{base}.scales")
+                out.append(SourceTensor(name, f"{base}.weight", "canonical", typ, (n, k),
+                                        int(info.nbytes) + int(sc.nbytes), group=group,
+                                        aux=(f"{base}.scales",), candidate=True))
+            elif name.endswith(".weight") and typ == "U32" and {f"{base}.scales", f"{base}.biases"} <= names:
+                sc = tensors[f"{base}.scales"]  # MLX affine pack: 16 codes per uint32
+                n, k = shape[0], shape[1] * 16
+                aux = (f"{base}.scales", f"{base}.biases")
+                consumed.update(aux)
+                out.append(SourceTensor(name, name, "packed", "MLX", (n, k),
+                                        int(info.nbytes) + sum(int(tensors[a].nbytes) for a in aux),
+                                        group=k // int(sc.shape[1]), aux=aux, candidate=True))
+            elif name.endswith(".weight") and typ in ("U8", "I8") and f"{name}_scale" in names:
+                n, k = shape[0] * 4, shape[1]  # transformers BitNet: 4 rows per byte, one scale
+                consumed.add(f"{name}_scale")
+                out.append(SourceTensor(name, name, "packed", "BITNET", (n, k),
+                                        int(info.nbytes) + int(tensors[f"{name}_scale"].nbytes),
+                                        group=None, aux=(f"{name}_scale",), candidate=True))
+            else:
+                out.append(self._float_or_copy(name, name, info, shape))
+        return out
+
+    # -- decoding to canonical form
+    def canonical(self, st: SourceTensor, group_size: int):
+        """``TernaryTensor`` of ``st`` at ``group_size`` in Hugging Face row order."""
+        from .tensor import TernaryTensor, decode, repack
+
+        n, k = st.shape
+        if k % group_size:
+            raise ValidationError(f"{self.path}: tensor {st.name}: K = {k} is not a multiple of group size {group_size}")
+        if st.kind == "dense":
+            if st.group is None or st.group < group_size:
+                raise ValidationError(
+                    f"{self.path}: tensor {st.name} is exactly ternary only for groups <= {st.group}; "
+                    f"group size {group_size} would requantize it")
+            q, s = dense_to_canonical(self.file.raw(st.name), st.dtype, st.shape, group_size)
+            t = TernaryTensor(q, s, group_size, (n, k))
+        elif st.kind == "canonical":
+            q = np.asarray(self.file.raw(st.name)).reshape(n, k // 4)
+            s = np.asarray(self.file.raw(st.aux[0])).view(np.float16).reshape(n, k // st.group)
+            t = TernaryTensor(q, s, st.group, (n, k))
+        else:
+            t = decode(self.file, st.name)
+        if t.group_size != group_size:
+            t = repack(t, group_size)
+        perm = self.arch.rows_from_gguf(st.hf_name, self.shape_config, n) if self.is_gguf else None
+        if perm is not None:
+            t = TernaryTensor(np.ascontiguousarray(t.qweight[perm]), np.ascontiguousarray(t.scales[perm]),
+                              t.group_size, tuple(t.shape))
+        return t
+
+    def raw_hf_order(self, st: SourceTensor) -> np.ndarray:
+        """Raw bytes of a copied tensor, rows in Hugging Face order."""
+        raw = self.file.raw(st.name)
+        perm = (self.arch.rows_from_gguf(st.hf_name, self.shape_config, st.shape[0])
+                if self.is_gguf and st.shape else None)
+        if perm is None:
+            return raw
+        return np.ascontiguousarray(np.asarray(raw).reshape(st.shape[0], -1)[perm])
+
+
+def choose_group_size(source: Source, requested: int | None) -> int:
+    """One group size for the checkpoint: ``requested``, or the smallest native group of the sources."""
+    groups = [st.group for st in source.tensors if st.ternary and st.group is not None]
+    if requested is not None:
+        if requested not in SUPPORTED_GROUP_SIZES:
+            raise ValueError(f"--group-size {requested} not in {SUPPORTED_GROUP_SIZES}")
+        return requested
+    g = min(groups) if groups else DEFAULT_GROUP_SIZE
+    if g not in SUPPORTED_GROUP_SIZES:
+        raise UnsupportedTypeError(f"{source.path}: native group size {g} is not one of {SUPPORTED_GROUP_SIZES}")
+    return g
+
+
+# ------------------------------------------------------------------------------------------ vLLM output
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                disable=not enabled, leave=False)
+
+
+def _vllm_jobs(source: Source, group_size: int) -> tuple[list[Job], list[str]]:
+    jobs, not_converted = [], []
+    for st in source.tensors:
+        src_label = f"{source.path}: tensor {st.name}"
+        if st.ternary and st.dtype in FLOAT_BYTES and st.shape[1] % group_size:
+            st.kind = "copy"  # dense weight whose K does not split into groups: keep it float
+        if st.kind == "dense" and st.group is not None and st.group < group_size:
+            raise ValidationError(
+                f"{src_label} is exactly ternary only for groups <= {st.group}; group size {group_size} "
+                f"would requantize it (pass a group size <= {st.group})")
+        if st.ternary:
+            n, k = st.shape
+            prefix = st.hf_name[: -len(".weight")] if st.hf_name.endswith(".weight") else st.hf_name
+
+            def produce(st=st):
+                t = source.canonical(st, group_size)
+                return (np.ascontiguousarray(t.qweight, dtype=np.uint8),
+                        np.ascontiguousarray(t.scales, dtype=np.float16))
+
+            outs = [OutTensor(f"{prefix}.qweight", "U8", (n, k // 4), n * (k // 4)),
+                    OutTensor(f"{prefix}.scales", "F16", (n, k // group_size), 2 * n * (k // group_size))]
+            jobs.append(Job(outs, produce, src_label, st.nbytes))
+        else:
+            if st.candidate and st.hf_name.endswith(".weight"):
+                not_converted.append(st.hf_name[: -len(".weight")])
+
+            def produce(st=st):
+                return (source.raw_hf_order(st),)
+
+            jobs.append(Job([OutTensor(st.hf_name, st.dtype, st.shape, st.nbytes)], produce, src_label, st.nbytes))
+    return jobs, not_converted
+
+
+def _config_dtype(source: Source) -> str:
+    if source.config and (source.config.get("dtype") or source.config.get("torch_dtype")):
+        dtype = source.config.get("dtype") or source.config.get("torch_dtype")
+        if dtype in ("float16", "bfloat16", "float32"):
+            return dtype
+    float_types = {st.dtype for st in source.tensors if st.dtype in FLOAT_BYTES and len(st.shape) == 2}
+    return "bfloat16" if "BF16" in float_types else "float16"
+
+
+def write_vllm_dir(source: Source, out_dir: Path, options: ConvertOptions) -> dict[str, Any]:
+    """The generic dense-decoder writer: shards, config.json, tokenizer, generation config."""
+    source.classify()
+    group_size = choose_group_size(source, options.group_size)
+    jobs, not_converted = _vllm_jobs(source, group_size)
+    total = sum(j.source_bytes for j in jobs)
+    with _progress(total, f"convert {source.path.name}", options.progress) as bar:
+        write_shards(out_dir, jobs, options.shard_size, bar)
+    n_ternary = sum(1 for st in source.tensors if st.ternary)
+    if n_ternary == 0:
+        log.warning("%s: no ternary weights found; the output holds only float tensors", source.path)
+
+    dtype = _config_dtype(source)
+    if source.is_gguf:
+        with scratch_dir() as tmp:
+            config, meta_copy = config_from_gguf(
+                source.path, source.metadata, list(source.file.tensors), source.arch, dtype, Path(tmp),
+                use_transformers=options.use_transformers)
+            tokenizer_from_gguf(meta_copy, source.metadata, out_dir)
+        gen = generation_config_from_gguf(source.metadata)
+        if gen:
+            (out_dir / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2) + "\n")
+    else:
+        config = dict(source.config)
+        for stale in ("quantization_config", "quantization"):
+            config.pop(stale, None)
+        copy_hf_side_files(source.hf_dir, out_dir)
+    config["quantization_config"] = quantization_config(group_size, not_converted)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return {
+        "group_size": group_size,
+        "ternary_tensors": n_ternary,
+        "copied_tensors": sum(1 for st in source.tensors if not st.ternary),
+        "skipped_source_tensors": source.skipped,
+        "modules_not_converted": sorted(not_converted),
+    }
+
+
+# ------------------------------------------------------------------------------------------ GGUF output
+def _default_gguf_type(source: Source) -> str:
+    types = {st.dtype for st in source.tensors if st.kind == "packed"}
+    if len(types) == 1 and next(iter(types)) in GGUF_OUTPUT_TYPES:
+        return next(iter(types))
+    tern = [st for st in source.tensors if st.ternary]
+    if tern and all((st.group is None or st.group >= 256) and st.shape[1] % 256 == 0 for st in tern):
+        return "TQ2_0"  # upstream llama.cpp type, lossless here
+    return "PQ2_0"
+
+
+def _gguf_metadata_from_gguf(source: Source, file_type: int | None):
+    """The source GGUF's own keys with their types (gguf-py reading a metadata-only copy)."""
+    import gguf
+
+    from .hf_gguf import write_metadata_only_gguf
+
+    with scratch_dir() as tmp:
+        p = Path(tmp) / "meta.gguf"
+        write_metadata_only_gguf(source.path, p)
+        reader = gguf.GGUFReader(p)
+        out = []
+        for key, fld in reader.fields.items():
+            if key.startswith("GGUF.") or key in ("general.alignment", "general.file_type"):
+                continue
+            vtype = fld.types[0]
+            sub = fld.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            out.append((key, fld.contents(), vtype, sub))
+    if file_type is not None:
+        out.append(("general.file_type", file_type, gguf.GGUFValueType.UINT32, None))
+    return out
+
+
+def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> dict[str, Any]:
+    from .io import GGUFWriter
+    from .tensor import encode, repack
+
+    source.classify()
+    gtype = (options.gguf_type or _default_gguf_type(source)).upper()
+    if gtype not in GGUF_OUTPUT_TYPES:
+        raise UnsupportedTypeError(f"--gguf-type {gtype}: supported {sorted(GGUF_OUTPUT_TYPES)}")
+    type_id, block_values, block_bytes, target_group = GGUF_OUTPUT_TYPES[gtype]
+    file_type = GGUF_FILE_TYPES.get(gtype)
+    if source.is_gguf:
+        metadata = _gguf_metadata_from_gguf(source, file_type)
+        n_blocks = source.arch.n_blocks_from_gguf(source.metadata, source.arch.gguf_arch)
+        perm_config = None
+    else:
+        metadata = gguf_metadata_from_hf(source.hf_dir, source.config, source.arch, file_type,
+                                         name=source.hf_dir.name)
+        n_blocks = int(source.config["num_hidden_layers"])
+        perm_config = source.config
+
+    jobs, fallback = [], []
+    for st in source.tensors:
+        gname = st.gguf_name or source.arch.gguf_name(st.hf_name, n_blocks)
+        if gname is None:
+            raise ConversionError(f"{source.path}: tensor {st.name} has no llama.cpp name in {source.arch.gguf_arch}")
+        src_label = f"{source.path}: tensor {st.name}"
+        n = st.shape[0] if st.shape else 0
+        perm = source.arch.rows_to_gguf(st.hf_name, perm_config, n) if perm_config is not None else None
+        if st.ternary and st.shape[1] % block_values == 0:
+            n, k = st.shape
+            nbytes = n * (k // block_values) * block_bytes
+
+            def produce(st=st, perm=perm):
+                t = source.canonical(st, min(target_group, st.group or target_group))
+                if t.group_size != target_group:
+                    t = repack(t, target_group)
+                if perm is not None:  # HF rows -> llama.cpp rows
+                    from .tensor import TernaryTensor
+
+                    t = TernaryTensor(np.ascontiguousarray(t.qweight[perm]), np.ascontiguousarray(t.scales[perm]),
+                                      t.group_size, tuple(t.shape))
+                return (np.ascontiguousarray(np.frombuffer(memoryview(encode(t, gtype)), dtype=np.uint8)),)
+
+            jobs.append(Job([OutTensor(gname, gtype, (n, k), nbytes)], produce, src_label, st.nbytes,
+                            meta={"type_id": type_id}))
+        elif st.ternary:
+            # llama.cpp's converter falls back the same way when a row does not fill whole blocks;
+            # F16 holds t·fp16(scale) exactly, so this is lossless.
+            n, k = st.shape
+            fallback.append(gname)
+
+            def produce(st=st, perm=perm):
+                t = source.canonical(st, st.group if st.group and k % st.group == 0 else DETECT_GROUP)
+                w = dequantize_np(t.qweight, t.scales, t.group_size).astype(np.float16)
+                if perm is not None:
+                    w = w[perm]
+                return (np.ascontiguousarray(w).view(np.uint8).reshape(-1),)
+
+            jobs.append(Job([OutTensor(gname, "F16", (n, k), 2 * n * k)], produce, src_label, st.nbytes,
+                            meta={"type_id": GGUF_FLOAT_TYPE_IDS["F16"]}))
+        else:
+            if st.dtype not in GGUF_FLOAT_TYPE_IDS:
+                raise UnsupportedTypeError(f"{src_label}: dtype {st.dtype} cannot be written to GGUF "
+                                           f"(supported: {sorted(GGUF_FLOAT_TYPE_IDS)})")
+
+            def produce(st=st, perm=perm):
+                raw = source.raw_hf_order(st) if perm is None else None
+                if perm is not None:
+                    raw = np.asarray(source.file.raw(st.name)).reshape(st.shape[0], -1)[perm]
+                return (np.ascontiguousarray(raw).reshape(-1),)
+
+            jobs.append(Job([OutTensor(gname, st.dtype, st.shape, st.nbytes)], produce, src_label, st.nbytes,
+                            meta={"type_id": GGUF_FLOAT_TYPE_IDS[st.dtype]}))
+    if fallback:
+        log.warning("%s: rows of %s are not a multiple of %d values; written as F16", source.path,
+                    ", ".join(fallback), block_values)
+
+    writer = GGUFWriter(out_path)
+    try:
+        for key, value, vtype, sub in metadata:
+            writer.add_metadata(key, value, _writer_type(vtype, sub))
+        for job in jobs:
+            o = job.outputs[0]
+            writer.add_tensor_info(o.name, tuple(o.shape), job.meta["type_id"], o.nbytes)
+
+        def consume(i, job, buffers):
+            writer.write_tensor_data(job.outputs[0].name, buffers[0])
+
+        with _progress(sum(j.source_bytes for j in jobs), f"convert {source.path.name}", options.progress) as bar:
+            run_jobs(jobs, consume, bar)
+    finally:
+        writer.close()
+    return {"gguf_type": gtype, "tensors": len(jobs), "f16_fallback": fallback, "skipped_source_tensors": source.skipped}
+
+
+def _writer_type(vtype, sub):
+    """The type argument for ``ternary_rs.io.GGUFWriter.add_metadata``: GGUF value type id(s)."""
+    if sub is None:
+        return int(vtype)
+    return (int(vtype), int(sub))
+
+
+# ------------------------------------------------------------------------------------------ entry points
+class BulkConversionError(ConversionError):
+    """Some inputs of a bulk job failed; ``results`` and ``failures`` hold the details."""
+
+    def __init__(self, message: str, results: list[Path], failures: list[tuple[Path, BaseException]]):
+        super().__init__(message)
+        self.results = results
+        self.failures = failures
+
+
+def _expand_sources(src) -> tuple[list[Path], bool]:
+    """Paths from one path, a glob, or a list of them; second item: whether this is a bulk job."""
+    items = list(src) if isinstance(src, (list, tuple)) else [src]
+    bulk = isinstance(src, (list, tuple)) and len(items) != 1
+    paths: list[Path] = []
+    for item in items:
+        text = os.fspath(item)
+        if glob.has_magic(text):
+            matches = sorted(glob.glob(text))
+            if not matches:
+                raise FileNotFoundError(f"no file matches {text}")
+            paths += [Path(m) for m in matches]
+            bulk = True
+        else:
+            paths.append(Path(text))
+    return paths, bulk or len(paths) > 1
+
+
+def default_output_name(src: Path, to: str, gguf_type: str | None) -> str:
+    stem = src.parent.name if src.name.endswith(".index.json") else (src.name if src.is_dir() else src.stem)
+    return f"{stem}-{(gguf_type or 'ternary').upper()}.gguf" if to == "gguf" else stem
+
+
+def _convert_one(src: Path, dst: Path, options: ConvertOptions) -> Path:
+    if not src.exists():
+        raise FileNotFoundError(f"{src}: no such file or directory")
+    if src.absolute() == dst.absolute():
+        raise ConversionError(f"{src}: source and destination are the same path")
+    source = Source(src, options)
+    options.source_paths = source.source_files()
+    hasher = SourceHasher(options.source_paths)
+    try:
+        if options.to == "gguf":
+            with (staging := Staging(dst, force=options.force, directory=False)) as tmp:
+                write_gguf_file(source, tmp, options)
+                hasher.cancel()  # a GGUF carries no manifest: no need to finish hashing the sources
+                staging.commit()
+            return dst
+        with (staging := Staging(dst, force=options.force, directory=True)) as tmp:
+            hook = getattr(source.arch, "write_vllm_checkpoint", None)
+            if hook is not None:
+                hook(source.file, tmp, options)
+                details = {"writer": f"arch.{source.arch.gguf_arch}.write_vllm_checkpoint"}
+            else:
+                details = write_vllm_dir(source, tmp, options)
+            write_manifest(tmp, hasher.result(), {
+                "architecture": source.arch.gguf_arch,
+                "source_format": source.format,
+                "conversion": {"to": "vllm", **details},
+                "options": {"group_size": options.group_size, "shard_size": options.shard_size},
+            })
+            staging.commit()
+        return dst
+    except BaseException:
+        hasher.cancel()
+        raise
+
+
+def convert(src, dst, to: str = "vllm", gguf_type: str | None = None, group_size: int | None = None,
+            threads: int | None = None, shard_size: int | str = "5GB", force: bool = False,
+            progress: bool = True, *, use_transformers: bool = True):
+    """Convert a ternary checkpoint into a vLLM directory (``to="vllm"``) or a ternary GGUF (``to="gguf"``).
+
+    ``src`` is a GGUF, a safetensors file, a sharded ``*.index.json`` or a Hugging Face directory; a list or
+    a glob makes a *bulk job*: ``dst`` is then a folder receiving one output per input, a failing input
+    does not stop the others, and :class:`BulkConversionError` lists the failures at the end.
+    Returns the output path (bulk: the list of outputs).
+    """
+    if to not in ("vllm", "gguf"):
+        raise ValueError(f"to={to!r}: expected 'vllm' or 'gguf'")
+    if threads is not None:
+        from ._core import set_num_threads
+
+        set_num_threads(int(threads))
+    options = ConvertOptions(to=to, gguf_type=gguf_type.upper() if gguf_type else None, group_size=group_size,
+                             threads=threads, shard_size=parse_size(shard_size), force=force,
+                             progress=progress, use_transformers=use_transformers)
+    sources, bulk = _expand_sources(src)
+    if not bulk:
+        return _convert_one(sources[0], Path(dst), options)
+    out_root = Path(dst)
+    if out_root.exists() and not out_root.is_dir():
+        raise ConversionError(f"{out_root}: a bulk job needs a destination folder")
+    out_root.mkdir(parents=True, exist_ok=True)
+    results: list[Path] = []
+    failures: list[tuple[Path, BaseException]] = []
+    for s in sources:
+        target = out_root / default_output_name(s, to, options.gguf_type)
+        try:
+            results.append(_convert_one(s, target, ConvertOptions(**{**options.__dict__, "source_paths": []})))
+        except (TernaryError, OSError, ValueError, KeyError) as e:
+            log.error("%s: %s", s, e)
+            failures.append((s, e))
+    if failures:
+        lines = "\n".join(f"  {p}: {type(e).__name__}: {e}" for p, e in failures)
+        raise BulkConversionError(f"{len(failures)} of {len(sources)} conversions failed:\n{lines}", results, failures)
+    return results
+
+
+def dequantize_checkpoint(vllm_dir, out_dir, dtype: str = "float32") -> Path:
+    """Write a plain Hugging Face checkpoint (dense weights) from a ternary vLLM directory.
+
+    Reads with ``safetensors`` and dequantizes with plain NumPy (``W = (code − 1) · scale``), so tests can
+    load the result in transformers and compare logits.
+    """
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    vllm_dir, out_dir = Path(vllm_dir), Path(out_dir)
+    config = json.loads((vllm_dir / "config.json").read_text())
+    qc = config.pop("quantization_config", None) or {}
+    if qc.get("quant_method") != "ternary":
+        raise ValidationError(f"{vllm_dir}/config.json: quantization_config.quant_method is not 'ternary'")
+    group_size = int(qc["group_size"])
+    np_dtype = {"float32": np.float32, "float16": np.float16}.get(dtype)
+    if np_dtype is None:
+        raise ValueError(f"dtype {dtype!r}: expected float32 or float16")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    index = json.loads((vllm_dir / INDEX_NAME).read_text())
+    weight_map: dict[str, str] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors: dict[str, np.ndarray] = {}
+        with safe_open(str(vllm_dir / shard), framework="numpy") as f:
+            keys = set(f.keys())
+            for name in sorted(keys):
+                if name.endswith(".scales") and name[: -len(".scales")] + ".qweight" in keys:
+                    continue
+                if name.endswith(".qweight"):
+                    prefix = name[: -len(".qweight")]
+                    w = dequantize_np(f.get_tensor(name), f.get_tensor(prefix + ".scales"), group_size)
+                    tensors[prefix + ".weight"] = w.astype(np_dtype)
+                else:
+                    t = f.get_tensor(name)
+                    tensors[name] = t.astype(np_dtype) if t.dtype.kind == "f" else t
+        for name in tensors:
+            weight_map[name] = shard
+        save_file(tensors, str(out_dir / shard), metadata={"format": "pt"})
+    (out_dir / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2) + "\n")
+    config["dtype"] = dtype
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for fname in TOKENIZER_FILES + (GENERATION_CONFIG,):
+        if (vllm_dir / fname).is_file():
+            (out_dir / fname).write_bytes((vllm_dir / fname).read_bytes())
+    return out_dir
+
+
+from .planner import plan  # noqa: E402  (re-exported: ternary_rs.plan)
+from .report import inspect, verify  # noqa: E402  (re-exported: ternary_rs.inspect / verify)
+
+__all__ = [
+    "BulkConversionError", "ConversionError", "ConvertOptions", "convert", "dequantize_checkpoint",
+    "inspect", "plan", "verify",
+]

@@ -1,0 +1,93 @@
+"""Architecture registry used by ``ternary_rs.convert``.
+
+``ARCHES`` maps a GGUF ``general.architecture`` name to an *arch object*. ``convert`` picks one with
+:func:`arch_for_gguf` (GGUF sources) or :func:`arch_for_config` (``config.json`` ``model_type`` /
+``architectures``). Dense llama-shaped decoders subclass :class:`ternary_rs.arch.base.DenseDecoderArch`
+and only set names; see ``llama.py`` and ``qwen3.py``.
+
+An arch object provides (attributes / methods):
+
+``gguf_arch: str``
+    the GGUF ``general.architecture`` value (also the registry key).
+``hf_model_types: tuple[str, ...]``, ``hf_architectures: tuple[str, ...]``
+    ``config.json`` ``model_type`` values and ``architectures`` class names it handles.
+``hf_name(gguf_name, n_blocks) -> str | None`` / ``gguf_name(hf_name, n_blocks) -> str | None``
+    tensor name maps (``None``: a tensor with no counterpart, e.g. llama.cpp's derived ``rope_freqs``;
+    ``hf_name`` raises ``KeyError`` for a name it does not know).
+``ternary_candidate(hf_name, shape) -> bool``
+    whether a float tensor may be stored ternary when its values are exactly ternary per group.
+``rows_from_gguf(hf_name, config, n_rows)`` / ``rows_to_gguf(...)`` -> ``np.ndarray | None``
+    row gathers undoing / applying llama.cpp layout permutations (llama's q/k rotary permutation).
+``n_blocks_from_gguf(metadata, arch) -> int``
+``config_fixups_from_gguf(config: dict, metadata: dict) -> None``
+    fill what transformers' GGUF config mapping misses (e.g. ``head_dim`` from ``key_length``).
+``gguf_hparams(writer: gguf.GGUFWriter, config: dict) -> None``
+    add llama.cpp's hyper-parameter keys (GGUF output).
+``default_tokenizer_pre: str``
+    ``tokenizer.ggml.pre`` used when the Hugging Face pre-tokenizer is not recognised.
+``write_vllm_checkpoint`` (optional; ``None`` = use the generic dense writer)
+    ``write_vllm_checkpoint(src: TernaryFile, out_dir: Path, options: ConvertOptions) -> None``.
+    A whole-checkpoint hook for architectures the generic writer cannot express (hybrid attention,
+    fused GGUF tensors, Hadamard rotations). It writes ``config.json`` (with ``quantization_config``),
+    the safetensors shards + ``model.safetensors.index.json`` (helpers in ``ternary_rs.checkpoint``:
+    ``ShardPlan``, ``write_shards``, ``quantization_config``), tokenizer files and
+    ``generation_config.json`` into ``out_dir``, which is a fresh *temporary* directory. ``convert``
+    then writes the ``ternary_rs.json`` manifest and renames ``out_dir`` into place; on any exception the
+    temporary directory is deleted. ``options`` carries ``group_size`` (``None`` = source's), ``shard_size``
+    (bytes), ``threads``, ``progress`` (bool) and ``source_paths``.
+
+To add an architecture: write ``arch/<name>.py`` exposing ``ARCH`` and add one line to ``_MODULES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_MODULES = (
+    "llama",
+    "qwen3",
+)
+
+ARCHES: dict[str, Any] = {}
+
+
+def register(arch: Any) -> Any:
+    """Add an arch object to the registry (keyed by ``arch.gguf_arch``); returns it."""
+    ARCHES[arch.gguf_arch] = arch
+    return arch
+
+
+for _name in _MODULES:
+    register(importlib.import_module(f"{__name__}.{_name}").ARCH)
+
+
+def arch_for_gguf(architecture: str) -> Any:
+    """The arch object for a GGUF ``general.architecture`` value."""
+    try:
+        return ARCHES[architecture]
+    except KeyError:
+        from .._core import UnsupportedTypeError
+
+        raise UnsupportedTypeError(
+            f"GGUF architecture {architecture!r} is not supported for conversion; supported: {sorted(ARCHES)}"
+        ) from None
+
+
+def arch_for_config(config: dict[str, Any]) -> Any:
+    """The arch object for a Hugging Face ``config.json`` dict (``model_type`` first, then ``architectures``)."""
+    model_type = config.get("model_type")
+    for arch in ARCHES.values():
+        if model_type in arch.hf_model_types:
+            return arch
+    for cls in config.get("architectures") or ():
+        for arch in ARCHES.values():
+            if cls in arch.hf_architectures:
+                return arch
+    from .._core import UnsupportedTypeError
+
+    raise UnsupportedTypeError(
+        f"config.json model_type {model_type!r} / architectures {config.get('architectures')!r} is not "
+        f"supported for conversion; supported model types: "
+        f"{sorted(t for a in ARCHES.values() for t in a.hf_model_types)}"
+    )

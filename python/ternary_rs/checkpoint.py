@@ -1,0 +1,357 @@
+"""Writing a vLLM checkpoint directory safely: staging, shards, index, manifest.
+
+Contract (DESIGN.md): ``config.json`` with ``quantization_config``, ``model-0000i-of-0000n.safetensors``
++ ``model.safetensors.index.json``, tokenizer files, ``generation_config.json`` and the
+``ternary_rs.json`` manifest. Everything is written into a temporary sibling of the destination and
+renamed into place only when complete, so an interrupted run never leaves a destination that looks valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ._core import TernaryError, __version__
+
+MANIFEST_NAME = "ternary_rs.json"
+INDEX_NAME = "model.safetensors.index.json"
+SHARD_PATTERN = "model-{index:05d}-of-{count:05d}.safetensors"
+MANIFEST_FORMAT_VERSION = 1
+QUANT_FORMAT_VERSION = 1
+SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)
+# Temporary siblings: ".<dst name>.ternary_rs-tmp-<pid>-<nonce>"; never mistaken for a checkpoint.
+TMP_MARK = ".ternary_rs-tmp-"
+OLD_MARK = ".ternary_rs-old-"
+HASH_CHUNK_BYTES = 8 << 20
+# Decoded tensors kept in flight ahead of the writer (bounds memory: a few tensors at most).
+PREFETCH_DEPTH = 2
+# Named test hook: seconds to sleep after each tensor, so tests can interrupt a conversion mid-way.
+SLEEP_ENV = "TERNARY_RS_TEST_SLEEP_PER_TENSOR"
+
+_SIZE_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+
+
+class ConversionError(TernaryError):
+    """A conversion could not be completed (the message names the file and tensor)."""
+
+
+def parse_size(value: int | str) -> int:
+    """``"5GB"`` -> 5·10⁹, ``"2GiB"`` -> 2·2³⁰, ints pass through (Hugging Face's convention)."""
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"size must be positive, got {value}")
+        return value
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).upper() not in _SIZE_UNITS:
+        raise ValueError(f"cannot parse size {value!r} (examples: 5GB, 500MB, 2GiB)")
+    size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return size
+
+
+def quantization_config(group_size: int, modules_not_converted: Sequence[str] = ()) -> dict[str, Any]:
+    """The ``quantization_config`` block of ``config.json`` (checkpoint contract, format_version 1)."""
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"group size {group_size} not in {SUPPORTED_GROUP_SIZES}")
+    return {
+        "quant_method": "ternary",
+        "format_version": QUANT_FORMAT_VERSION,
+        "group_size": int(group_size),
+        "scale_dtype": "float16",
+        "modules_not_converted": sorted(modules_not_converted),
+    }
+
+
+# ------------------------------------------------------------------------------------------ staging
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(dst: Path) -> list[Path]:
+    """Delete temporaries of ``dst`` left by runs whose process is gone (crash, SIGKILL)."""
+    removed = []
+    prefixes = (f".{dst.name}{TMP_MARK}", f".{dst.name}{OLD_MARK}")
+    if not dst.parent.is_dir():
+        return removed
+    for p in dst.parent.iterdir():
+        for prefix in prefixes:
+            if p.name.startswith(prefix):
+                pid_text = p.name[len(prefix):].split("-", 1)[0]
+                if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+                    _remove(p)
+                    removed.append(p)
+    return removed
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class Staging:
+    """Write ``dst`` (a directory or a file) through a temporary sibling; :meth:`commit` renames it in.
+
+    On an exception (including KeyboardInterrupt) the temporary is removed and ``dst`` is untouched.
+    """
+
+    def __init__(self, dst: str | os.PathLike, *, force: bool = False, directory: bool = True):
+        self.dst = Path(dst).absolute()
+        self.force = force
+        self.directory = directory
+        self.tmp = self.dst.parent / f".{self.dst.name}{TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}"
+        self.committed = False
+
+    def __enter__(self) -> Path:
+        if self.dst.exists() and not self.force:
+            raise FileExistsError(f"{self.dst} already exists; pass --force (force=True) to overwrite it")
+        self.dst.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(self.dst)
+        if self.directory:
+            self.tmp.mkdir()
+        return self.tmp
+
+    def commit(self) -> Path:
+        old = None
+        if self.dst.exists() or self.dst.is_symlink():
+            if not self.force:  # appeared while we were writing
+                raise FileExistsError(f"{self.dst} appeared during conversion; not overwriting without --force")
+            if self.directory or self.dst.is_dir():
+                old = self.dst.parent / f".{self.dst.name}{OLD_MARK}{os.getpid()}-{os.urandom(4).hex()}"
+                os.replace(self.dst, old)
+        os.replace(self.tmp, self.dst)  # atomic within one filesystem
+        self.committed = True
+        if old is not None:
+            _remove(old)
+        return self.dst
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.committed:
+            _remove(self.tmp)
+
+
+# ------------------------------------------------------------------------------------------ shards
+@dataclass(frozen=True)
+class OutTensor:
+    """One tensor of the output: safetensors dtype string (``U8``, ``F16``, ``BF16``, ``F32``…)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass
+class Job:
+    """A unit of work: produces the buffers of ``outputs`` (in order) from one source tensor.
+
+    ``source`` names the source file and tensor for error messages; ``source_bytes`` feeds the progress bar.
+    """
+
+    outputs: list[OutTensor]
+    produce: Callable[[], Sequence[Any]]
+    source: str = ""
+    source_bytes: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.nbytes for o in self.outputs)
+
+
+def plan_shards(jobs: Sequence[Job], shard_size: int) -> list[list[int]]:
+    """Greedy: consecutive jobs fill a shard up to ``shard_size`` bytes (a job never straddles shards,
+    so one decode feeds both ``qweight`` and ``scales``; a job larger than the limit gets its own shard)."""
+    shards: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, job in enumerate(jobs):
+        if current and used + job.nbytes > shard_size:
+            shards.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += job.nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def _sleep_hook() -> None:
+    delay = os.environ.get(SLEEP_ENV)
+    if delay:
+        time.sleep(float(delay))
+
+
+def run_jobs(jobs: Sequence[Job], consume: Callable[[int, Job, Sequence[Any]], None], progress=None) -> None:
+    """Produce jobs on a worker thread (decoders release the GIL) ``PREFETCH_DEPTH`` ahead of ``consume``.
+
+    Errors are re-raised as :class:`ConversionError` naming the source tensor.
+    """
+    pending: deque[tuple[int, Future]] = deque()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ternary_rs-decode") as pool:
+        it = iter(range(len(jobs)))
+
+        def submit_next() -> None:
+            i = next(it, None)
+            if i is not None:
+                pending.append((i, pool.submit(jobs[i].produce)))
+
+        for _ in range(PREFETCH_DEPTH):
+            submit_next()
+        try:
+            while pending:
+                i, fut = pending.popleft()
+                try:
+                    buffers = fut.result()
+                except TernaryError as e:
+                    if isinstance(e, ConversionError):
+                        raise
+                    raise type(e)(f"{jobs[i].source}: {e}") from e
+                except (ValueError, KeyError, OSError) as e:
+                    raise ConversionError(f"{jobs[i].source}: {e}") from e
+                submit_next()
+                consume(i, jobs[i], buffers)
+                if progress is not None:
+                    progress.update(jobs[i].source_bytes or jobs[i].nbytes)
+                    progress.set_postfix_str(f"tensor {i + 1}/{len(jobs)}", refresh=False)
+                _sleep_hook()
+        finally:
+            for _, fut in pending:
+                fut.cancel()
+
+
+def write_shards(out_dir: Path, jobs: Sequence[Job], shard_size: int, progress=None) -> dict[str, str]:
+    """Write all jobs' outputs as sharded safetensors + index into ``out_dir``; returns the weight map."""
+    from .io import SafetensorsWriter
+
+    shards = plan_shards(jobs, shard_size)
+    count = len(shards)
+    shard_of_job = {}
+    files = []
+    for s, members in enumerate(shards):
+        fname = SHARD_PATTERN.format(index=s + 1, count=count)
+        files.append(fname)
+        for j in members:
+            shard_of_job[j] = s
+    weight_map: dict[str, str] = {}
+    seen: set[str] = set()
+    for j, job in enumerate(jobs):
+        for o in job.outputs:
+            if o.name in seen:
+                raise ConversionError(f"{job.source}: output tensor {o.name} written twice")
+            seen.add(o.name)
+            weight_map[o.name] = files[shard_of_job[j]]
+
+    writers: dict[int, Any] = {}
+
+    def open_shard(s: int):
+        tensors = [(o.name, o.dtype, tuple(o.shape)) for j in shards[s] for o in jobs[j].outputs]
+        return SafetensorsWriter(out_dir / files[s], tensors=tensors, metadata={"format": "pt"})
+
+    def consume(j: int, job: Job, buffers: Sequence[Any]) -> None:
+        s = shard_of_job[j]
+        if s not in writers:
+            for prev in list(writers):  # shards are filled in order: close the finished one
+                writers.pop(prev).close()
+            writers[s] = open_shard(s)
+        if len(buffers) != len(job.outputs):
+            raise ConversionError(f"{job.source}: produced {len(buffers)} buffers for {len(job.outputs)} outputs")
+        for o, buf in zip(job.outputs, buffers):
+            nbytes = memoryview(buf).nbytes
+            if nbytes != o.nbytes:
+                raise ConversionError(f"{job.source}: {o.name} has {nbytes} bytes, expected {o.nbytes}")
+            writers[s].write(o.name, buf)
+
+    try:
+        run_jobs(jobs, consume, progress)
+        for s in list(writers):
+            writers.pop(s).close()
+        for s, members in enumerate(shards):  # shards with no tensors (empty model) still get a file
+            if not (out_dir / files[s]).exists():
+                open_shard(s).close()
+    finally:
+        for w in writers.values():
+            try:
+                w.close()
+            except Exception:  # noqa: BLE001 - the original error matters more
+                pass
+    total = sum(job.nbytes for job in jobs)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return weight_map
+
+
+# ------------------------------------------------------------------------------------------ manifest
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            h.update(chunk)  # hashlib releases the GIL for large buffers
+    return h.hexdigest()
+
+
+class SourceHasher:
+    """Hashes source files on a background thread while the conversion runs."""
+
+    def __init__(self, paths: Iterable[str | os.PathLike]):
+        self.paths = [Path(p).absolute() for p in paths]
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ternary_rs-hash")
+        self._futures = [self._pool.submit(sha256_file, p) for p in self.paths]
+
+    def result(self) -> list[dict[str, Any]]:
+        try:
+            return [
+                {"path": str(p), "size": p.stat().st_size, "sha256": f.result()}
+                for p, f in zip(self.paths, self._futures)
+            ]
+        finally:
+            self._pool.shutdown(wait=False)
+
+    def cancel(self) -> None:
+        for f in self._futures:
+            f.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def write_manifest(out_dir: Path, sources: list[dict[str, Any]], details: dict[str, Any]) -> dict[str, Any]:
+    """Write ``ternary_rs.json``: tool version, sources (size + SHA-256) and every written file's SHA-256."""
+    files = {}
+    for p in sorted(out_dir.rglob("*")):
+        if p.is_file() and p.name != MANIFEST_NAME:
+            files[p.relative_to(out_dir).as_posix()] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+    manifest = {
+        "manifest_version": MANIFEST_FORMAT_VERSION,
+        "tool": "ternary_rs",
+        "tool_version": __version__,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "sources": sources,
+        **details,
+        "files": files,
+    }
+    (out_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest

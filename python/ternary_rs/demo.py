@@ -1,0 +1,139 @@
+"""``ternary-rs demo``: the main job on a small built-in example, in a few seconds, without torch.
+
+Writes a synthetic ternary Qwen3-shaped GGUF (random codes, fp16 group scales, PQ2_0, plus a tiny
+byte-level BPE vocabulary), inspects it, converts it to a vLLM directory, verifies that, and prints a
+short summary.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+# GGUF metadata value types (GGUF v3 spec).
+GGUF_UINT32, GGUF_INT32, GGUF_FLOAT32, GGUF_STRING, GGUF_ARRAY = 4, 5, 6, 8, 9
+
+DEMO_SHAPE = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, head_dim=64, context=2048)
+DEMO_GROUP = 128
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+DEMO_MERGES = ("t h", "th e", "Ġ t", "Ġt he", "e r", "i n", "a n", "o n")
+
+
+def _byte_tokens() -> list[str]:
+    """GPT-2's printable spelling of the 256 byte values (``bytes_to_unicode``)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs))]
+
+
+def demo_tokenizer() -> tuple[list[str], list[int], list[str]]:
+    tokens = _byte_tokens() + ["".join(m.split(" ")) for m in DEMO_MERGES] + list(SPECIAL_TOKENS)
+    types = [1] * (len(tokens) - len(SPECIAL_TOKENS)) + [3] * len(SPECIAL_TOKENS)
+    return tokens, types, list(DEMO_MERGES)
+
+
+def write_demo_gguf(path: Path, gguf_type: str = "PQ2_0", seed: int = 0) -> dict:
+    """A small random ternary qwen3 GGUF; returns the HF-order canonical tensors written (for checks)."""
+    from .io import GGUFWriter
+    from .tensor import TernaryTensor, encode
+
+    from .convert import GGUF_OUTPUT_TYPES, pack_codes_np
+
+    s = DEMO_SHAPE
+    tokens, types, merges = demo_tokenizer()
+    vocab = len(tokens)
+    rng = np.random.default_rng(seed)
+    type_id, _, block_bytes, group = GGUF_OUTPUT_TYPES[gguf_type]
+    q_rows, kv_rows = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    linear = {"token_embd.weight": (vocab, s["hidden"]), "output.weight": (vocab, s["hidden"])}
+    for b in range(s["layers"]):
+        linear.update({
+            f"blk.{b}.attn_q.weight": (q_rows, s["hidden"]), f"blk.{b}.attn_k.weight": (kv_rows, s["hidden"]),
+            f"blk.{b}.attn_v.weight": (kv_rows, s["hidden"]), f"blk.{b}.attn_output.weight": (s["hidden"], q_rows),
+            f"blk.{b}.ffn_gate.weight": (s["intermediate"], s["hidden"]),
+            f"blk.{b}.ffn_up.weight": (s["intermediate"], s["hidden"]),
+            f"blk.{b}.ffn_down.weight": (s["hidden"], s["intermediate"]),
+        })
+    norms = {"output_norm.weight": s["hidden"]}
+    for b in range(s["layers"]):
+        norms.update({f"blk.{b}.attn_norm.weight": s["hidden"], f"blk.{b}.ffn_norm.weight": s["hidden"],
+                      f"blk.{b}.attn_q_norm.weight": s["head_dim"], f"blk.{b}.attn_k_norm.weight": s["head_dim"]})
+    meta = [
+        ("general.architecture", "qwen3", GGUF_STRING),
+        ("general.name", "ternary_rs demo", GGUF_STRING),
+        ("qwen3.block_count", s["layers"], GGUF_UINT32),
+        ("qwen3.context_length", s["context"], GGUF_UINT32),
+        ("qwen3.embedding_length", s["hidden"], GGUF_UINT32),
+        ("qwen3.feed_forward_length", s["intermediate"], GGUF_UINT32),
+        ("qwen3.attention.head_count", s["heads"], GGUF_UINT32),
+        ("qwen3.attention.head_count_kv", s["kv_heads"], GGUF_UINT32),
+        ("qwen3.attention.key_length", s["head_dim"], GGUF_UINT32),
+        ("qwen3.attention.value_length", s["head_dim"], GGUF_UINT32),
+        ("qwen3.rope.freq_base", 1000000.0, GGUF_FLOAT32),
+        ("qwen3.attention.layer_norm_rms_epsilon", 1e-6, GGUF_FLOAT32),
+        ("tokenizer.ggml.model", "gpt2", GGUF_STRING),
+        ("tokenizer.ggml.pre", "qwen2", GGUF_STRING),
+        ("tokenizer.ggml.tokens", tokens, (GGUF_ARRAY, GGUF_STRING)),
+        ("tokenizer.ggml.token_type", types, (GGUF_ARRAY, GGUF_INT32)),
+        ("tokenizer.ggml.merges", merges, (GGUF_ARRAY, GGUF_STRING)),
+        ("tokenizer.ggml.eos_token_id", tokens.index("<|im_end|>"), GGUF_UINT32),
+        ("tokenizer.ggml.padding_token_id", tokens.index("<|endoftext|>"), GGUF_UINT32),
+    ]
+    writer = GGUFWriter(path)
+    written = {}
+    try:
+        for key, value, vtype in meta:
+            writer.add_metadata(key, value, vtype)
+        blobs = {}
+        for name, (n, k) in linear.items():
+            codes = rng.integers(0, 3, size=(n, k), dtype=np.uint8)
+            scales = (rng.uniform(0.01, 0.05, size=(n, k // group))).astype(np.float16)
+            t = TernaryTensor(pack_codes_np(codes), scales, group, (n, k))
+            blobs[name] = np.frombuffer(memoryview(encode(t, gguf_type)), dtype=np.uint8)
+            written[name] = t
+            writer.add_tensor_info(name, (n, k), type_id, blobs[name].nbytes)
+        for name, n in norms.items():
+            blobs[name] = (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+            writer.add_tensor_info(name, (n,), 0, blobs[name].nbytes)
+        for name, blob in blobs.items():
+            writer.write_tensor_data(name, blob)
+    finally:
+        writer.close()
+    return written
+
+
+def run_demo(keep: str | None = None) -> bool:
+    from .convert import convert
+    from .report import inspect, verify
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ternary_rs-demo-") as tmp:
+        root = Path(keep) if keep else Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        src = root / "demo-qwen3-PQ2_0.gguf"
+        write_demo_gguf(src)
+        print(f"1. wrote {src.name}: a synthetic ternary qwen3 (PQ2_0, group {DEMO_GROUP}), "
+              f"{src.stat().st_size / 1024:.0f} KiB")
+        rep = inspect(src)
+        print(f"2. inspect: {rep['tensors']} tensors, {rep['parameters'] / 1e6:.2f} M params, "
+              f"{rep['linear_bits_per_weight']:.3f} bits/linear weight, really ternary: {rep['is_ternary']}, "
+              f"problems: {len(rep['problems'])}")
+        out = root / "demo-qwen3-vllm"
+        convert(src, out, force=True, progress=False, use_transformers=False)
+        files = sorted(p.name for p in out.iterdir())
+        print(f"3. convert -> {out.name}/: {', '.join(files)}")
+        ver = verify(out)
+        print(f"4. verify: {'OK' if ver.ok else 'FAILED'} ({ver.checked_files} files checked against the manifest)")
+        for p in ver.problems:
+            print(f"   problem: {p}")
+        print(f"done in {time.perf_counter() - t0:.1f} s" + (f"; files kept in {root}" if keep else ""))
+        return bool(rep["is_ternary"]) and not rep["problems"] and ver.ok

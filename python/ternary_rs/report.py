@@ -1,0 +1,487 @@
+"""``ternary-rs inspect`` and ``ternary-rs verify``.
+
+``inspect`` is quick: headers, tensor table by type, parameter count, effective bits per weight, which
+linear weights are really ternary (float weights are sampled: the first ``INSPECT_SAMPLE_ROWS`` rows),
+group size and scale statistics, and consistency of tensor shapes with ``config.json`` / GGUF metadata.
+``verify`` does all of that over every byte — every float weight, every scale (NaN/Inf), every code
+(code 3 is invalid), tensor bounds, the index and the manifest's SHA-256 sums — and fails on any problem.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._core import TernaryError
+from .checkpoint import INDEX_NAME, MANIFEST_NAME, sha256_file
+from .convert import FLOAT_BYTES, GGUF_TERNARY_GROUPS, dense_ternary_group
+
+INSPECT_SAMPLE_ROWS = 256
+SCAN_CHUNK_BYTES = 64 << 20
+# Where the fp16 scale sits in each block: (values per block, bytes per block, scale byte offset,
+# (first, last) byte range of 2-bit code fields or None for base-3 packings, where every byte is valid).
+GGUF_BLOCKS = {
+    "TQ2_0": (256, 66, 64, (0, 64)),
+    "TQ1_0": (256, 54, 52, None),
+    "PQ2_0": (128, 34, 0, (2, 34)),
+    "Q2_0_G128": (128, 34, 0, (2, 34)),
+    "Q2_0": (64, 18, 0, (2, 18)),
+    "PTQ1_0": (128, 28, 26, None),
+    "Q1_0": (128, 18, 0, None),
+}
+CLAIM_PATTERN = re.compile(r"ternary|bonsai|1\.58|b1_58|bitnet|tq[12]_0|pq2_0|ptq1_0|q2_0", re.IGNORECASE)
+ROLE_PATTERNS = {
+    "embed": re.compile(r"(^|\.)(embed_tokens|token_embd)\.weight$"),
+    "lm_head": re.compile(r"(^|\.)(lm_head|output)\.weight$"),
+    "q": re.compile(r"(q_proj|attn_q)\.weight$"),
+    "k": re.compile(r"(k_proj|attn_k)\.weight$"),
+    "v": re.compile(r"(v_proj|attn_v)\.weight$"),
+    "o": re.compile(r"(o_proj|attn_output)\.weight$"),
+    "gate": re.compile(r"(gate_proj|ffn_gate)\.weight$"),
+    "up": re.compile(r"(up_proj|ffn_up)\.weight$"),
+    "down": re.compile(r"(down_proj|ffn_down)\.weight$"),
+}
+BLOCK_PATTERN = re.compile(r"(?:layers|blk)\.(\d+)\.")
+
+
+def _role(name: str) -> str | None:
+    for role, pat in ROLE_PATTERNS.items():
+        if pat.search(name):
+            return role
+    return None
+
+
+def _linear_candidate(name: str, shape) -> bool:
+    return len(shape) == 2 and name.endswith(".weight") and "norm" not in name
+
+
+def _code3_count(raw: np.ndarray) -> int:
+    """Number of 2-bit fields equal to 3 in a byte array (both bits of a field set)."""
+    raw = np.asarray(raw).reshape(-1)
+    count = 0
+    for i in range(0, raw.size, SCAN_CHUNK_BYTES):
+        b = raw[i:i + SCAN_CHUNK_BYTES]
+        both = b & (b >> 1) & 0x55
+        if both.any():
+            count += int(np.unpackbits(both[both != 0]).sum())
+    return count
+
+
+def _scale_stats(scales: np.ndarray) -> dict[str, Any]:
+    s = np.asarray(scales).astype(np.float32).reshape(-1)
+    finite = s[np.isfinite(s)]
+    return {
+        "count": int(s.size),
+        "nan": int(np.isnan(s).sum()),
+        "inf": int(np.isinf(s).sum()),
+        "zero": int((s == 0).sum()),
+        "negative": int((finite < 0).sum()),
+        "min": float(finite.min()) if finite.size else None,
+        "max": float(finite.max()) if finite.size else None,
+        "mean_abs": float(np.abs(finite).mean()) if finite.size else None,
+    }
+
+
+def _merge_stats(total: dict | None, s: dict) -> dict:
+    if total is None:
+        return dict(s)
+    out = {k: total[k] + s[k] for k in ("count", "nan", "inf", "zero", "negative")}
+    mins = [v for v in (total["min"], s["min"]) if v is not None]
+    maxs = [v for v in (total["max"], s["max"]) if v is not None]
+    out["min"] = min(mins) if mins else None
+    out["max"] = max(maxs) if maxs else None
+    if total["mean_abs"] is None or s["mean_abs"] is None:
+        out["mean_abs"] = total["mean_abs"] if s["mean_abs"] is None else s["mean_abs"]
+    else:
+        n1, n2 = total["count"], s["count"]
+        out["mean_abs"] = (total["mean_abs"] * n1 + s["mean_abs"] * n2) / max(1, n1 + n2)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ model shape
+def shape_config(f, path: Path) -> dict[str, Any]:
+    """Normalized model shape from GGUF metadata or config.json (``None`` where unknown)."""
+    if f.format == "gguf":
+        md = dict(f.metadata)
+        a = md.get("general.architecture", "")
+        g = lambda key: md.get(f"{a}.{key}")  # noqa: E731
+        heads = g("attention.head_count")
+        hidden = g("embedding_length")
+        tokens = md.get("tokenizer.ggml.tokens")
+        cfg = {
+            "architecture": a, "name": md.get("general.name"),
+            "hidden_size": hidden, "num_hidden_layers": g("block_count"),
+            "num_attention_heads": heads, "num_key_value_heads": g("attention.head_count_kv") or heads,
+            "head_dim": g("attention.key_length") or (hidden // heads if hidden and heads else None),
+            "intermediate_size": g("feed_forward_length"),
+            "vocab_size": g("vocab_size") or (len(tokens) if isinstance(tokens, list) else None),
+            "max_position_embeddings": g("context_length"),
+            "full_attention_interval": g("full_attention_interval"),
+            "quantization_config": None,
+        }
+        if g("ssm.time_step_rank"):  # hybrid Gated-DeltaNet layers (qwen35): recurrent state dims
+            nv = int(g("ssm.time_step_rank"))
+            cfg.update(linear_num_key_heads=g("ssm.group_count"), linear_num_value_heads=nv,
+                       linear_key_head_dim=g("ssm.state_size"),
+                       linear_value_head_dim=int(g("ssm.inner_size") or 0) // nv,
+                       linear_conv_kernel_dim=g("ssm.conv_kernel"))
+        if isinstance(cfg["num_key_value_heads"], list):  # per-layer kv heads (hybrids): 0 = no attention
+            per_layer = cfg["num_key_value_heads"]
+            cfg["num_key_value_heads"] = max(per_layer)
+            cfg["attention_layers"] = sum(1 for x in per_layer if x)
+        return cfg
+    config = dict(getattr(f, "config", None) or {})
+    if not config:
+        p = (path if path.is_dir() else path.parent) / "config.json"
+        if p.is_file():
+            config = json.loads(p.read_text())
+    text = dict(config.get("text_config") or {})
+    merged = {**config, **text}
+    heads = merged.get("num_attention_heads")
+    hidden = merged.get("hidden_size")
+    layer_types = merged.get("layer_types")
+    cfg = {
+        "architecture": merged.get("model_type"), "name": (config.get("architectures") or [None])[0],
+        "hidden_size": hidden, "num_hidden_layers": merged.get("num_hidden_layers"),
+        "num_attention_heads": heads, "num_key_value_heads": merged.get("num_key_value_heads") or heads,
+        "head_dim": merged.get("head_dim") or (hidden // heads if hidden and heads else None),
+        "intermediate_size": merged.get("intermediate_size"),
+        "vocab_size": merged.get("vocab_size"),
+        "max_position_embeddings": merged.get("max_position_embeddings"),
+        "full_attention_interval": merged.get("full_attention_interval"),
+        "quantization_config": config.get("quantization_config") or config.get("quantization"),
+        "tie_word_embeddings": merged.get("tie_word_embeddings"),
+    }
+    if isinstance(layer_types, list):
+        cfg["attention_layers"] = sum(1 for t in layer_types if t in ("full_attention", "attention", "sliding_attention"))
+    for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_conv_kernel_dim"):
+        if merged.get(key) is not None:
+            cfg[key] = merged[key]
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------ scanning
+def _scan_tensors(f, full: bool, problems: list[str], warnings: list[str], path: Path) -> list[dict[str, Any]]:
+    """One entry per logical weight: name, type, shape, params, bytes, kind, group, scale stats, code-3 count."""
+    tensors = f.tensors
+    names = set(tensors)
+    consumed: set[str] = set()
+    entries = []
+    is_gguf = f.format == "gguf"
+    for name, info in tensors.items():
+        if name in consumed:
+            continue
+        typ = info.type
+        shape = tuple(int(d) for d in info.shape)
+        base = name.rsplit(".", 1)[0]
+        e: dict[str, Any] = {"name": name, "type": typ, "shape": list(shape), "bytes": int(info.nbytes),
+                             "kind": "float" if typ in FLOAT_BYTES else "other", "group_size": None}
+        scales = None
+        codes = None
+        try:
+            if is_gguf and typ in GGUF_TERNARY_GROUPS:
+                e["kind"], e["group_size"] = "ternary", GGUF_TERNARY_GROUPS[typ]
+                raw = np.asarray(f.raw(name)).reshape(-1)
+                if typ in GGUF_BLOCKS:
+                    _, bsize, soff, code_range = GGUF_BLOCKS[typ]
+                    if raw.size % bsize:
+                        problems.append(f"{name}: {raw.size} bytes is not a whole number of {typ} blocks")
+                        raise _Skip
+                    blocks = raw.reshape(-1, bsize)
+                    scales = np.ascontiguousarray(blocks[:, soff:soff + 2]).view(np.float16).reshape(-1)
+                    if code_range is not None:
+                        codes = blocks[:, code_range[0]:code_range[1]]
+                elif typ == "I2_S":
+                    n = int(np.prod(shape))
+                    scales = np.ascontiguousarray(raw[n // 4:n // 4 + 4]).view(np.float32)
+                    codes = raw[: n // 4]
+            elif name.endswith(".qweight") and f"{base}.scales" in names:
+                sc = tensors[f"{base}.scales"]
+                consumed.add(f"{base}.scales")
+                shape = (shape[0], shape[1] * 4)
+                e.update(kind="ternary", type="ternary_rs", shape=list(shape), bytes=int(info.nbytes) + int(sc.nbytes),
+                         group_size=shape[1] // max(1, int(sc.shape[1])))
+                scales = np.asarray(f.raw(f"{base}.scales")).view(np.float16)
+                codes = f.raw(name)
+                e["name"] = f"{base}.weight"
+            elif name.endswith(".weight") and typ == "U32" and {f"{base}.scales", f"{base}.biases"} <= names:
+                sc, bi = tensors[f"{base}.scales"], tensors[f"{base}.biases"]
+                consumed.update((f"{base}.scales", f"{base}.biases"))
+                shape = (shape[0], shape[1] * 16)
+                e.update(kind="ternary", type="MLX", shape=list(shape),
+                         bytes=int(info.nbytes) + int(sc.nbytes) + int(bi.nbytes),
+                         group_size=shape[1] // max(1, int(sc.shape[1])))
+                scales = float_of(f, f"{base}.scales", sc.type)
+                biases = float_of(f, f"{base}.biases", bi.type)
+                if full and not np.array_equal(scales + biases, np.zeros_like(scales)):
+                    bad = int(np.count_nonzero(scales + biases))
+                    problems.append(f"{name}: {bad} MLX groups have bias != -scale (not a ternary pack)")
+                codes = f.raw(name)
+            elif name.endswith(".weight") and typ in ("U8", "I8") and f"{name}_scale" in names:
+                sc = tensors[f"{name}_scale"]
+                consumed.add(f"{name}_scale")
+                shape = (shape[0] * 4, shape[1])
+                e.update(kind="ternary", type="BITNET", shape=list(shape), bytes=int(info.nbytes) + int(sc.nbytes))
+                scales = float_of(f, f"{name}_scale", sc.type)
+                codes = f.raw(name)
+            elif typ in FLOAT_BYTES and _linear_candidate(name, shape) and shape[1] % 32 == 0:
+                raw = f.raw(name)
+                rows = shape[0] if full else min(shape[0], INSPECT_SAMPLE_ROWS)
+                sample = np.asarray(raw).reshape(shape[0], -1)[:rows]
+                g = dense_ternary_group(sample, typ, (rows, shape[1]))
+                if g is not None:
+                    e.update(kind="dense-ternary", group_size=g, checked_rows=rows)
+        except _Skip:
+            pass
+        e["params"] = int(np.prod(shape)) if shape else 1
+        if scales is not None:
+            e["scales"] = _scale_stats(scales)
+        if codes is not None and full:
+            e["code3"] = _code3_count(codes)
+        e["role"] = _role(e["name"])
+        m = BLOCK_PATTERN.search(e["name"])
+        e["block"] = int(m.group(1)) if m else None
+        e["linear"] = _linear_candidate(e["name"], shape)
+        entries.append(e)
+    return entries
+
+
+class _Skip(Exception):
+    pass
+
+
+def float_of(f, name: str, typ: str) -> np.ndarray:
+    from .convert import float_view
+
+    return float_view(f.raw(name), typ)
+
+
+def _consistency(entries: list[dict], cfg: dict[str, Any], problems: list[str], is_gguf: bool) -> None:
+    hidden, heads, kv = cfg.get("hidden_size"), cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    head_dim, inter, vocab = cfg.get("head_dim"), cfg.get("intermediate_size"), cfg.get("vocab_size")
+    expect = {  # role -> (rows, cols) in PyTorch order
+        "embed": (vocab, hidden), "lm_head": (vocab, hidden),
+        "q": (heads * head_dim if heads and head_dim else None, hidden),
+        "k": (kv * head_dim if kv and head_dim else None, hidden),
+        "v": (kv * head_dim if kv and head_dim else None, hidden),
+        "o": (hidden, heads * head_dim if heads and head_dim else None),
+        "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter),
+    }
+    seen_blocks = set()
+    for e in entries:
+        if e["block"] is not None:
+            seen_blocks.add(e["block"])
+        role = e["role"]
+        if role not in expect or len(e["shape"]) != 2:
+            continue
+        rows, cols = e["shape"]
+        want_rows, want_cols = expect[role]
+        if role == "embed" and vocab and rows != vocab:
+            problems.append(f"{e['name']}: {rows} rows but vocab_size is {vocab}")
+            continue
+        for got, want, what in ((rows, want_rows, "rows"), (cols, want_cols, "columns")):
+            if want is not None and got != want and not (role in ("embed", "lm_head") and what == "rows"):
+                problems.append(f"{e['name']}: {got} {what}, config implies {want}")
+    layers = cfg.get("num_hidden_layers")
+    if layers is not None and seen_blocks and max(seen_blocks) + 1 != layers:
+        problems.append(f"tensors cover {max(seen_blocks) + 1} layers, config says {layers}")
+
+
+# ------------------------------------------------------------------------------------------ inspect
+def _build_report(path, full: bool) -> tuple[dict[str, Any], list[str], list[str]]:
+    from .io import open as open_checkpoint
+
+    path = Path(path)
+    f = open_checkpoint(path)
+    problems: list[str] = []
+    warnings: list[str] = []
+    cfg = shape_config(f, path)
+    entries = _scan_tensors(f, full, problems, warnings, path)
+    _consistency(entries, cfg, problems, f.format == "gguf")
+
+    by_type: dict[str, dict[str, int]] = {}
+    for e in entries:
+        t = by_type.setdefault(e["type"], {"tensors": 0, "params": 0, "bytes": 0})
+        t["tensors"] += 1
+        t["params"] += e["params"]
+        t["bytes"] += e["bytes"]
+    linear = [e for e in entries if e["linear"] and e["role"] is not None]
+    ternary = [e for e in entries if e["kind"] in ("ternary", "dense-ternary")]
+    float_linear = [e["name"] for e in linear if e["kind"] == "float"]
+    groups = sorted({e["group_size"] for e in ternary if e["group_size"]})
+    stats = None
+    for e in ternary:
+        if "scales" in e:
+            stats = _merge_stats(stats, e["scales"])
+            if e["scales"]["nan"] or e["scales"]["inf"]:
+                problems.append(f"{e['name']}: {e['scales']['nan']} NaN and {e['scales']['inf']} Inf scales")
+        if e.get("code3"):
+            problems.append(f"{e['name']}: {e['code3']} codes equal 3 (invalid in a ternary tensor)")
+    total_params = sum(e["params"] for e in entries)
+    total_bytes = sum(e["bytes"] for e in entries)
+    lin_params = sum(e["params"] for e in linear)
+    lin_bytes = sum(e["bytes"] for e in linear)
+    tern_params = sum(e["params"] for e in ternary)
+    packed_bytes = sum(e["bytes"] for e in ternary if e["kind"] == "ternary")
+    packed_params = sum(e["params"] for e in ternary if e["kind"] == "ternary")
+    md_name = str(cfg.get("name") or "")
+    qc = cfg.get("quantization_config") or {}
+    claims = bool(
+        (f.format == "gguf" and any(e["type"] in GGUF_TERNARY_GROUPS for e in entries))
+        or (isinstance(qc, dict) and qc.get("quant_method") in ("ternary", "bitnet"))
+        or CLAIM_PATTERN.search(str(path.name)) or CLAIM_PATTERN.search(md_name)
+    )
+    is_ternary = bool(linear) and not float_linear
+    if linear and len(float_linear) == len(linear):
+        msg = (f"not a ternary checkpoint: all {len(linear)} linear weights are dense float "
+               f"({', '.join(sorted({by for by in (e['type'] for e in linear)}))}) with non-ternary values")
+        (problems if claims else warnings).append(("fake ternary: " if claims else "") + msg)
+    elif float_linear:
+        warnings.append(f"{len(float_linear)} of {len(linear)} linear weights are float, not ternary: "
+                        + ", ".join(float_linear[:8]) + (" …" if len(float_linear) > 8 else ""))
+    if len(groups) > 1:
+        warnings.append(f"mixed group sizes {groups}: conversion uses the smallest")
+    report = {
+        "path": str(path),
+        "format": f.format,
+        "architecture": cfg.get("architecture"),
+        "config": {k: v for k, v in cfg.items() if k != "quantization_config"},
+        "quantization_config": qc or None,
+        "tensors": len(entries),
+        "by_type": by_type,
+        "parameters": total_params,
+        "bytes": total_bytes,
+        "bits_per_weight": 8 * total_bytes / total_params if total_params else None,
+        "linear_bits_per_weight": 8 * lin_bytes / lin_params if lin_params else None,
+        "packed_ternary_bits_per_weight": 8 * packed_bytes / packed_params if packed_params else None,
+        "ternary": {
+            "tensors": len(ternary),
+            "linear_weights": len(linear),
+            "parameters": tern_params,
+            "group_sizes": groups,
+            "scales": stats,
+            "float_linear_weights": float_linear,
+            "sampled_rows": None if full else INSPECT_SAMPLE_ROWS,
+        },
+        "is_ternary": is_ternary,
+        "claims_ternary": claims,
+        "tensor_table": entries,
+    }
+    return report, problems, warnings
+
+
+def inspect(path) -> dict[str, Any]:
+    """A summary of a checkpoint (see module doc); ``problems`` / ``warnings`` list what looks wrong."""
+    report, problems, warnings = _build_report(path, full=False)
+    report["problems"], report["warnings"] = problems, warnings
+    return report
+
+
+# ------------------------------------------------------------------------------------------ verify
+@dataclass
+class VerifyReport:
+    path: str
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    checked_files: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "ok": self.ok, "problems": self.problems, "warnings": self.warnings,
+                "checked_files": self.checked_files}
+
+    def __str__(self) -> str:
+        head = f"{self.path}: {'OK' if self.ok else 'FAILED'}"
+        lines = [head] + [f"  problem: {p}" for p in self.problems] + [f"  warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def _check_manifest(root: Path, problems: list[str], warnings: list[str]) -> int:
+    manifest_path = root / MANIFEST_NAME
+    if not manifest_path.is_file():
+        return 0
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError) as e:
+        problems.append(f"{manifest_path}: unreadable manifest ({e})")
+        return 0
+    checked = 0
+    for rel, want in sorted(files.items()):
+        p = root / rel
+        if not p.is_file():
+            problems.append(f"{rel}: listed in {MANIFEST_NAME} but missing")
+            continue
+        size = p.stat().st_size
+        if size != want.get("size"):
+            problems.append(f"{rel}: size {size}, manifest says {want.get('size')} (truncated or replaced)")
+            continue
+        digest = sha256_file(p)
+        checked += 1
+        if digest != want.get("sha256"):
+            problems.append(f"{rel}: SHA-256 {digest[:16]}… does not match the manifest ({str(want.get('sha256'))[:16]}…)")
+    extra = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                   if p.is_file() and p.name != MANIFEST_NAME and p.relative_to(root).as_posix() not in files)
+    if extra:
+        warnings.append(f"files not in the manifest: {', '.join(extra[:8])}")
+    return checked
+
+
+def _check_index(root: Path, problems: list[str]) -> None:
+    index_path = root / INDEX_NAME
+    if not index_path.is_file():
+        return
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (ValueError, KeyError) as e:
+        problems.append(f"{index_path}: unreadable index ({e})")
+        return
+    for shard in sorted(set(weight_map.values())):
+        if not (root / shard).is_file():
+            problems.append(f"{INDEX_NAME}: shard {shard} is missing")
+
+
+def _check_vllm_contract(root: Path, report: dict[str, Any], problems: list[str]) -> None:
+    qc = report.get("quantization_config") or {}
+    if not isinstance(qc, dict) or qc.get("quant_method") != "ternary":
+        return
+    g = qc.get("group_size")
+    for key, want in (("format_version", 1), ("scale_dtype", "float16")):
+        if qc.get(key) != want:
+            problems.append(f"config.json quantization_config.{key} = {qc.get(key)!r}, expected {want!r}")
+    for e in report["tensor_table"]:
+        if e["type"] == "ternary_rs" and e["group_size"] != g:
+            problems.append(f"{e['name']}: scales imply group size {e['group_size']}, config says {g}")
+
+
+def verify(path) -> VerifyReport:
+    """Full check (see module doc); ``bool(report)`` is True only when nothing is wrong."""
+    path = Path(path)
+    problems: list[str] = []
+    warnings: list[str] = []
+    details: dict[str, Any] = {}
+    root = path if path.is_dir() else path.parent
+    checked = 0
+    if path.is_dir():
+        checked = _check_manifest(path, problems, warnings)
+        _check_index(path, problems)
+    try:
+        details, p2, w2 = _build_report(path, full=True)
+        problems += p2
+        warnings += w2
+        _check_vllm_contract(root, details, problems)
+    except TernaryError as e:
+        problems.append(f"{type(e).__name__}: {e}")
+    except (OSError, ValueError) as e:
+        problems.append(f"{type(e).__name__}: {e}")
+    return VerifyReport(str(path), not problems, problems, warnings, checked, details)

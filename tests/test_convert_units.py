@@ -1,0 +1,226 @@
+"""Unit tests of the conversion pieces that need no container/codec: naming, permutations, dense
+ternary detection, staging, shards, manifest. References: gguf-py's tensor map, llama.cpp's
+``LlamaModel.permute`` (copied below), transformers' GGUF reverse permute, ``tests/contract_writer.py``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import gguf
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ternary_rs.arch import ARCHES, arch_for_config, arch_for_gguf
+from ternary_rs.arch.base import llama_qk_permutation
+from ternary_rs.checkpoint import (
+    TMP_MARK,
+    Job,
+    OutTensor,
+    Staging,
+    parse_size,
+    plan_shards,
+    quantization_config,
+    remove_stale_temporaries,
+    sha256_file,
+    write_manifest,
+)
+from ternary_rs.convert import dense_to_canonical, dense_ternary_group, float_view
+
+import contract_writer as cw
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
+    """Verbatim from llama.cpp convert_hf_to_gguf.py ``LlamaModel.permute``."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weights.shape))
+
+
+# ------------------------------------------------------------------------------------------ names
+@pytest.mark.parametrize("arch_name, model_arch", [("llama", gguf.MODEL_ARCH.LLAMA), ("qwen3", gguf.MODEL_ARCH.QWEN3)])
+def test_names_follow_gguf_py_tensor_map(arch_name, model_arch):
+    arch = ARCHES[arch_name]
+    n_blocks = 3
+    tmap = gguf.get_tensor_name_map(model_arch, n_blocks)
+    hf_names = list(arch.hf_global_names) + [t.format(bid=b) for b in range(n_blocks) for t in arch.hf_block_names]
+    seen = set()
+    for hf in hf_names:
+        g = arch.gguf_name(hf, n_blocks)
+        assert g == tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
+        assert arch.hf_name(g, n_blocks) == hf
+        seen.add(g)
+    assert len(seen) == len(hf_names)
+    assert arch.hf_name("rope_freqs.weight", n_blocks) is None
+    with pytest.raises(KeyError):
+        arch.hf_name("blk.0.not_a_tensor.weight", n_blocks)
+
+
+def test_registry_dispatch():
+    assert arch_for_gguf("qwen3") is ARCHES["qwen3"]
+    assert arch_for_config({"model_type": "llama"}) is ARCHES["llama"]
+    assert arch_for_config({"architectures": ["Qwen3ForCausalLM"]}) is ARCHES["qwen3"]
+    from ternary_rs import UnsupportedTypeError
+
+    with pytest.raises(UnsupportedTypeError, match="gpt_neox"):
+        arch_for_gguf("gpt_neox")
+    with pytest.raises(UnsupportedTypeError):
+        arch_for_config({"model_type": "bert"})
+
+
+# ------------------------------------------------------------------------------------------ permutation
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (8, 8, 16), (32, 8, 128), (6, 1, 4)])
+def test_llama_permutation_matches_llama_cpp_and_transformers(heads, kv_heads, head_dim):
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    rng = np.random.default_rng(0)
+    arch = ARCHES["llama"]
+    cfg = {"num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    q = rng.standard_normal((heads * head_dim, 24)).astype(np.float32)
+    k = rng.standard_normal((kv_heads * head_dim, 24)).astype(np.float32)
+    pq = arch.rows_to_gguf("model.layers.0.self_attn.q_proj.weight", cfg, q.shape[0])
+    pk = arch.rows_to_gguf("model.layers.0.self_attn.k_proj.weight", cfg, k.shape[0])
+    np.testing.assert_array_equal(q[pq], llama_cpp_permute(q, heads, heads))
+    np.testing.assert_array_equal(k[pk], llama_cpp_permute(k, heads, kv_heads))
+    proc = LlamaTensorProcessor(config=cfg)
+    gq, gk = q[pq], k[pk]
+    back_q = arch.rows_from_gguf("model.layers.0.self_attn.q_proj.weight", cfg, q.shape[0])
+    back_k = arch.rows_from_gguf("model.layers.0.self_attn.k_proj.weight", cfg, k.shape[0])
+    np.testing.assert_array_equal(gq[back_q], proc._reverse_permute_weights(gq, heads, heads))
+    np.testing.assert_array_equal(gk[back_k], proc._reverse_permute_weights(gk, heads, kv_heads))
+    np.testing.assert_array_equal(gq[back_q], q)
+    assert arch.rows_to_gguf("model.layers.0.self_attn.v_proj.weight", cfg, 8) is None
+    assert ARCHES["qwen3"].rows_to_gguf("model.layers.0.self_attn.q_proj.weight", cfg, q.shape[0]) is None
+    with pytest.raises(ValueError):
+        llama_qk_permutation(10, 4)
+
+
+# ------------------------------------------------------------------------------------------ dense detection
+def _ternary_dense(rng, n, k, g, dtype=np.float16):
+    t = rng.integers(-1, 2, size=(n, k)).astype(np.float32)
+    a = rng.uniform(0.01, 0.1, size=(n, k // g)).astype(np.float16).astype(np.float32)
+    return (t.reshape(n, k // g, g) * a[..., None]).reshape(n, k).astype(dtype)
+
+
+@pytest.mark.parametrize("g", [32, 64, 128, 256])
+def test_dense_detection_finds_largest_exact_group(g):
+    rng = np.random.default_rng(g)
+    w = _ternary_dense(rng, 16, 512, g)
+    assert dense_ternary_group(w.view(np.uint8), "F16", w.shape) == g
+    q, s = dense_to_canonical(w.view(np.uint8), "F16", w.shape, g)
+    codes, scales = cw.ternarize_groups(w, g)
+    np.testing.assert_array_equal(q, cw.pack_codes_lsb_first(codes))
+    np.testing.assert_array_equal(s, scales)
+    # a smaller group repeats the scale, still exact
+    if g > 32:
+        q2, s2 = dense_to_canonical(w.view(np.uint8), "F16", w.shape, g // 2)
+        np.testing.assert_array_equal(cw.dequantize(q2, s2, g // 2), w.astype(np.float32))
+
+
+def test_dense_detection_rejects_non_ternary_and_handles_bf16_f32():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((8, 256)).astype(np.float16)
+    assert dense_ternary_group(w.view(np.uint8), "F16", w.shape) is None
+    t = _ternary_dense(rng, 8, 256, 128, np.float32)
+    assert dense_ternary_group(t.view(np.uint8), "F32", t.shape) == 128
+    t[3, 17] = t[3, 17] * 0.5 if t[3, 17] != 0 else 0.001  # one off-grid value
+    assert dense_ternary_group(t.view(np.uint8), "F32", t.shape) is None
+    # bf16 (truncating f32 keeps ±a ternary: every value of a group truncates the same way)
+    b = _ternary_dense(rng, 8, 256, 64, np.float32)
+    b16 = (b.view(np.uint32) >> 16).astype(np.uint16)
+    exact = (b16.astype(np.uint32) << 16).view(np.float32)
+    assert dense_ternary_group(b16.view(np.uint8), "BF16", b.shape) == 64
+    np.testing.assert_array_equal(float_view(b16.view(np.uint8), "BF16").reshape(b.shape), exact)
+    nan = _ternary_dense(rng, 4, 128, 128)
+    nan[0, 0] = np.nan
+    assert dense_ternary_group(nan.view(np.uint8), "F16", nan.shape) is None
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 6), st.sampled_from([32, 64, 128, 256]), st.integers(0, 2**31 - 1))
+def test_dense_roundtrip_property(rows, g, seed):
+    rng = np.random.default_rng(seed)
+    w = _ternary_dense(rng, rows, 256, g)
+    found = dense_ternary_group(w.view(np.uint8), "F16", w.shape)
+    assert found is not None and found >= g
+    q, s = dense_to_canonical(w.view(np.uint8), "F16", w.shape, found)
+    np.testing.assert_array_equal(cw.dequantize(q, s, found), w.astype(np.float32))
+
+
+# ------------------------------------------------------------------------------------------ checkpoint pieces
+def test_parse_size_and_quant_config():
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("1.5 MB") == 1_500_000
+    assert parse_size(123) == 123
+    for bad in ("", "5 parsecs", "-1GB", 0):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    qc = quantization_config(128, ["lm_head"])
+    assert qc == {"quant_method": "ternary", "format_version": 1, "group_size": 128, "scale_dtype": "float16",
+                  "modules_not_converted": ["lm_head"]}
+    with pytest.raises(ValueError):
+        quantization_config(96)
+
+
+def test_plan_shards_keeps_jobs_whole():
+    def job(n):
+        return Job([OutTensor("a", "U8", (n,), n)], lambda: ())
+
+    jobs = [job(n) for n in (40, 40, 30, 100, 10)]
+    assert plan_shards(jobs, 100) == [[0, 1], [2], [3], [4]]
+    assert plan_shards(jobs, 10**9) == [[0, 1, 2, 3, 4]]
+    assert plan_shards([], 10) == [[]]
+
+
+def test_staging_commit_refuse_force_and_cleanup(tmp_path):
+    dst = tmp_path / "out"
+    with (s := Staging(dst)) as tmp:
+        (tmp / "f").write_text("1")
+        assert not dst.exists() and tmp.name.startswith(f".out{TMP_MARK}")
+        s.commit()
+    assert (dst / "f").read_text() == "1"
+    with pytest.raises(FileExistsError, match="--force"):
+        with Staging(dst):
+            pass
+    with pytest.raises(RuntimeError):
+        with Staging(dst, force=True) as tmp:
+            (tmp / "f").write_text("2")
+            raise RuntimeError("crash mid-way")
+    assert (dst / "f").read_text() == "1"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    with (s := Staging(dst, force=True)) as tmp:
+        (tmp / "g").write_text("3")
+        s.commit()
+    assert sorted(p.name for p in dst.iterdir()) == ["g"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
+    dst = tmp_path / "model"
+    dead = tmp_path / f".model{TMP_MARK}999999999-abcd"
+    dead.mkdir()
+    alive = tmp_path / f".model{TMP_MARK}{os.getpid()}-abcd"
+    alive.mkdir()
+    assert remove_stale_temporaries(dst) == [dead]
+    assert alive.exists() and not dead.exists()
+
+
+def test_manifest_hashes_every_file(tmp_path):
+    (tmp_path / "a.bin").write_bytes(b"x" * 1000)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_text("hello")
+    src = tmp_path / "src.gguf"
+    src.write_bytes(b"GGUF")
+    m = write_manifest(tmp_path, [{"path": str(src), "size": 4, "sha256": sha256_file(src)}], {"k": 1})
+    on_disk = json.loads((tmp_path / "ternary_rs.json").read_text())
+    assert on_disk == m
+    assert m["files"]["a.bin"] == {"size": 1000, "sha256": hashlib.sha256(b"x" * 1000).hexdigest()}
+    assert m["files"]["sub/b.txt"]["sha256"] == hashlib.sha256(b"hello").hexdigest()
+    assert "src.gguf" in m["files"] and m["sources"][0]["sha256"] == hashlib.sha256(b"GGUF").hexdigest()
+    assert m["tool"] == "ternary_rs" and m["tool_version"]
