@@ -7,6 +7,7 @@ mod codecs;
 mod container;
 mod cuda;
 mod errors;
+mod hadamard;
 mod kernels;
 
 use pyo3::prelude::*;
@@ -19,6 +20,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     codecs::register(m)?;
     kernels::register(m)?;
     cuda::register(m)?;
+    hadamard::register(m)?;
     m.add_function(wrap_pyfunction!(set_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(get_num_threads, m)?)?;
     Ok(())

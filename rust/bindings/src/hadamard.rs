@@ -1,0 +1,129 @@
+//! `fwht`: the blockwise normalized Walsh–Hadamard transform of `ternary_core::hadamard` over NumPy rows.
+//!
+//! bf16/f16 arrays travel as their raw `uint16` bits (NumPy has no bf16), so torch tensors are passed
+//! zero-copy with `.view(torch.int16/uint16)`. The output array is written in place; the GIL is released
+//! while the transform runs.
+
+use half::{bf16, f16, slice::HalfBitsSliceExt};
+use numpy::{PyReadonlyArray1, PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use ternary_core::hadamard::{self, Direction, Transform};
+
+use crate::errors::to_py;
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(fwht, m)?)?;
+    m.add_function(wrap_pyfunction!(gdn_tiled_to_grouped, m)?)?;
+    m.add("HADAMARD_MAX_BLOCK_SIZE", hadamard::MAX_BLOCK_SIZE)?;
+    Ok(())
+}
+
+fn row_width(shape: &[usize]) -> PyResult<usize> {
+    shape
+        .last()
+        .copied()
+        .ok_or_else(|| PyValueError::new_err("fwht: input must have at least one dimension"))
+}
+
+/// Transform every row (last axis) of `input` into `output` (same shape, C-contiguous).
+///
+/// `dtype` is "float32" (float32 arrays) or "bfloat16"/"float16" (uint16 arrays holding the raw bits).
+/// `inverse=False`: `x → x[gather] → ·signs → H/√block`; `inverse=True`: `x → H/√block → ·signs`.
+#[pyfunction]
+#[pyo3(signature = (input, output, block_size, dtype, inverse=false, signs=None, gather=None))]
+#[allow(clippy::too_many_arguments)]
+fn fwht(
+    py: Python<'_>,
+    input: &Bound<'_, PyAny>,
+    output: &Bound<'_, PyAny>,
+    block_size: usize,
+    dtype: &str,
+    inverse: bool,
+    signs: Option<PyReadonlyArray1<'_, f32>>,
+    gather: Option<PyReadonlyArray1<'_, u32>>,
+) -> PyResult<()> {
+    let direction = if inverse {
+        Direction::Inverse
+    } else {
+        Direction::Forward
+    };
+    let signs_slice = match &signs {
+        Some(s) => Some(
+            s.as_slice()
+                .map_err(|e| PyValueError::new_err(format!("fwht signs: {e}")))?,
+        ),
+        None => None,
+    };
+    let gather_slice = match &gather {
+        Some(g) => Some(
+            g.as_slice()
+                .map_err(|e| PyValueError::new_err(format!("fwht gather: {e}")))?,
+        ),
+        None => None,
+    };
+    match dtype {
+        "float32" => {
+            let src: PyReadonlyArrayDyn<'_, f32> = input.extract()?;
+            let mut dst: PyReadwriteArrayDyn<'_, f32> = output.extract()?;
+            if src.shape() != dst.shape() {
+                return Err(PyValueError::new_err(
+                    "fwht: input and output shapes differ",
+                ));
+            }
+            let t = Transform::new(
+                row_width(src.shape())?,
+                block_size,
+                direction,
+                signs_slice,
+                gather_slice,
+            )
+            .map_err(to_py)?;
+            let s = src
+                .as_slice()
+                .map_err(|e| PyValueError::new_err(format!("fwht input: {e}")))?;
+            let d = dst
+                .as_slice_mut()
+                .map_err(|e| PyValueError::new_err(format!("fwht output: {e}")))?;
+            py.detach(|| t.apply(s, d)).map_err(to_py)
+        }
+        "bfloat16" | "float16" => {
+            let src: PyReadonlyArrayDyn<'_, u16> = input.extract()?;
+            let mut dst: PyReadwriteArrayDyn<'_, u16> = output.extract()?;
+            if src.shape() != dst.shape() {
+                return Err(PyValueError::new_err(
+                    "fwht: input and output shapes differ",
+                ));
+            }
+            let t = Transform::new(
+                row_width(src.shape())?,
+                block_size,
+                direction,
+                signs_slice,
+                gather_slice,
+            )
+            .map_err(to_py)?;
+            let s = src
+                .as_slice()
+                .map_err(|e| PyValueError::new_err(format!("fwht input: {e}")))?;
+            let d = dst
+                .as_slice_mut()
+                .map_err(|e| PyValueError::new_err(format!("fwht output: {e}")))?;
+            if dtype == "bfloat16" {
+                py.detach(|| t.apply::<bf16>(s.reinterpret_cast(), d.reinterpret_cast_mut()))
+            } else {
+                py.detach(|| t.apply::<f16>(s.reinterpret_cast(), d.reinterpret_cast_mut()))
+            }
+            .map_err(to_py)
+        }
+        other => Err(PyValueError::new_err(format!(
+            "fwht: unsupported dtype {other:?}; supported: float32, bfloat16, float16"
+        ))),
+    }
+}
+
+/// The GDN value-head gather `grouped[i] = tiled[perm[i]]` for `[rep, nk, unit] → [nk, rep, unit]`.
+#[pyfunction]
+fn gdn_tiled_to_grouped(num_v_heads: usize, num_k_heads: usize, unit: usize) -> PyResult<Vec<u32>> {
+    hadamard::gdn_tiled_to_grouped(num_v_heads, num_k_heads, unit).map_err(to_py)
+}
