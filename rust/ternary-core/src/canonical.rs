@@ -165,6 +165,275 @@ impl<'a> CanonicalRef<'a> {
     }
 }
 
+/// Output element type of [`CanonicalRef::dequantize_bits`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HalfKind {
+    F16,
+    BF16,
+}
+
+/// `MASKS[b][c]`: four 16-bit lanes, lane `j` all ones where code `j` of byte `b` equals `c`.
+/// Dequantizing a byte is then `(M0 & −s) | (M1 & 0·s) | (M2 & s)` on four lanes at once.
+const LANE_MASKS: [[u64; 3]; 256] = {
+    let mut t = [[0u64; 3]; 256];
+    let mut b = 0;
+    while b < 256 {
+        let mut j = 0;
+        while j < 4 {
+            let c = (b >> (2 * j)) & 3;
+            if c < 3 {
+                t[b][c] |= 0xFFFF << (16 * j);
+            }
+            j += 1;
+        }
+        b += 1;
+    }
+    t
+};
+
+/// byte → its four trits as consecutive i8 (little-endian word).
+const BYTE_TRITS: [u32; 256] = {
+    let mut t = [0u32; 256];
+    let mut b = 0;
+    while b < 256 {
+        let mut j = 0;
+        while j < 4 {
+            let trit = ((b >> (2 * j)) & 3) as i32 - 1;
+            t[b] |= ((trit as i8) as u8 as u32) << (8 * j);
+            j += 1;
+        }
+        b += 1;
+    }
+    t
+};
+
+impl<'a> CanonicalRef<'a> {
+    /// `W[n, k] = (c − 1) · scale` in f32, row-major `[rows, cols]` (validate first: code 3 reads +2).
+    pub fn dequantize_f32(&self) -> Result<Vec<f32>> {
+        self.check()?;
+        let (cols, g) = (self.cols, self.group_size);
+        let mut out = vec![0f32; self.rows * cols];
+        crate::threads::install(|| {
+            use rayon::prelude::*;
+            out.par_chunks_mut(cols)
+                .enumerate()
+                .with_min_len(4)
+                .for_each(|(n, row)| {
+                    let q = &self.qweight[n * cols / 4..(n + 1) * cols / 4];
+                    let s = &self.scales[n * (cols / g)..(n + 1) * (cols / g)];
+                    for ((grp, qg), &sc) in
+                        row.chunks_exact_mut(g).zip(q.chunks_exact(g / 4)).zip(s)
+                    {
+                        let sc = sc.to_f32();
+                        let lut = [-sc, 0.0 * sc, sc, 2.0 * sc];
+                        for (o, &b) in grp.chunks_exact_mut(4).zip(qg) {
+                            for (j, v) in o.iter_mut().enumerate() {
+                                *v = lut[((b >> (2 * j)) & 3) as usize];
+                            }
+                        }
+                    }
+                })
+        });
+        Ok(out)
+    }
+
+    /// `W[n, k] = (c − 1) · scale` rounded (nearest even) to fp16 or bf16, returned as raw bits.
+    /// The product is computed in f32 (exact: `t ∈ {−1, 0, 1}`), then rounded once.
+    pub fn dequantize_bits(&self, kind: HalfKind) -> Result<Vec<u16>> {
+        self.check()?;
+        let (cols, g) = (self.cols, self.group_size);
+        let to_bits = move |x: f32| match kind {
+            HalfKind::F16 => half::f16::from_f32(x).to_bits(),
+            HalfKind::BF16 => half::bf16::from_f32(x).to_bits(),
+        };
+        let mut out = vec![0u16; self.rows * cols];
+        crate::threads::install(|| {
+            use rayon::prelude::*;
+            out.par_chunks_mut(cols)
+                .enumerate()
+                .with_min_len(4)
+                .for_each(|(n, row)| {
+                    let q = &self.qweight[n * cols / 4..(n + 1) * cols / 4];
+                    let s = &self.scales[n * (cols / g)..(n + 1) * (cols / g)];
+                    for ((grp, qg), &sc) in
+                        row.chunks_exact_mut(g).zip(q.chunks_exact(g / 4)).zip(s)
+                    {
+                        let sc = sc.to_f32();
+                        let lane = |x: f32| to_bits(x) as u64 * 0x0001_0001_0001_0001;
+                        let (neg, zero, pos) = (lane(-sc), lane(0.0 * sc), lane(sc));
+                        for (o, &b) in grp.chunks_exact_mut(4).zip(qg) {
+                            let m = &LANE_MASKS[b as usize];
+                            let w = (m[0] & neg) | (m[1] & zero) | (m[2] & pos);
+                            o[0] = w as u16;
+                            o[1] = (w >> 16) as u16;
+                            o[2] = (w >> 32) as u16;
+                            o[3] = (w >> 48) as u16;
+                        }
+                    }
+                })
+        });
+        Ok(out)
+    }
+
+    /// Trits `t = c − 1` as int8, row-major `[rows, cols]`.
+    pub fn trits(&self) -> Result<Vec<i8>> {
+        self.check()?;
+        Ok(unpack_trits(self.qweight))
+    }
+
+    /// Change the group size. To a divisor of the current group: lossless (scales repeat). To a
+    /// multiple: lossless only when, in each merged group, every sub-group that holds a nonzero trit
+    /// has the same scale (all-zero sub-groups dequantize to 0 whatever their scale); otherwise
+    /// refused with a [`Error::Validation`] naming the first merged group, unless `requantize`, which
+    /// re-ternarizes the dequantized weights at the new group size with absmax.
+    pub fn regroup(
+        &self,
+        tensor: &str,
+        group_size: usize,
+        requantize: bool,
+    ) -> Result<CanonicalTernary> {
+        self.check()?;
+        check_shape(self.rows, self.cols, group_size)?;
+        let g = self.group_size;
+        if group_size <= g {
+            let rep = g / group_size;
+            let scales = self
+                .scales
+                .iter()
+                .flat_map(|s| std::iter::repeat_n(*s, rep))
+                .collect();
+            return Ok(CanonicalTernary {
+                rows: self.rows,
+                cols: self.cols,
+                group_size,
+                qweight: self.qweight.to_vec(),
+                scales,
+            });
+        }
+        let merge = group_size / g;
+        let sub_bytes = g / 4;
+        let mut scales = Vec::with_capacity(self.scales.len() / merge);
+        let mut bad = 0u64;
+        let mut first_bad = None;
+        for (m, (subs, codes)) in self
+            .scales
+            .chunks_exact(merge)
+            .zip(self.qweight.chunks_exact(group_size / 4))
+            .enumerate()
+        {
+            let mut common: Option<f16> = None;
+            let mut ok = true;
+            for (s, q) in subs.iter().zip(codes.chunks_exact(sub_bytes)) {
+                // 0x55 bytes are four zero trits: such a sub-group's scale is irrelevant.
+                if q.iter().all(|&b| b == 0x55) {
+                    continue;
+                }
+                match common {
+                    None => common = Some(*s),
+                    Some(c) if c == *s => {}
+                    Some(_) => ok = false,
+                }
+            }
+            if !ok {
+                bad += 1;
+                first_bad.get_or_insert(m as u64);
+            }
+            scales.push(common.unwrap_or(subs[0]));
+        }
+        if let Some(first) = first_bad {
+            if requantize {
+                let dense = self.dequantize_f32()?;
+                return crate::formats::dense::ternarize(
+                    tensor,
+                    &dense,
+                    self.rows,
+                    self.cols,
+                    group_size,
+                    crate::formats::dense::Method::Absmax,
+                );
+            }
+            return Err(Error::validation(
+                tensor,
+                format!(
+                    "cannot merge groups of {g} into groups of {group_size} losslessly: the merged \
+                     sub-groups have different scales (first index is the merged group); pass \
+                     requantize=True to re-ternarize at group {group_size}"
+                ),
+                first,
+                bad,
+            ));
+        }
+        Ok(CanonicalTernary {
+            rows: self.rows,
+            cols: self.cols,
+            group_size,
+            qweight: self.qweight.to_vec(),
+            scales,
+        })
+    }
+}
+
+/// Canonical code bytes → trits `c − 1` as int8 (four per byte; code 3 reads as +2).
+pub fn unpack_trits(qweight: &[u8]) -> Vec<i8> {
+    let mut out = vec![0i8; qweight.len() * 4];
+    crate::threads::install(|| {
+        use rayon::prelude::*;
+        out.par_chunks_mut(1 << 16)
+            .zip(qweight.par_chunks(1 << 14))
+            .for_each(|(o, q)| {
+                for (o4, &b) in o.chunks_exact_mut(4).zip(q) {
+                    let w = BYTE_TRITS[b as usize].to_le_bytes();
+                    for j in 0..4 {
+                        o4[j] = w[j] as i8;
+                    }
+                }
+            })
+    });
+    out
+}
+
+/// Pack trits `[rows, cols]` (int8 in {−1, 0, 1}) into canonical code bytes `[rows, cols/4]`.
+pub fn pack_trits(tensor: &str, trits: &[i8], cols: usize) -> Result<Vec<u8>> {
+    if cols == 0 || cols % 4 != 0 || trits.len() % cols != 0 {
+        return Err(Error::invalid(format!(
+            "trits of {} values cannot be [N, K] with K = {cols} a positive multiple of 4",
+            trits.len()
+        )));
+    }
+    let mut out = vec![0u8; trits.len() / 4];
+    let (count, first) = crate::threads::install(|| {
+        use rayon::prelude::*;
+        out.par_chunks_mut(1 << 14)
+            .zip(trits.par_chunks(1 << 16))
+            .enumerate()
+            .map(|(c, (o, t))| {
+                let mut bad = (0u64, None);
+                for (i, (ob, t4)) in o.iter_mut().zip(t.chunks_exact(4)).enumerate() {
+                    let mut b = 0u8;
+                    for (j, &v) in t4.iter().enumerate() {
+                        if !(-1..=1).contains(&v) {
+                            bad.0 += 1;
+                            bad.1.get_or_insert((c * (1 << 16) + 4 * i + j) as u64);
+                        }
+                        b |= (((v as i32 + 1) & 3) as u8) << (2 * j);
+                    }
+                    *ob = b;
+                }
+                bad
+            })
+            .reduce(|| (0, None), crate::formats::mlx::merge_first)
+    });
+    if let Some(first) = first {
+        return Err(Error::validation(
+            tensor,
+            "trit outside {-1, 0, 1}",
+            first,
+            count,
+        ));
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
