@@ -1,11 +1,168 @@
-"""CUDA implementation of ``ternary_rs::ternary_linear`` (filled by the CUDA kernel work)."""
+"""CUDA implementation of ``ternary_rs::ternary_linear`` (kernels in ``cuda/``, launched through ``_core``).
+
+* :func:`prepare_weight` permutes the canonical tensors once (in Rust, on the CPU) into the kernels' layout
+  (``rust/ternary-core/src/kernels/gpu_layout.rs``): ``qweight_k`` is ``uint8 [ceil(N/32), ceil(K/64)·512]``
+  and ``scales_k`` is ``float16 [ceil(k_pad/g), n_pad]``, both on the weight's device. It needs no GPU.
+* :func:`ternary_linear` launches the fused kernel on ``torch.cuda.current_stream()``: the decode GEMV for
+  up to 8 rows of ``x``, the tensor-core GEMM above. ``x`` may be bf16 or fp16 (computed natively) or fp32
+  (converted to bf16 first, the result converted back); ``bias`` is cast to the compute dtype. Everything
+  is allocated here by torch (output, split-K partials), nothing synchronises the host, so calls can be
+  captured in CUDA graphs. The split-K tile counters are a small zeroed buffer kept per (device, stream)
+  that the kernels leave zeroed again.
+"""
 
 from __future__ import annotations
 
+import numpy as np
+import torch
 
-def prepare_weight(qweight, scales, group_size):
-    raise NotImplementedError("CUDA path is being built")
+from . import _core
+
+CHUNK_N = 32
+CHUNK_K = 64
+CHUNK_BYTES = 512
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_GROUP_SIZES = (32, 64, 128, 256)
+
+_sm_counts: dict[int, int] = {}
+# (device index, stream handle) -> zeroed int32 counters; retired buffers stay alive because CUDA graphs
+# captured earlier may still point at them.
+_counters: dict[tuple[int, int], torch.Tensor] = {}
+_retired: list[torch.Tensor] = []
+
+
+def _ceil_to(v: int, m: int) -> int:
+    return (v + m - 1) // m * m
+
+
+def gpu_shapes(out_features: int, in_features: int, group_size: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Shapes of ``(qweight_k, scales_k)`` for a ``[out_features, in_features]`` weight."""
+    n_pad = _ceil_to(out_features, CHUNK_N)
+    k_pad = _ceil_to(in_features, CHUNK_K)
+    return (n_pad // CHUNK_N, k_pad // CHUNK_K * CHUNK_BYTES), ((k_pad + group_size - 1) // group_size, n_pad)
+
+
+def _require_kernels() -> None:
+    if not _core.cuda_available():
+        raise RuntimeError(
+            "ternary_rs was built without its CUDA kernels, so CUDA tensors cannot use ternary_linear; "
+            "install a CUDA build (`maturin build --release --features cuda`, needs a CUDA toolkit)"
+        )
+
+
+def prepare_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int):
+    """Permute canonical ``qweight`` (``uint8 [N, K/4]``) and ``scales`` (``float16 [N, K/g]``) into the CUDA
+    kernels' layout, returned on ``qweight.device``. The permutation runs in Rust on the CPU."""
+    g = int(group_size)
+    if g not in _GROUP_SIZES:
+        raise ValueError(f"group_size {g} is not one of {_GROUP_SIZES}")
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2:
+        raise TypeError(f"qweight must be a 2-D uint8 tensor [N, K/4], got {qweight.dtype} {tuple(qweight.shape)}")
+    if scales.dtype != torch.float16 or scales.dim() != 2:
+        raise TypeError(f"scales must be a 2-D float16 tensor [N, K/g], got {scales.dtype} {tuple(scales.shape)}")
+    n, k = qweight.shape[0], qweight.shape[1] * 4
+    if k % g != 0 or tuple(scales.shape) != (n, k // g):
+        raise ValueError(
+            f"scales {tuple(scales.shape)} do not match qweight {tuple(qweight.shape)} (K = {k}) with group size {g}"
+        )
+    q_np = qweight.detach().to("cpu").contiguous().numpy()
+    s_np = scales.detach().to("cpu").contiguous().view(torch.int16).numpy().view(np.uint16)
+    q_k, s_k = _core.gpu_layout(q_np, s_np, g)
+    q_t = torch.from_numpy(q_k).to(qweight.device)
+    s_t = torch.from_numpy(s_k.view(np.int16)).view(torch.float16).to(qweight.device)
+    return q_t, s_t
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_counts:
+        _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_counts[idx]
+
+
+def _counter_buffer(device: torch.device, stream: int, needed: int) -> torch.Tensor:
+    key = (device.index if device.index is not None else torch.cuda.current_device(), stream)
+    buf = _counters.get(key)
+    if buf is None or buf.numel() < needed:
+        if buf is not None:
+            _retired.append(buf)
+        # Split-K is only used while tiles < 8 blocks per SM, so this size is rarely exceeded.
+        size = max(needed, 8 * _sm_count(device) + 64)
+        buf = torch.zeros(size, dtype=torch.int32, device=device)
+        _counters[key] = buf
+    return buf
+
+
+def _check_weight(qweight, scales, x, n, k, g) -> None:
+    q_shape, s_shape = gpu_shapes(n, k, g)
+    if qweight.dtype != torch.uint8 or tuple(qweight.shape) != q_shape:
+        raise ValueError(
+            f"qweight must be the prepared CUDA layout uint8 {q_shape} for [{n}, {k}] g{g}, got "
+            f"{qweight.dtype} {tuple(qweight.shape)} (call ternary_rs.ops.prepare_weight first)"
+        )
+    if scales.dtype != torch.float16 or tuple(scales.shape) != s_shape:
+        raise ValueError(f"scales must be float16 {s_shape} (prepared layout), got {scales.dtype} {tuple(scales.shape)}")
+    for name, t in (("qweight", qweight), ("scales", scales)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
 
 
 def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias=None):
-    raise NotImplementedError("CUDA path is being built")
+    """``y[..., N] = x[..., K] @ W.T (+ bias)`` on CUDA; output dtype = ``x.dtype``."""
+    _require_kernels()
+    n, k, g = int(out_features), int(in_features), int(group_size)
+    if g not in _GROUP_SIZES:
+        raise ValueError(f"group_size {g} is not one of {_GROUP_SIZES}")
+    if k % g != 0:
+        raise ValueError(f"in_features {k} is not a multiple of group_size {g}")
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the layer expects {k}")
+    _check_weight(qweight, scales, x, n, k, g)
+    out_dtype = x.dtype
+    if x.dtype == torch.float32:
+        x = x.to(torch.bfloat16)
+    elif x.dtype not in _DTYPE_NAMES:
+        raise TypeError(f"x dtype {x.dtype} is not supported on CUDA; supported: bfloat16, float16, float32")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous() or x2.data_ptr() % 16 != 0:
+        x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    if m == 0:
+        return y.reshape(*lead, n).to(out_dtype)
+    b = None
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+        b = bias.to(device=x2.device, dtype=x2.dtype).contiguous()
+
+    device = x2.device
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        sm = _sm_count(device)
+        plan = _core.cuda_plan(m, n, k, g, sm)
+        partials = None
+        counters = None
+        if plan["splits"] > 1:
+            partials = torch.empty(plan["partial_floats"], dtype=torch.float32, device=device)
+            counters = _counter_buffer(device, stream, plan["counters"])
+        _core.cuda_ternary_linear(
+            x2.data_ptr(),
+            qweight.data_ptr(),
+            scales.data_ptr(),
+            b.data_ptr() if b is not None else 0,
+            y.data_ptr(),
+            partials.data_ptr() if partials is not None else 0,
+            counters.data_ptr() if counters is not None else 0,
+            m,
+            n,
+            k,
+            g,
+            _DTYPE_NAMES[x2.dtype],
+            sm,
+            stream,
+        )
+    return y.reshape(*lead, n).to(out_dtype)

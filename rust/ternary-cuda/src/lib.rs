@@ -1,6 +1,256 @@
-//! FFI to the fused ternary CUDA kernels (see `cuda/`).
+//! FFI to the fused ternary CUDA kernels in `cuda/` (compiled by `build.rs` when the `nvcc` feature is on).
+//!
+//! The launchers take raw device pointers and a `cudaStream_t` and only enqueue work, so the Python side
+//! (PyTorch tensors, `torch.cuda.current_stream()`) owns every allocation and the calls can be captured
+//! in CUDA graphs. Without the feature every entry point returns [`CudaError::NotBuilt`].
+
+use std::fmt;
+
+/// Activation dtypes the kernels take (`x`, `bias` and `y` share one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+pub enum DType {
+    Bf16 = 0,
+    Fp16 = 1,
+}
+
+/// How a call runs and the workspace it needs (see `cuda/ternary_gemm.h`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// 0 = decode GEMV (M ≤ 8), 1..=4 = mma GEMM with 16/32/64/128-row tiles.
+    pub kernel: i32,
+    pub splits: i32,
+    pub grid_n: i32,
+    pub grid_m: i32,
+    /// fp32 elements of split-K partials (0: none).
+    pub partial_floats: i64,
+    /// int32 tile counters, zero before the first call (0: none).
+    pub counters: i64,
+}
+
+/// Raw device pointers of one call. `bias`, `partials` and `counters` may be null when not needed.
+#[derive(Clone, Copy, Debug)]
+pub struct LinearArgs {
+    pub x: u64,
+    pub qweight: u64,
+    pub scales: u64,
+    pub bias: u64,
+    pub y: u64,
+    pub partials: u64,
+    pub counters: u64,
+    pub m: i64,
+    pub n: i64,
+    pub k: i64,
+    pub group_size: i32,
+    pub dtype: DType,
+    pub sm_count: i32,
+    /// A `cudaStream_t` (0 = the legacy default stream).
+    pub stream: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CudaError {
+    /// This build has no CUDA kernels (the `nvcc` feature was off).
+    NotBuilt,
+    /// A code from the C launchers with its message.
+    Launch { code: i32, message: String },
+}
+
+impl fmt::Display for CudaError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CudaError::NotBuilt => write!(
+                f,
+                "ternary_rs was built without CUDA kernels (rebuild with the `cuda` feature and a CUDA toolkit)"
+            ),
+            CudaError::Launch { code, message } => write!(f, "ternary CUDA kernel error {code}: {message}"),
+        }
+    }
+}
+
+impl std::error::Error for CudaError {}
 
 /// Whether this build contains the CUDA kernels.
 pub fn available() -> bool {
     cfg!(feature = "nvcc")
+}
+
+#[cfg(feature = "nvcc")]
+mod ffi {
+    use super::Plan;
+    use std::ffi::{c_char, c_int, c_void};
+
+    extern "C" {
+        pub fn ternary_cuda_plan(
+            m: i64,
+            n: i64,
+            k: i64,
+            group_size: i32,
+            sm_count: i32,
+            plan: *mut Plan,
+        ) -> c_int;
+        pub fn ternary_cuda_linear(
+            x: *const c_void,
+            qweight: *const c_void,
+            scales: *const c_void,
+            bias: *const c_void,
+            y: *mut c_void,
+            partials: *mut f32,
+            counters: *mut i32,
+            m: i64,
+            n: i64,
+            k: i64,
+            group_size: i32,
+            dtype: i32,
+            sm_count: i32,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub fn ternary_cuda_device_count(count: *mut i32) -> c_int;
+        pub fn ternary_cuda_error_string(code: c_int) -> *const c_char;
+    }
+}
+
+#[cfg(feature = "nvcc")]
+fn check(code: i32) -> Result<(), CudaError> {
+    if code == 0 {
+        return Ok(());
+    }
+    // SAFETY: the C side returns a pointer to a static NUL-terminated string for every code.
+    let message = unsafe { std::ffi::CStr::from_ptr(ffi::ternary_cuda_error_string(code)) }
+        .to_string_lossy()
+        .into_owned();
+    Err(CudaError::Launch { code, message })
+}
+
+/// The plan (kernel, K-splits, workspace sizes) for a call of these sizes on a device with `sm_count` SMs.
+pub fn plan(m: i64, n: i64, k: i64, group_size: i32, sm_count: i32) -> Result<Plan, CudaError> {
+    #[cfg(feature = "nvcc")]
+    {
+        let mut p = Plan::default();
+        // SAFETY: `p` is a valid, writable `Plan` with the C layout of `TernaryCudaPlan`.
+        check(unsafe { ffi::ternary_cuda_plan(m, n, k, group_size, sm_count, &mut p) })?;
+        Ok(p)
+    }
+    #[cfg(not(feature = "nvcc"))]
+    {
+        let _ = (m, n, k, group_size, sm_count);
+        Err(CudaError::NotBuilt)
+    }
+}
+
+/// Enqueue `y = x @ W^T (+ bias)` on `args.stream`.
+///
+/// # Safety
+/// Every non-null pointer must be a live device allocation of the current CUDA device, large enough for
+/// the sizes given (`x`: m·k, `y`: m·n, `bias`: n activations; `qweight`/`scales` in the GPU layout of
+/// `ternary_core::kernels::gpu_layout` for (n, k, group_size); `partials`/`counters` as [`plan`] says),
+/// and must stay alive until the enqueued work has run. `stream` must be a stream of that device.
+pub unsafe fn linear(args: &LinearArgs) -> Result<(), CudaError> {
+    #[cfg(feature = "nvcc")]
+    {
+        use std::ffi::c_void;
+        let a = args;
+        // SAFETY: forwarded to the caller's contract above; the C side validates sizes and alignment.
+        check(unsafe {
+            ffi::ternary_cuda_linear(
+                a.x as *const c_void,
+                a.qweight as *const c_void,
+                a.scales as *const c_void,
+                a.bias as *const c_void,
+                a.y as *mut c_void,
+                a.partials as *mut f32,
+                a.counters as *mut i32,
+                a.m,
+                a.n,
+                a.k,
+                a.group_size,
+                a.dtype as i32,
+                a.sm_count,
+                a.stream as *mut c_void,
+            )
+        })
+    }
+    #[cfg(not(feature = "nvcc"))]
+    {
+        let _ = args;
+        Err(CudaError::NotBuilt)
+    }
+}
+
+/// Number of visible CUDA devices (0 without a driver, a device, or the kernels). Never fails.
+pub fn device_count() -> i32 {
+    #[cfg(feature = "nvcc")]
+    {
+        let mut c = 0i32;
+        // SAFETY: `c` is a valid out pointer; the call only queries the runtime.
+        unsafe { ffi::ternary_cuda_device_count(&mut c) };
+        c
+    }
+    #[cfg(not(feature = "nvcc"))]
+    {
+        0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plan_layout_matches_c() {
+        // TernaryCudaPlan: 4 × int32 then 2 × int64.
+        assert_eq!(std::mem::size_of::<Plan>(), 32);
+        assert_eq!(std::mem::align_of::<Plan>(), 8);
+    }
+
+    #[cfg(not(feature = "nvcc"))]
+    #[test]
+    fn without_kernels_everything_reports_not_built() {
+        assert!(!available());
+        assert_eq!(device_count(), 0);
+        assert_eq!(plan(1, 32, 64, 64, 1), Err(CudaError::NotBuilt));
+    }
+
+    #[cfg(feature = "nvcc")]
+    #[test]
+    fn plan_and_errors_without_a_gpu() {
+        // Planning is pure host code: it works with no device.
+        let p = plan(1, 6144, 5120, 128, 132).unwrap();
+        assert_eq!(p.kernel, 0);
+        assert!(p.splits >= 1);
+        let p = plan(2048, 6144, 5120, 128, 132).unwrap();
+        assert_eq!((p.kernel, p.splits, p.partial_floats), (4, 1, 0));
+        match plan(1, 32, 100, 64, 132) {
+            Err(CudaError::Launch { code: -1, message }) => assert!(message.contains("multiple")),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            plan(1, 32, 96, 48, 132),
+            Err(CudaError::Launch { code: -2, .. })
+        ));
+        // Bad pointers are rejected before anything touches the device.
+        let args = LinearArgs {
+            x: 0,
+            qweight: 0,
+            scales: 0,
+            bias: 0,
+            y: 0,
+            partials: 0,
+            counters: 0,
+            m: 1,
+            n: 32,
+            k: 64,
+            group_size: 64,
+            dtype: DType::Bf16,
+            sm_count: 1,
+            stream: 0,
+        };
+        // SAFETY: null pointers are rejected by the launcher before any CUDA call.
+        assert!(matches!(
+            unsafe { linear(&args) },
+            Err(CudaError::Launch { code: -4, .. })
+        ));
+        assert!(device_count() >= 0);
+    }
 }

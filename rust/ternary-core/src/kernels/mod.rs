@@ -1,2 +1,3 @@
 //! Kernels.
 pub mod cpu;
+pub mod gpu_layout;
