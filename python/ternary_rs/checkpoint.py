@@ -291,13 +291,13 @@ def write_shards(out_dir: Path, jobs: Sequence[Job], shard_size: int, progress=N
         run_jobs(jobs, consume, progress)
         for s in list(writers):
             writers.pop(s).close()
-        for s, members in enumerate(shards):  # shards with no tensors (empty model) still get a file
+        for s in range(len(shards)):  # shards with no tensors (empty model) still get a file
             if not (out_dir / files[s]).exists():
                 open_shard(s).close()
     finally:
-        for w in writers.values():
+        for w in writers.values():  # only left here on error: drop the partial shard
             try:
-                w.close()
+                w.abort()
             except Exception:  # noqa: BLE001 - the original error matters more
                 pass
     total = sum(job.nbytes for job in jobs)

@@ -29,11 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from ._core import FormatError, TernaryError, UnsupportedTypeError, ValidationError, __version__
+from ._core import FormatError, TernaryError, UnsupportedTypeError, ValidationError
 from .arch import arch_for_config, arch_for_gguf
 from .checkpoint import (
     INDEX_NAME,
-    MANIFEST_NAME,
     SUPPORTED_GROUP_SIZES,
     ConversionError,
     Job,
@@ -178,6 +177,25 @@ def dense_to_canonical(raw: np.ndarray, dtype: str, shape: Sequence[int], group_
 
 
 # ------------------------------------------------------------------------------------------ sources
+def packed_safetensors(tensors) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Packed ternary weights of a safetensors checkpoint: main tensor -> (kind, auxiliary tensors).
+
+    ``<p>.qweight`` + ``<p>.scales`` (ternary_rs canonical), ``<p>.weight`` U32 + ``<p>.scales`` +
+    ``<p>.biases`` (MLX 2-bit), ``<p>.weight`` U8/I8 + ``<p>.weight_scale`` (transformers BitNet).
+    """
+    names = set(tensors)
+    packs: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for name, info in tensors.items():
+        base = name.rsplit(".", 1)[0]
+        if name.endswith(".qweight") and f"{base}.scales" in names:
+            packs[name] = ("canonical", (f"{base}.scales",))
+        elif name.endswith(".weight") and info.type == "U32" and {f"{base}.scales", f"{base}.biases"} <= names:
+            packs[name] = ("MLX", (f"{base}.scales", f"{base}.biases"))
+        elif name.endswith(".weight") and info.type in ("U8", "I8") and f"{name}_scale" in names:
+            packs[name] = ("BITNET", (f"{name}_scale",))
+    return packs
+
+
 @dataclass
 class SourceTensor:
     """One weight of the source checkpoint, classified."""
@@ -311,36 +329,26 @@ class Source:
 
     def _classify_safetensors(self) -> list[SourceTensor]:
         tensors = self.file.tensors
-        names = set(tensors)
-        consumed: set[str] = set()
+        packs = packed_safetensors(tensors)
+        consumed = {a for _, aux in packs.values() for a in aux}
         out = []
         for name, info in tensors.items():
             if name in consumed:
                 continue
             shape, typ = tuple(int(d) for d in info.shape), info.type
-            base = name.rsplit(".", 1)[0]
-            if name.endswith(".qweight") and f"{base}.scales" in names:  # ternary_rs canonical
-                sc = tensors[f"{base}.scales"]
+            kind, aux = packs.get(name, (None, ()))
+            nbytes = int(info.nbytes) + sum(int(tensors[a].nbytes) for a in aux)
+            if kind == "canonical":
                 n, k = shape[0], shape[1] * 4
-                group = k // int(sc.shape[1])
-                consumed.add(f"{base}.scales")
-                out.append(SourceTensor(name, f"{base}.weight", "canonical", typ, (n, k),
-                                        int(info.nbytes) + int(sc.nbytes), group=group,
-                                        aux=(f"{base}.scales",), candidate=True))
-            elif name.endswith(".weight") and typ == "U32" and {f"{base}.scales", f"{base}.biases"} <= names:
-                sc = tensors[f"{base}.scales"]  # MLX affine pack: 16 codes per uint32
+                out.append(SourceTensor(name, name[: -len(".qweight")] + ".weight", "canonical", typ, (n, k), nbytes,
+                                        group=k // int(tensors[aux[0]].shape[1]), aux=aux, candidate=True))
+            elif kind == "MLX":  # affine pack: 16 codes per uint32 along K
                 n, k = shape[0], shape[1] * 16
-                aux = (f"{base}.scales", f"{base}.biases")
-                consumed.update(aux)
-                out.append(SourceTensor(name, name, "packed", "MLX", (n, k),
-                                        int(info.nbytes) + sum(int(tensors[a].nbytes) for a in aux),
-                                        group=k // int(sc.shape[1]), aux=aux, candidate=True))
-            elif name.endswith(".weight") and typ in ("U8", "I8") and f"{name}_scale" in names:
-                n, k = shape[0] * 4, shape[1]  # transformers BitNet: 4 rows per byte, one scale
-                consumed.add(f"{name}_scale")
-                out.append(SourceTensor(name, name, "packed", "BITNET", (n, k),
-                                        int(info.nbytes) + int(tensors[f"{name}_scale"].nbytes),
-                                        group=None, aux=(f"{name}_scale",), candidate=True))
+                out.append(SourceTensor(name, name, "packed", "MLX", (n, k), nbytes,
+                                        group=k // int(tensors[aux[0]].shape[1]), aux=aux, candidate=True))
+            elif kind == "BITNET":  # transformers BitNet: 4 rows per byte, one scale per tensor
+                out.append(SourceTensor(name, name, "packed", "BITNET", (shape[0] * 4, shape[1]), nbytes,
+                                        group=None, aux=aux, candidate=True))
             else:
                 out.append(self._float_or_copy(name, name, info, shape))
         return out
@@ -359,19 +367,21 @@ class Source:
                     f"{self.path}: tensor {st.name} is exactly ternary only for groups <= {st.group}; "
                     f"group size {group_size} would requantize it")
             q, s = dense_to_canonical(self.file.raw(st.name), st.dtype, st.shape, group_size)
-            t = TernaryTensor(q, s, group_size, (n, k))
+            t = TernaryTensor(q, s, group_size, name=st.name)
         elif st.kind == "canonical":
             q = np.asarray(self.file.raw(st.name)).reshape(n, k // 4)
             s = np.asarray(self.file.raw(st.aux[0])).view(np.float16).reshape(n, k // st.group)
-            t = TernaryTensor(q, s, st.group, (n, k))
+            t = TernaryTensor(q, s, st.group, name=st.name)
         else:
             t = decode(self.file, st.name)
+        if t.shape != (n, k):
+            raise ValidationError(f"{self.path}: tensor {st.name} decoded to {t.shape}, expected {(n, k)}")
         if t.group_size != group_size:
             t = repack(t, group_size)
         perm = self.arch.rows_from_gguf(st.hf_name, self.shape_config, n) if self.is_gguf else None
         if perm is not None:
             t = TernaryTensor(np.ascontiguousarray(t.qweight[perm]), np.ascontiguousarray(t.scales[perm]),
-                              t.group_size, tuple(t.shape))
+                              t.group_size, name=st.name, validate=False)
         return t
 
     def raw_hf_order(self, st: SourceTensor) -> np.ndarray:
@@ -435,6 +445,10 @@ def _vllm_jobs(source: Source, group_size: int) -> tuple[list[Job], list[str]]:
                 return (source.raw_hf_order(st),)
 
             jobs.append(Job([OutTensor(st.hf_name, st.dtype, st.shape, st.nbytes)], produce, src_label, st.nbytes))
+    # Shards lay tensors out back to back: widest element first keeps every tensor aligned
+    # (F32, then 16-bit, then qweight (N·K/4 bytes, a multiple of 8) + fp16 scales).
+    width = {"F64": 0, "I64": 0, "U64": 0, "F32": 1, "I32": 1, "U32": 1, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
+    jobs.sort(key=lambda j: 4 if j.outputs[0].name.endswith(".qweight") else width.get(j.outputs[0].dtype, 3))
     return jobs, not_converted
 
 
@@ -497,24 +511,12 @@ def _default_gguf_type(source: Source) -> str:
 
 
 def _gguf_metadata_from_gguf(source: Source, file_type: int | None):
-    """The source GGUF's own keys with their types (gguf-py reading a metadata-only copy)."""
-    import gguf
-
-    from .hf_gguf import write_metadata_only_gguf
-
-    with scratch_dir() as tmp:
-        p = Path(tmp) / "meta.gguf"
-        write_metadata_only_gguf(source.path, p)
-        reader = gguf.GGUFReader(p)
-        out = []
-        for key, fld in reader.fields.items():
-            if key.startswith("GGUF.") or key in ("general.alignment", "general.file_type"):
-                continue
-            vtype = fld.types[0]
-            sub = fld.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            out.append((key, fld.contents(), vtype, sub))
+    """The source GGUF's own keys with their GGUF types (``general.file_type`` replaced)."""
+    types = source.file.metadata_types
+    out = [(k, v, types[k], None) for k, v in source.metadata.items()
+           if k not in ("general.alignment", "general.file_type")]
     if file_type is not None:
-        out.append(("general.file_type", file_type, gguf.GGUFValueType.UINT32, None))
+        out.append(("general.file_type", file_type, "u32", None))
     return out
 
 
@@ -558,7 +560,7 @@ def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> 
                     from .tensor import TernaryTensor
 
                     t = TernaryTensor(np.ascontiguousarray(t.qweight[perm]), np.ascontiguousarray(t.scales[perm]),
-                                      t.group_size, tuple(t.shape))
+                                      t.group_size, name=st.name, validate=False)
                 return (np.ascontiguousarray(np.frombuffer(memoryview(encode(t, gtype)), dtype=np.uint8)),)
 
             jobs.append(Job([OutTensor(gname, gtype, (n, k), nbytes)], produce, src_label, st.nbytes,
@@ -569,7 +571,7 @@ def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> 
             n, k = st.shape
             fallback.append(gname)
 
-            def produce(st=st, perm=perm):
+            def produce(st=st, perm=perm, k=k):
                 t = source.canonical(st, st.group if st.group and k % st.group == 0 else DETECT_GROUP)
                 w = dequantize_np(t.qweight, t.scales, t.group_size).astype(np.float16)
                 if perm is not None:
@@ -583,14 +585,20 @@ def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> 
                 raise UnsupportedTypeError(f"{src_label}: dtype {st.dtype} cannot be written to GGUF "
                                            f"(supported: {sorted(GGUF_FLOAT_TYPE_IDS)})")
 
-            def produce(st=st, perm=perm):
+            # llama.cpp wants norms (1-D tensors) in F32, as convert_hf_to_gguf.py writes them.
+            out_dtype = "F32" if len(st.shape) <= 1 or gname.endswith("_norm.weight") else st.dtype
+
+            def produce(st=st, perm=perm, out_dtype=out_dtype):
                 raw = source.raw_hf_order(st) if perm is None else None
                 if perm is not None:
                     raw = np.asarray(source.file.raw(st.name)).reshape(st.shape[0], -1)[perm]
+                if out_dtype != st.dtype:
+                    raw = float_view(raw, st.dtype).view(np.uint8)
                 return (np.ascontiguousarray(raw).reshape(-1),)
 
-            jobs.append(Job([OutTensor(gname, st.dtype, st.shape, st.nbytes)], produce, src_label, st.nbytes,
-                            meta={"type_id": GGUF_FLOAT_TYPE_IDS[st.dtype]}))
+            n_out = int(np.prod(st.shape)) * FLOAT_BYTES[out_dtype] if st.shape else FLOAT_BYTES[out_dtype]
+            jobs.append(Job([OutTensor(gname, out_dtype, st.shape, n_out)], produce, src_label, st.nbytes,
+                            meta={"type_id": GGUF_FLOAT_TYPE_IDS[out_dtype]}))
     if fallback:
         log.warning("%s: rows of %s are not a multiple of %d values; written as F16", source.path,
                     ", ".join(fallback), block_values)
@@ -608,16 +616,25 @@ def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> 
 
         with _progress(sum(j.source_bytes for j in jobs), f"convert {source.path.name}", options.progress) as bar:
             run_jobs(jobs, consume, bar)
-    finally:
-        writer.close()
+    except BaseException:
+        writer.abort()  # deletes the partial file
+        raise
+    writer.close()
     return {"gguf_type": gtype, "tensors": len(jobs), "f16_fallback": fallback, "skipped_source_tensors": source.skipped}
 
 
-def _writer_type(vtype, sub):
-    """The type argument for ``ternary_rs.io.GGUFWriter.add_metadata``: GGUF value type id(s)."""
-    if sub is None:
-        return int(vtype)
-    return (int(vtype), int(sub))
+# GGUF value type ids (GGUF v3) -> the type names ternary_rs.io.GGUFWriter takes.
+_GGUF_TYPE_NAMES = {0: "u8", 1: "i8", 2: "u16", 3: "i16", 4: "u32", 5: "i32", 6: "f32", 7: "bool",
+                    8: "string", 10: "u64", 11: "i64", 12: "f64"}
+
+
+def _writer_type(vtype, sub) -> str:
+    """``ternary_rs.io.GGUFWriter.add_metadata`` type for a GGUF value type (id or name) and element type."""
+    if isinstance(vtype, str):
+        return vtype
+    if int(vtype) == 9:  # element type None: inferred from the first element, as gguf-py does
+        return "array" if sub is None else f"array[{_GGUF_TYPE_NAMES[int(sub)]}]"
+    return _GGUF_TYPE_NAMES[int(vtype)]
 
 
 # ------------------------------------------------------------------------------------------ entry points
@@ -747,22 +764,35 @@ def dequantize_checkpoint(vllm_dir, out_dir, dtype: str = "float32") -> Path:
     np_dtype = {"float32": np.float32, "float16": np.float16}.get(dtype)
     if np_dtype is None:
         raise ValueError(f"dtype {dtype!r}: expected float32 or float16")
+    try:
+        import torch  # noqa: F401
+
+        framework = "pt"
+    except ImportError:
+        framework = "numpy"
     out_dir.mkdir(parents=True, exist_ok=True)
     index = json.loads((vllm_dir / INDEX_NAME).read_text())
     weight_map: dict[str, str] = {}
     for shard in sorted(set(index["weight_map"].values())):
         tensors: dict[str, np.ndarray] = {}
-        with safe_open(str(vllm_dir / shard), framework="numpy") as f:
+        with safe_open(str(vllm_dir / shard), framework=framework) as f:
             keys = set(f.keys())
+
+            def get(name):
+                t = f.get_tensor(name)
+                if framework == "pt":  # torch reads BF16, which NumPy cannot hold
+                    t = (t.float() if t.is_floating_point() else t).numpy()
+                return t
+
             for name in sorted(keys):
                 if name.endswith(".scales") and name[: -len(".scales")] + ".qweight" in keys:
                     continue
                 if name.endswith(".qweight"):
                     prefix = name[: -len(".qweight")]
-                    w = dequantize_np(f.get_tensor(name), f.get_tensor(prefix + ".scales"), group_size)
+                    w = dequantize_np(get(name), get(prefix + ".scales"), group_size)
                     tensors[prefix + ".weight"] = w.astype(np_dtype)
                 else:
-                    t = f.get_tensor(name)
+                    t = get(name)
                     tensors[name] = t.astype(np_dtype) if t.dtype.kind == "f" else t
         for name in tensors:
             weight_map[name] = shard

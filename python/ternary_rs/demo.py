@@ -13,13 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-# GGUF metadata value types (GGUF v3 spec).
-GGUF_UINT32, GGUF_INT32, GGUF_FLOAT32, GGUF_STRING, GGUF_ARRAY = 4, 5, 6, 8, 9
+# GGUF metadata value types (ternary_rs.io.GGUFWriter names).
+GGUF_UINT32, GGUF_INT32, GGUF_FLOAT32, GGUF_STRING = "u32", "i32", "f32", "string"
 
 DEMO_SHAPE = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, head_dim=64, context=2048)
 DEMO_GROUP = 128
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-DEMO_MERGES = ("t h", "th e", "Ġ t", "Ġt he", "e r", "i n", "a n", "o n")
+DEMO_MERGES = ("t h", "th e", "Ġ t", "Ġt h", "Ġth e", "e r", "i n", "a n", "o n")
 
 
 def _byte_tokens() -> list[str]:
@@ -82,9 +82,9 @@ def write_demo_gguf(path: Path, gguf_type: str = "PQ2_0", seed: int = 0) -> dict
         ("qwen3.attention.layer_norm_rms_epsilon", 1e-6, GGUF_FLOAT32),
         ("tokenizer.ggml.model", "gpt2", GGUF_STRING),
         ("tokenizer.ggml.pre", "qwen2", GGUF_STRING),
-        ("tokenizer.ggml.tokens", tokens, (GGUF_ARRAY, GGUF_STRING)),
-        ("tokenizer.ggml.token_type", types, (GGUF_ARRAY, GGUF_INT32)),
-        ("tokenizer.ggml.merges", merges, (GGUF_ARRAY, GGUF_STRING)),
+        ("tokenizer.ggml.tokens", tokens, "array[string]"),
+        ("tokenizer.ggml.token_type", types, "array[i32]"),
+        ("tokenizer.ggml.merges", merges, "array[string]"),
         ("tokenizer.ggml.eos_token_id", tokens.index("<|im_end|>"), GGUF_UINT32),
         ("tokenizer.ggml.padding_token_id", tokens.index("<|endoftext|>"), GGUF_UINT32),
     ]
@@ -97,7 +97,7 @@ def write_demo_gguf(path: Path, gguf_type: str = "PQ2_0", seed: int = 0) -> dict
         for name, (n, k) in linear.items():
             codes = rng.integers(0, 3, size=(n, k), dtype=np.uint8)
             scales = (rng.uniform(0.01, 0.05, size=(n, k // group))).astype(np.float16)
-            t = TernaryTensor(pack_codes_np(codes), scales, group, (n, k))
+            t = TernaryTensor(pack_codes_np(codes), scales, group, name=name)
             blobs[name] = np.frombuffer(memoryview(encode(t, gguf_type)), dtype=np.uint8)
             written[name] = t
             writer.add_tensor_info(name, (n, k), type_id, blobs[name].nbytes)

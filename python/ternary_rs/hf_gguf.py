@@ -131,6 +131,17 @@ def builtin_config_from_gguf(metadata: dict[str, Any], arch) -> dict[str, Any]:
     return config
 
 
+def _shortest_f32_floats(config: dict[str, Any]) -> None:
+    """GGUF stores floats as f32: write 1e-06, not 9.999999974752427e-07 (same f32 value)."""
+    import numpy as np
+
+    for key, value in list(config.items()):
+        if isinstance(value, float) and np.isfinite(value) and float(np.float32(value)) == value:
+            config[key] = float(str(np.float32(value)))
+        elif isinstance(value, dict):
+            _shortest_f32_floats(value)
+
+
 def config_from_gguf(gguf_path: Path, metadata: dict[str, Any], tensor_names, arch, dtype: str,
                      workdir: Path, use_transformers: bool = True) -> tuple[dict[str, Any], Path | None]:
     """``(config dict, path of the metadata-only GGUF copy or None)``."""
@@ -147,6 +158,7 @@ def config_from_gguf(gguf_path: Path, metadata: dict[str, Any], tensor_names, ar
     else:
         config = builtin_config_from_gguf(metadata, arch)
     arch.config_fixups_from_gguf(config, metadata)
+    _shortest_f32_floats(config)
     config["architectures"] = [arch.hf_architectures[0]]
     # transformers decides tying from the tensor list, which the metadata-only copy does not have.
     config["tie_word_embeddings"] = "output.weight" not in set(tensor_names)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ._core import TernaryError
 from .checkpoint import INDEX_NAME, MANIFEST_NAME, sha256_file
-from .convert import FLOAT_BYTES, GGUF_TERNARY_GROUPS, dense_ternary_group
+from .convert import FLOAT_BYTES, GGUF_TERNARY_GROUPS, dense_ternary_group, packed_safetensors
 
 INSPECT_SAMPLE_ROWS = 256
 SCAN_CHUNK_BYTES = 64 << 20
@@ -170,8 +170,8 @@ def shape_config(f, path: Path) -> dict[str, Any]:
 def _scan_tensors(f, full: bool, problems: list[str], warnings: list[str], path: Path) -> list[dict[str, Any]]:
     """One entry per logical weight: name, type, shape, params, bytes, kind, group, scale stats, code-3 count."""
     tensors = f.tensors
-    names = set(tensors)
-    consumed: set[str] = set()
+    packs = {} if f.format == "gguf" else packed_safetensors(tensors)
+    consumed: set[str] = {a for _, aux in packs.values() for a in aux}
     entries = []
     is_gguf = f.format == "gguf"
     for name, info in tensors.items():
@@ -201,18 +201,16 @@ def _scan_tensors(f, full: bool, problems: list[str], warnings: list[str], path:
                     n = int(np.prod(shape))
                     scales = np.ascontiguousarray(raw[n // 4:n // 4 + 4]).view(np.float32)
                     codes = raw[: n // 4]
-            elif name.endswith(".qweight") and f"{base}.scales" in names:
+            elif packs.get(name, ("",))[0] == "canonical":
                 sc = tensors[f"{base}.scales"]
-                consumed.add(f"{base}.scales")
                 shape = (shape[0], shape[1] * 4)
                 e.update(kind="ternary", type="ternary_rs", shape=list(shape), bytes=int(info.nbytes) + int(sc.nbytes),
                          group_size=shape[1] // max(1, int(sc.shape[1])))
                 scales = np.asarray(f.raw(f"{base}.scales")).view(np.float16)
                 codes = f.raw(name)
                 e["name"] = f"{base}.weight"
-            elif name.endswith(".weight") and typ == "U32" and {f"{base}.scales", f"{base}.biases"} <= names:
+            elif packs.get(name, ("",))[0] == "MLX":
                 sc, bi = tensors[f"{base}.scales"], tensors[f"{base}.biases"]
-                consumed.update((f"{base}.scales", f"{base}.biases"))
                 shape = (shape[0], shape[1] * 16)
                 e.update(kind="ternary", type="MLX", shape=list(shape),
                          bytes=int(info.nbytes) + int(sc.nbytes) + int(bi.nbytes),
@@ -223,9 +221,8 @@ def _scan_tensors(f, full: bool, problems: list[str], warnings: list[str], path:
                     bad = int(np.count_nonzero(scales + biases))
                     problems.append(f"{name}: {bad} MLX groups have bias != -scale (not a ternary pack)")
                 codes = f.raw(name)
-            elif name.endswith(".weight") and typ in ("U8", "I8") and f"{name}_scale" in names:
+            elif packs.get(name, ("",))[0] == "BITNET":
                 sc = tensors[f"{name}_scale"]
-                consumed.add(f"{name}_scale")
                 shape = (shape[0] * 4, shape[1])
                 e.update(kind="ternary", type="BITNET", shape=list(shape), bytes=int(info.nbytes) + int(sc.nbytes))
                 scales = float_of(f, f"{name}_scale", sc.type)

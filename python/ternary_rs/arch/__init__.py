@@ -47,6 +47,7 @@ from typing import Any
 _MODULES = (
     "llama",
     "qwen3",
+    "qwen35",
 )
 
 ARCHES: dict[str, Any] = {}
