@@ -1,12 +1,445 @@
-"""Ternary codecs (placeholder until the codec work lands)."""
+"""Bit-exact ternary codecs and the canonical :class:`TernaryTensor`.
+
+The canonical form (DESIGN.md): a linear weight ``W[N, K]`` is
+
+* ``qweight`` — ``uint8 [N, K/4]``; ``W[n, k]`` is code ``c = t + 1`` in byte ``k // 4`` at bits
+  ``2·(k % 4)`` (least significant first); code 3 is invalid;
+* ``scales`` — ``float16 [N, K/g]``; ``W[n, k] = (c − 1) · scales[n, k // g]``, ``g ∈ {32, 64, 128, 256}``.
+
+Every source format decodes to it (:func:`decode` for a tensor in a file, :func:`decode_bytes` for raw
+buffers) and :func:`encode` writes the GGUF/BitNet/MLX forms back. All heavy work runs in Rust with the
+GIL released, on the pool sized by :func:`ternary_rs.set_num_threads`.
+
+Zero-copy: MLX 2-bit packs *are* canonical bytes — their ``qweight``/``scales`` are views of the source
+arrays (after a read-only validation pass). Block formats (PQ2_0, Q2_0, …) need one pass to strip the
+per-block scales.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import _core
+
+__all__ = [
+    "TernaryTensor",
+    "decode",
+    "decode_bytes",
+    "encode",
+    "pack_codes",
+    "repack",
+    "ternarize",
+    "unpack_codes",
+    "GGUF_FORMATS",
+]
+
+#: GGUF tensor types decoded from their raw tensor bytes alone.
+GGUF_FORMATS = ("TQ1_0", "TQ2_0", "Q2_0", "Q2_0_G128", "PQ2_0", "PTQ1_0", "Q1_0", "I2_S")
+_DENSE_TYPES = ("F16", "BF16", "F32")
+_REFUSED = {"TL1": 38, "TL2": 39}
 
 
-class TernaryTensor:  # replaced by the codec work
-    pass
+def _bf16_numpy_dtype():
+    try:
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    except ImportError:  # pragma: no cover - ml_dtypes is a test dependency
+        return None
 
 
-def _todo(*_a, **_k):
-    raise NotImplementedError("being built")
+def _dtype_name(dtype: Any) -> str:
+    """Normalise a dtype given as str, NumPy dtype, ml_dtypes type or torch.dtype."""
+    if isinstance(dtype, str):
+        key = dtype.lower().removeprefix("torch.")
+    elif _is_torch_dtype(dtype):
+        key = str(dtype).lower().removeprefix("torch.")
+    else:
+        try:
+            key = np.dtype(dtype).name
+        except TypeError:
+            key = str(dtype)
+    aliases = {
+        "float32": "float32", "fp32": "float32", "f32": "float32", "float": "float32",
+        "float16": "float16", "fp16": "float16", "f16": "float16", "half": "float16",
+        "bfloat16": "bfloat16", "bf16": "bfloat16",
+    }
+    if key not in aliases:
+        raise ValueError(f"dequantize dtype must be float32, float16 or bfloat16, not {dtype!r}")
+    return aliases[key]
 
 
-decode = encode = repack = pack_codes = unpack_codes = ternarize = _todo
+def _is_torch_dtype(dtype: Any) -> bool:
+    return type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype"
+
+
+def _as_u8(data: Any) -> np.ndarray:
+    """A flat, C-contiguous uint8 view of bytes / memoryview / NumPy array (copy only if strided)."""
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return np.frombuffer(memoryview(data), dtype=np.uint8)
+
+
+def _scale_bits(scales: np.ndarray) -> np.ndarray:
+    scales = np.asarray(scales)
+    if scales.dtype != np.float16:
+        raise TypeError(f"scales must be float16, got {scales.dtype}")
+    return np.ascontiguousarray(scales).view(np.uint16)
+
+
+def _from_core(result, name: str, *, validate: bool = False) -> "TernaryTensor":
+    qweight, scale_bits, group = result
+    return TernaryTensor(qweight, scale_bits.view(np.float16), group, name=name, validate=validate)
+
+
+class TernaryTensor:
+    """A canonical ternary weight ``W[N, K]``: ``qweight`` uint8 ``[N, K/4]``, ``scales`` float16
+    ``[N, K/g]``.
+
+    The arrays may be read-only views of a memory-mapped file; treat them as immutable. Construction
+    validates (no code 3, finite scales) unless ``validate=False`` (used internally after a decoder that
+    already validated).
+    """
+
+    __slots__ = ("qweight", "scales", "group_size", "name")
+
+    def __init__(self, qweight: np.ndarray, scales: np.ndarray, group_size: int | None = None, *,
+                 name: str = "<tensor>", validate: bool = True):
+        qweight = np.asarray(qweight)
+        scales = np.asarray(scales)
+        if qweight.dtype != np.uint8 or qweight.ndim != 2:
+            raise TypeError(f"qweight must be a 2-D uint8 array [N, K/4], got {qweight.dtype} {qweight.shape}")
+        if scales.dtype != np.float16 or scales.ndim != 2:
+            raise TypeError(f"scales must be a 2-D float16 array [N, K/g], got {scales.dtype} {scales.shape}")
+        rows, cols = qweight.shape[0], qweight.shape[1] * 4
+        if scales.shape[0] != rows or scales.shape[1] == 0 or cols % scales.shape[1]:
+            raise ValueError(f"scales {scales.shape} do not fit qweight {qweight.shape} (K = {cols})")
+        inferred = cols // scales.shape[1]
+        if group_size is not None and group_size != inferred:
+            raise ValueError(f"group_size {group_size} does not match scales {scales.shape} for K = {cols}")
+        if inferred not in (32, 64, 128, 256):
+            raise ValueError(f"group size {inferred} is not one of 32, 64, 128, 256")
+        self.qweight = qweight
+        self.scales = scales
+        self.group_size = inferred
+        self.name = name
+        if validate:
+            _core.validate(*self._args(), tensor=name)
+
+    # -- shape ---------------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(N, K)`` = ``(out_features, in_features)``."""
+        return (self.qweight.shape[0], self.qweight.shape[1] * 4)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.nbytes + self.scales.nbytes
+
+    def _args(self):
+        q = np.ascontiguousarray(self.qweight)
+        s = _scale_bits(self.scales)
+        return q, s, self.shape[0], self.shape[1], self.group_size
+
+    def __repr__(self) -> str:
+        return f"TernaryTensor({self.name!r}, shape={self.shape}, group_size={self.group_size})"
+
+    def equal(self, other: "TernaryTensor") -> bool:
+        """Bitwise equality of codes and scales (same group size)."""
+        return (self.group_size == other.group_size
+                and np.array_equal(self.qweight, other.qweight)
+                and np.array_equal(self.scales.view(np.uint16), other.scales.view(np.uint16)))
+
+    # -- views -----------------------------------------------------------------------------------
+    def trits(self) -> np.ndarray:
+        """int8 ``[N, K]`` with values in {-1, 0, 1}."""
+        return _core.unpack_codes(np.ascontiguousarray(self.qweight))
+
+    def dequantize(self, dtype: Any = "float32"):
+        """Dense ``W = t · scale``. ``dtype``: float32, float16 or bfloat16 (str, NumPy dtype, or a
+        ``torch.dtype`` — then a torch tensor is returned). The product is exact in f32 and rounded
+        once (nearest even) to the output dtype. A NumPy bfloat16 result uses ``ml_dtypes``; without it
+        a torch tensor is returned."""
+        name = _dtype_name(dtype)
+        out = _core.dequantize(*self._args(), dtype=name)
+        want_torch = _is_torch_dtype(dtype)
+        if name == "float32":
+            return _to_torch(out) if want_torch else out
+        if name == "float16":
+            arr = out.view(np.float16)
+            return _to_torch(arr) if want_torch else arr
+        bf16 = _bf16_numpy_dtype()
+        if want_torch or bf16 is None:
+            import torch
+
+            return torch.from_numpy(out).view(torch.bfloat16)
+        return out.view(bf16)
+
+    def to_torch(self):
+        """``(qweight, scales)`` as torch tensors sharing memory with this tensor (no copy)."""
+        return _to_torch(self.qweight), _to_torch(self.scales)
+
+    def regroup(self, group_size: int, requantize: bool = False) -> "TernaryTensor":
+        return repack(self, group_size, requantize=requantize)
+
+
+def _to_torch(arr: np.ndarray):
+    import torch
+
+    with warnings.catch_warnings():
+        # Views of a read-only mapping: torch warns that writing would be undefined; we never write.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+# -- helpers on plain arrays ----------------------------------------------------------------------
+
+def pack_codes(trits: np.ndarray) -> np.ndarray:
+    """int8 trits ``[..., K]`` (values -1, 0, 1) → canonical code bytes uint8 ``[..., K/4]``."""
+    trits = np.asarray(trits)
+    if trits.dtype != np.int8:
+        if not np.issubdtype(trits.dtype, np.integer):
+            raise TypeError(f"trits must be an integer array, got {trits.dtype}")
+        bad = np.flatnonzero((trits < -1) | (trits > 1))
+        if bad.size:
+            raise _core.ValidationError(
+                f"tensor '<trits>': trit outside {{-1, 0, 1}} (first at index {bad[0]}, {bad.size} in total)")
+        trits = trits.astype(np.int8)
+    if trits.ndim == 0 or trits.shape[-1] % 4:
+        raise ValueError(f"the last dimension of trits must be a multiple of 4, got shape {trits.shape}")
+    return _core.pack_codes(np.ascontiguousarray(trits))
+
+
+def unpack_codes(qweight: np.ndarray) -> np.ndarray:
+    """Canonical code bytes uint8 ``[..., K/4]`` → int8 trits ``[..., K]`` (code 3 reads as +2)."""
+    qweight = np.asarray(qweight)
+    if qweight.dtype != np.uint8:
+        raise TypeError(f"qweight must be uint8, got {qweight.dtype}")
+    return _core.unpack_codes(np.ascontiguousarray(qweight))
+
+
+def _rows_cols(shape) -> tuple[int, int]:
+    shape = tuple(int(x) for x in shape)
+    if len(shape) < 2:
+        raise ValueError(f"a ternary weight needs at least 2 dimensions [N, K], got shape {shape}")
+    return int(np.prod(shape[:-1])), shape[-1]
+
+
+def _default_group(cols: int, preferred: int = 128) -> int:
+    if cols % preferred == 0:
+        return preferred
+    for g in (256, 128, 64, 32):
+        if cols % g == 0:
+            return g
+    raise ValueError(f"K = {cols} is not a multiple of any group size (32, 64, 128, 256)")
+
+
+def _float_array(w: Any) -> np.ndarray:
+    """Any float array (NumPy incl. ml_dtypes bfloat16, or torch) → C-contiguous float32 (exact)."""
+    if type(w).__module__.startswith("torch"):
+        w = w.detach().to("cpu").float().numpy()
+    return np.ascontiguousarray(np.asarray(w).astype(np.float32, copy=False))
+
+
+def _dense_bytes(data: Any, dtype: str | None) -> tuple[np.ndarray, str]:
+    if type(data).__module__.startswith("torch"):
+        import torch
+
+        names = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}
+        if data.dtype not in names:
+            raise TypeError(f"dense ternary tensors must be float16, bfloat16 or float32, not {data.dtype}")
+        t = data.detach().to("cpu").contiguous()
+        return t.view(torch.uint8).numpy().reshape(-1), names[data.dtype]
+    if isinstance(data, np.ndarray) and data.dtype != np.uint8:
+        names = {np.dtype(np.float16): "F16", np.dtype(np.float32): "F32"}
+        bf16 = _bf16_numpy_dtype()
+        if bf16 is not None:
+            names[bf16] = "BF16"
+        if data.dtype not in names:
+            raise TypeError(f"dense ternary tensors must be float16, bfloat16 or float32, not {data.dtype}")
+        return _as_u8(data), names[data.dtype]
+    if dtype is None:
+        raise ValueError("raw dense bytes need dtype='F16', 'BF16' or 'F32'")
+    return _as_u8(data), dtype.upper()
+
+
+# -- decoding -------------------------------------------------------------------------------------
+
+def decode_bytes(format: str, data: Any, shape, *, group_size: int | None = None,
+                 requantize: bool = False, weight_scale: Any = None, linear_class: str | None = None,
+                 scales: np.ndarray | None = None, biases: np.ndarray | None = None,
+                 dtype: str | None = None, name: str = "<bytes>") -> TernaryTensor:
+    """Decode one tensor from raw data.
+
+    ``format``: a GGUF type (``TQ1_0 TQ2_0 Q2_0 Q2_0_G128 PQ2_0 PTQ1_0 Q1_0 I2_S``; ``data`` = the tensor's
+    bytes, ``shape`` = PyTorch ``[N, K]``), ``"BITNET"`` (``data`` = uint8 ``[N/4, K]``, ``shape`` = the
+    unpacked ``[N, K]``, plus ``weight_scale`` and ``linear_class``), ``"MLX"`` (``data`` = uint32
+    ``[N, K/16]``, plus fp16 ``scales``/``biases``; zero-copy), or ``"DENSE"``/``F16``/``BF16``/``F32``
+    (``data`` = a float array, or raw bytes with ``dtype``).
+
+    ``group_size``: the canonical group size wanted (default: the format's own; 128 for dense; the
+    largest dividing K for per-tensor formats). Merging to a larger group is refused unless lossless or
+    ``requantize=True``.
+    """
+    fmt = format.upper()
+    if fmt in _REFUSED:
+        raise _core.UnsupportedTypeError(
+            f"tensor '{name}': bitnet.cpp {fmt} (GGUF type {_REFUSED[fmt]}) is a kernel-tiled LUT layout tied to one "
+            f"model's kernel_config.ini and cannot be decoded portably; supported: {', '.join(GGUF_FORMATS)}, "
+            "BITNET, MLX, DENSE")
+    rows, cols = _rows_cols(shape)
+    if fmt in GGUF_FORMATS:
+        out = _core.decode_gguf(fmt, _as_u8(data), rows, cols, group_size, requantize, tensor=name)
+        return _from_core(out, name)
+    if fmt == "BITNET":
+        if weight_scale is None:
+            raise ValueError(f"tensor '{name}': BitNet decoding needs the companion weight_scale")
+        ws = _float_array(weight_scale).reshape(-1)
+        if ws.size != 1:
+            raise _core.ValidationError(
+                f"tensor '{name}': BitNet weight_scale must hold one value, got {ws.size} "
+                "(first at index 1, {} in total)".format(ws.size - 1))
+        out = _core.decode_bitnet(_as_u8(data), rows, cols, float(ws[0]), linear_class, group_size, tensor=name)
+        return _from_core(out, name)
+    if fmt == "MLX":
+        if scales is None or biases is None:
+            raise ValueError(f"tensor '{name}': MLX decoding needs the companion scales and biases")
+        weight = np.asarray(data)
+        if weight.dtype not in (np.dtype("<u4"), np.dtype(np.uint8)):
+            if weight.dtype.kind != "u" or weight.dtype.itemsize != 4:
+                raise TypeError(f"tensor '{name}': MLX 2-bit weight must be uint32, got {weight.dtype}")
+            weight = weight.astype("<u4")  # big-endian words: the one case that needs a copy
+        w8 = np.ascontiguousarray(weight).reshape(-1).view(np.uint8)
+        s = np.asarray(scales)
+        b = np.asarray(biases)
+        g = _core.validate_mlx(w8, _scale_bits(s), _scale_bits(b), rows, cols, tensor=name)
+        tensor = TernaryTensor(w8.reshape(rows, cols // 4), np.ascontiguousarray(s).reshape(rows, cols // g), g,
+                               name=name, validate=False)
+        if group_size is not None and group_size != g:
+            return repack(tensor, group_size, requantize=requantize)
+        return tensor
+    if fmt in ("DENSE",) + _DENSE_TYPES:
+        raw, dt = _dense_bytes(data, dtype or (fmt if fmt != "DENSE" else None))
+        g = group_size or _default_group(cols)
+        return _from_core(_core.recover_dense(raw, dt, rows, cols, g, tensor=name), name)
+    raise _core.UnsupportedTypeError(
+        f"tensor '{name}': unsupported format {format!r}; supported: {', '.join(GGUF_FORMATS)}, BITNET, MLX, DENSE")
+
+
+def _companion(name: str, suffix: str) -> str:
+    base = name[: -len("weight")] if name.endswith("weight") else name + "."
+    return base + suffix
+
+
+def _linear_class_from(config: Mapping | None) -> str | None:
+    if not config:
+        return None
+    qc = config.get("quantization_config") or {}
+    return qc.get("linear_class")
+
+
+def decode(file_or_path: Any, name: str, *, group_size: int | None = None, format: str | None = None,
+           linear_class: str | None = None, requantize: bool = False) -> TernaryTensor:
+    """Decode tensor ``name`` of a file opened with :func:`ternary_rs.open` (or a path to one).
+
+    The format comes from the tensor's type unless ``format`` overrides it. Companion tensors are
+    found by name: BitNet ``<prefix>.weight_scale`` (uint8 weights), MLX ``<prefix>.scales`` and
+    ``<prefix>.biases`` (uint32 weights). BitNet's scale convention comes from the checkpoint's
+    ``quantization_config.linear_class`` (default ``bitlinear``: reciprocal) unless ``linear_class``
+    overrides it.
+    """
+    f = file_or_path
+    if isinstance(f, (str, os.PathLike)):
+        from .io import open as _open
+
+        f = _open(f)
+    try:
+        info = f.tensors[name]
+    except KeyError:
+        raise KeyError(f"no tensor named {name!r} in {getattr(f, 'path', f)!r}") from None
+    kind = (format or info.type).upper()
+    shape = tuple(info.shape)
+    if kind in _REFUSED or kind in GGUF_FORMATS:
+        return decode_bytes(kind, f.raw(name), shape, group_size=group_size, requantize=requantize, name=name)
+    if kind in ("U8", "BITNET"):
+        scale_name = _companion(name, "weight_scale")
+        if scale_name not in f.tensors:
+            raise _core.UnsupportedTypeError(
+                f"tensor '{name}': uint8 weight without a companion '{scale_name}' is not a BitNet pack")
+        rows, cols = _rows_cols(shape)
+        lc = linear_class or _linear_class_from(getattr(f, "config", None))
+        return decode_bytes("BITNET", f.raw(name), (rows * 4, cols), group_size=group_size,
+                            requantize=requantize, weight_scale=f.tensor(scale_name), linear_class=lc, name=name)
+    if kind in ("U32", "MLX"):
+        s_name, b_name = _companion(name, "scales"), _companion(name, "biases")
+        if s_name not in f.tensors or b_name not in f.tensors:
+            raise _core.UnsupportedTypeError(
+                f"tensor '{name}': uint32 weight without companions '{s_name}' and '{b_name}' is not an MLX pack")
+        rows, cols = _rows_cols(shape)
+        return decode_bytes("MLX", f.tensor(name), (rows, cols * 16), group_size=group_size,
+                            requantize=requantize, scales=f.tensor(s_name), biases=f.tensor(b_name), name=name)
+    if kind in _DENSE_TYPES or kind == "DENSE":
+        dt = info.type.upper() if info.type.upper() in _DENSE_TYPES else None
+        return decode_bytes("DENSE", f.raw(name), shape, group_size=group_size, dtype=dt, name=name)
+    raise _core.UnsupportedTypeError(
+        f"tensor '{name}': type {info.type} is not a ternary format; supported: {', '.join(GGUF_FORMATS)}, "
+        "U8 (+weight_scale, BitNet), U32 (+scales/biases, MLX), F16/BF16/F32 (dense ternary)")
+
+
+# -- encoding and regrouping ----------------------------------------------------------------------
+
+def encode(tensor: TernaryTensor, format: str, *, requantize: bool = False, linear_class: str | None = None):
+    """Encode a canonical tensor.
+
+    GGUF types → ``np.ndarray`` uint8 (the GGUF tensor data bytes). The tensor is first regrouped to
+    the format's block size (TQ*_0: 256, Q2_0: 64, PQ2_0/PTQ1_0/Q2_0_G128/Q1_0: 128) — refused if that
+    would lose information, unless ``requantize``. ``"BITNET"`` → ``{"weight": uint8 [N/4, K],
+    "weight_scale": float32 [1]}`` (all scales must be equal); ``"MLX"`` → ``{"weight": uint32
+    [N, K/16], "scales", "biases"}`` (views of this tensor's arrays).
+    """
+    fmt = format.upper()
+    args = tensor._args()
+    if fmt in GGUF_FORMATS:
+        return _core.encode_gguf(fmt, *args, requantize=requantize, tensor=tensor.name)
+    if fmt == "BITNET":
+        packed, ws = _core.encode_bitnet(*args, linear_class=linear_class, tensor=tensor.name)
+        return {"weight": packed, "weight_scale": np.array([ws], dtype=np.float32)}
+    if fmt == "MLX":
+        rows, cols = tensor.shape
+        q = np.ascontiguousarray(tensor.qweight)
+        return {"weight": q.reshape(-1).view("<u4").reshape(rows, cols // 16),
+                "scales": tensor.scales, "biases": -tensor.scales}
+    raise _core.UnsupportedTypeError(
+        f"tensor '{tensor.name}': cannot encode to {format!r}; supported: {', '.join(GGUF_FORMATS)}, BITNET, MLX")
+
+
+def repack(tensor: TernaryTensor, group_size: int, requantize: bool = False) -> TernaryTensor:
+    """Change the group size: to a divisor, lossless (scales repeat); to a multiple, only when every
+    merged sub-group holding a nonzero trit has the same scale — else ``ValidationError`` unless
+    ``requantize`` (re-ternarize the dequantized weights at the new group size with absmax)."""
+    if group_size == tensor.group_size:
+        return tensor
+    out = _core.regroup(*tensor._args(), group_size, requantize, tensor=tensor.name)
+    return _from_core(out, tensor.name)
+
+
+def ternarize(w: Any, group_size: int = 128, method: str = "absmax", *, per_tensor: bool = False,
+              name: str = "<tensor>") -> TernaryTensor:
+    """Post-training ternarization of dense weights ``[..., K]`` (NumPy or torch, any float dtype).
+
+    * ``absmax`` (Bonsai / ternary-qat): ``a = max(amax|group|, 1e-8)``, ``t = round(clamp(w/a, -1, 1))``.
+    * ``absmean`` (BitNet): ``s = max(mean|group|, 1e-5)`` (or over the whole tensor with
+      ``per_tensor=True``), ``t = clamp(round(w/s), -1, 1)``.
+
+    ``round`` is half-to-even in f32 and ``t`` is decided against the f32 scale (matching those
+    libraries' trits); the stored scale is ``fp16(scale)``, so ``dequantize()`` is exactly
+    ``t · fp16(scale)``.
+    """
+    arr = _float_array(w)
+    rows, cols = _rows_cols(arr.shape)
+    out = _core.ternarize(arr.reshape(rows, cols), rows, cols, group_size, method, per_tensor, tensor=name)
+    return _from_core(out, name)
