@@ -436,6 +436,8 @@ def write_mlx_pack(m: Bonsai2Tiny, out_dir: Path) -> Path:
             x = m.dense[name]
             if name.endswith("conv1d.weight"):
                 x = np.transpose(x, (0, 2, 1))  # MLX conv1d weight is [C, K, 1]
+            elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+                x = x + 1.0  # mlx-lm's Qwen3.5 sanitize stores the (1 + w) norms shifted [guess, as llama.cpp]
             tensors[mlx] = np.ascontiguousarray(x.astype(np.float16))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "mlx"})
     text = {k: v for k, v in m.config.items() if k not in ("architectures", "transformers_version", "dtype")}

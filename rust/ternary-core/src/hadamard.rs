@@ -261,7 +261,38 @@ pub fn fwht_block_reference(block: &mut [f32]) {
 }
 
 /// Fast unnormalized transform of one block in place; bit-identical to [`fwht_block_reference`].
+///
+/// The butterflies are only additions and subtractions, so the AVX-512 / AVX2 builds of the same code
+/// (picked at run time) give the same bits as the baseline build.
 pub fn fwht_block(block: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F (checked just above).
+            return unsafe { fwht_block_avx512(block) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2 (checked just above).
+            return unsafe { fwht_block_avx2(block) };
+        }
+    }
+    fwht_block_portable(block)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn fwht_block_avx512(block: &mut [f32]) {
+    fwht_block_portable(block)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn fwht_block_avx2(block: &mut [f32]) {
+    fwht_block_portable(block)
+}
+
+#[inline(always)]
+fn fwht_block_portable(block: &mut [f32]) {
     let n = block.len();
     if n < 8 {
         fwht_block_reference(block);
