@@ -15,6 +15,8 @@ use crate::errors::to_py;
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fwht, m)?)?;
     m.add_function(wrap_pyfunction!(gdn_tiled_to_grouped, m)?)?;
+    #[cfg(feature = "cuda")]
+    m.add_function(wrap_pyfunction!(fwht_cuda, m)?)?;
     m.add("HADAMARD_MAX_BLOCK_SIZE", hadamard::MAX_BLOCK_SIZE)?;
     Ok(())
 }
@@ -126,4 +128,83 @@ fn fwht(
 #[pyfunction]
 fn gdn_tiled_to_grouped(num_v_heads: usize, num_k_heads: usize, unit: usize) -> PyResult<Vec<u32>> {
     hadamard::gdn_tiled_to_grouped(num_v_heads, num_k_heads, unit).map_err(to_py)
+}
+
+#[cfg(feature = "cuda")]
+mod cuda_ffi {
+    use std::ffi::c_void;
+
+    // cuda/fwht.h (compiled and linked by the ternary-cuda build script).
+    extern "C" {
+        #[allow(clippy::too_many_arguments)]
+        pub fn ternary_cuda_fwht(
+            input: *const c_void,
+            output: *mut c_void,
+            rows: i64,
+            width: i64,
+            block_size: i32,
+            dtype: i32,
+            signs: *const f32,
+            gather: *const i32,
+            inverse: i32,
+            stream: *mut c_void,
+        ) -> i32;
+    }
+}
+
+/// Enqueue the CUDA FWHT on `stream` (raw device pointers from `tensor.data_ptr()`; 0 = absent).
+/// `dtype` is "bfloat16", "float16" or "float32". Only enqueues: no synchronisation, graph-capturable.
+#[cfg(feature = "cuda")]
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn fwht_cuda(
+    input_ptr: u64,
+    output_ptr: u64,
+    rows: i64,
+    width: i64,
+    block_size: i32,
+    dtype: &str,
+    inverse: bool,
+    signs_ptr: u64,
+    gather_ptr: u64,
+    stream: u64,
+) -> PyResult<()> {
+    use pyo3::exceptions::PyRuntimeError;
+    use std::ffi::c_void;
+
+    let code = match dtype {
+        "bfloat16" => 0,
+        "float16" => 1,
+        "float32" => 2,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "fwht_cuda: unsupported dtype {other:?}; supported: bfloat16, float16, float32"
+            )))
+        }
+    };
+    // SAFETY: the pointers come from live torch tensors of the sizes given (checked by the Python
+    // caller); the launcher validates sizes and only enqueues work on `stream`.
+    let rc = unsafe {
+        cuda_ffi::ternary_cuda_fwht(
+            input_ptr as *const c_void,
+            output_ptr as *mut c_void,
+            rows,
+            width,
+            block_size,
+            code,
+            signs_ptr as *const f32,
+            gather_ptr as *const i32,
+            i32::from(inverse),
+            stream as *mut c_void,
+        )
+    };
+    match rc {
+        0 => Ok(()),
+        rc if rc < 0 => Err(PyValueError::new_err(format!(
+            "fwht_cuda: invalid arguments (code {rc}; see cuda/fwht.h): rows {rows}, width {width}, block {block_size}"
+        ))),
+        rc => Err(PyRuntimeError::new_err(format!(
+            "fwht_cuda: CUDA launch failed with cudaError {rc}"
+        ))),
+    }
 }

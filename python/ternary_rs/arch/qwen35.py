@@ -1,0 +1,565 @@
+"""``qwen35`` — Ternary-Bonsai-2 ("Bonsai 2"): PrismML's Qwen3.5 hybrid GGUF and its MLX pack → vLLM.
+
+Sources (FORMATS.md §1.3.4–1.3.6, §1.4(c)):
+
+* a GGUF with ``general.architecture = qwen35``, ternary PQ2_0 / PTQ1_0 tensors and ``prism.hadamard.*``;
+* an MLX directory with ``model_type: prism_hadamard_qwen35`` + ``hadamard.json``.
+
+Output: a checkpoint for vLLM's text-only ``Qwen3_5ForCausalLM`` (``model_type: qwen3_5_text``) in
+Hugging Face names (``model.layers.N.linear_attn.in_proj_qkv`` …; vLLM fuses q/k/v, gate/up, qkv/z and
+b/a itself through its ``packed_modules_mapping``). What the GGUF stores differently is undone here:
+
+* norms are stored as ``w + 1`` (except ``ssm_norm``): ``w = stored − 1``;
+* ``ssm_a`` is ``A = −exp(A_log)``: ``A_log = log(−A)``;
+* the GDN value heads of ``attn_qkv`` (V rows), ``attn_gate``, ``ssm_alpha/beta``, ``ssm_dt``, ``ssm_a`` and the
+  conv1d V channels are in llama.cpp's *tiled* order: rows are gathered back into HF's *grouped* order;
+* ``ssm_conv1d`` ``[C, K]`` becomes ``[C, 1, K]``.
+
+The rotation stays in the weights (they are exactly ternary only in the rotated basis) and is described in
+``quantization_config["hadamard"]`` (:class:`ternary_rs.hadamard.HadamardSpec`): the vLLM backend applies
+``x → [GDN permutation] → ·s → FWHT`` before each listed layer and ``FWHT → ·s`` to embedding rows. A listed
+weight that is stored dense (float) is un-rotated here instead (``W = W'·H·D``) and dropped from the list.
+``ssm_out`` was rotated in the *grouped* head basis (``gdn_v_grouped = true``), which is the activation order
+vLLM uses, so it needs no permutation in vLLM; a file saying ``false`` gets the grouped → tiled gather.
+
+A ``qwen35`` GGUF without ``prism.hadamard.*`` is taken as an ordinary (unrotated) model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._core import FormatError, UnsupportedTypeError, ValidationError
+from .. import hadamard as H
+
+# GGUF tensor kind → HF module (inside ``model.layers.N.``), the suffixes PrismML's qwen35 files use.
+BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_out": "linear_attn.out_proj",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+}
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LINEAR_MODULES = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+)
+GGUF_TERNARY_TYPES = ("PQ2_0", "PTQ1_0", "TQ2_0", "TQ1_0", "Q2_0")
+FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bfloat16"}
+HF_ARCHITECTURE = "Qwen3_5ForCausalLM"
+HF_MODEL_TYPE = "qwen3_5_text"
+MLX_MODEL_TYPE = "prism_hadamard_qwen35"
+MLX_PREFIX = "language_model."
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+
+
+class Qwen35Arch:
+    """Registry entry (see :mod:`ternary_rs.arch`); conversion goes through :meth:`write_vllm_checkpoint`."""
+
+    gguf_arch = "qwen35"
+    hf_model_types = (MLX_MODEL_TYPE,)
+    hf_architectures = ()
+    default_tokenizer_pre = "qwen2"
+
+    # ---- names (also used by the generic tools, e.g. `inspect`) -----------------------------------------
+    def hf_name(self, gguf_name: str, n_blocks: int | None = None) -> str | None:
+        return gguf_to_hf(gguf_name)
+
+    def gguf_name(self, hf_name: str, n_blocks: int | None = None) -> str | None:
+        rev = {v: k for k, v in BLOCK_TENSORS.items()}
+        m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf_name)
+        if m and m.group(2) in rev:
+            return f"blk.{m.group(1)}.{rev[m.group(2)]}.{m.group(3)}"
+        for g, h in GLOBAL_TENSORS.items():
+            if hf_name == h + ".weight":
+                return g + ".weight"
+        m = re.match(r"^model\.layers\.(\d+)\.linear_attn\.(A_log|dt_bias)$", hf_name)
+        if m:
+            return f"blk.{m.group(1)}." + ("ssm_a" if m.group(2) == "A_log" else "ssm_dt.bias")
+        return None
+
+    def ternary_candidate(self, hf_name: str, shape) -> bool:
+        return len(shape) == 2 and (
+            hf_name.endswith(tuple(f"{m}.weight" for m in LINEAR_MODULES))
+            or hf_name in ("model.embed_tokens.weight", "lm_head.weight")
+        )
+
+    def rows_from_gguf(self, hf_name, config, n_rows):
+        return None  # the qwen35 hook applies its own (GDN) permutations
+
+    def rows_to_gguf(self, hf_name, config, n_rows):
+        return None
+
+    def n_blocks_from_gguf(self, metadata: dict, arch: str) -> int:
+        return int(metadata.get(f"{arch}.block_count", 0))
+
+    def config_fixups_from_gguf(self, config: dict, metadata: dict) -> None:
+        return None
+
+    def gguf_hparams(self, writer, config: dict) -> None:
+        raise UnsupportedTypeError(
+            "writing a qwen35 GGUF from a Hugging Face checkpoint is not supported (convert GGUF → vLLM instead)"
+        )
+
+    # ---- the conversion ---------------------------------------------------------------------------------
+    def write_vllm_checkpoint(self, src, out_dir: Path, options) -> None:
+        if getattr(src, "format", None) == "gguf":
+            plan = _plan_from_gguf(src, options)
+        else:
+            plan = _plan_from_mlx(src, options)
+        _write(plan, Path(out_dir), options)
+
+
+def gguf_to_hf(name: str) -> str:
+    """HF name of a Prism qwen35 GGUF tensor (``KeyError`` for an unknown name)."""
+    for g, h in GLOBAL_TENSORS.items():
+        if name == g + ".weight":
+            return h + ".weight"
+    m = _BLOCK_RE.match(name)
+    if m:
+        layer, kind, suffix = m.groups()
+        if kind == "ssm_a" and suffix == "weight":
+            return f"model.layers.{layer}.linear_attn.A_log"
+        if kind == "ssm_dt" and suffix == "bias":
+            return f"model.layers.{layer}.linear_attn.dt_bias"
+        if kind in BLOCK_TENSORS:
+            return f"model.layers.{layer}.{BLOCK_TENSORS[kind]}.{suffix}"
+    if re.match(r"^blk\.\d+\.ssm_a$", name):
+        return "model.layers.%s.linear_attn.A_log" % name.split(".")[1]
+    raise KeyError(f"qwen35 GGUF tensor {name!r} has no Hugging Face counterpart this converter knows")
+
+
+def vperm(num_v_heads: int, num_k_heads: int, unit: int) -> np.ndarray:
+    """Row gather turning llama.cpp's tiled V-head order into HF's grouped one (FORMATS.md §1.3.6)."""
+    return H.gdn_tiled_to_grouped(num_v_heads, num_k_heads, unit)
+
+
+# --------------------------------------------------------------------------------------------------------
+# A conversion plan: config + one entry per output tensor
+# --------------------------------------------------------------------------------------------------------
+
+
+class _Plan:
+    def __init__(self, source: str):
+        self.source = source
+        self.config: dict[str, Any] = {}
+        self.group_size = 128
+        self.ternary: dict[str, Any] = {}  # HF module → callable() -> (qweight u8 [N,K/4], scales f16 [N,K/g])
+        self.ternary_shape: dict[str, tuple[int, int]] = {}
+        self.dense: dict[str, tuple[Any, str, tuple[int, ...]]] = {}  # HF tensor → (callable, dtype, shape)
+        self.spec: H.HadamardSpec | None = None
+        self.tokenizer_writer = None
+        self.generation_config: dict[str, Any] = {}
+
+
+def _float_array(src, info) -> np.ndarray:
+    raw = np.asarray(src.raw(info.name))
+    if info.type == "F32":
+        a = raw.view("<f4")
+    elif info.type == "F16":
+        a = raw.view("<f2").astype(np.float32)
+    elif info.type == "BF16":
+        a = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    else:
+        raise UnsupportedTypeError(
+            f"{info.file}: tensor '{info.name}': type {info.type} is neither ternary nor float "
+            f"(supported: {sorted(GGUF_TERNARY_TYPES)} and {sorted(FLOAT_TYPES)})"
+        )
+    return a.reshape(tuple(int(d) for d in info.shape)).astype(np.float32, copy=False)
+
+
+def _v_rows(hf: str, cfg: dict) -> np.ndarray | None:
+    """Row gather (tiled → grouped) for GDN V-side tensors, ``None`` for everything else."""
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    if hf.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight")):
+        qk = 2 * nk * dk
+        return np.concatenate([np.arange(qk), qk + vperm(nv, nk, dv)])
+    if hf.endswith("linear_attn.in_proj_z.weight"):
+        return vperm(nv, nk, dv)
+    if hf.endswith(("linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight",
+                    "linear_attn.A_log", "linear_attn.dt_bias")):
+        return vperm(nv, nk, 1)
+    return None
+
+
+def _config_from_gguf(md: dict, tensors: dict, path: str) -> dict:
+    a = "qwen35"
+
+    def get(key, default=None):
+        v = md.get(f"{a}.{key}", default)
+        if v is None:
+            raise FormatError(f"{path}: GGUF metadata key '{a}.{key}' is missing (needed for config.json)")
+        return v
+
+    n_layers = int(get("block_count"))
+    hidden = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length"))
+    nv = int(get("ssm.time_step_rank"))
+    nk = int(get("ssm.group_count"))
+    inner = int(get("ssm.inner_size"))
+    if nv <= 0 or nk <= 0 or inner % nv or nv % nk:
+        raise FormatError(f"{path}: inconsistent GDN sizes: inner {inner}, value heads {nv}, key heads {nk}")
+    layer_types = [
+        "full_attention" if f"blk.{i}.attn_q.weight" in tensors else "linear_attention" for i in range(n_layers)
+    ]
+    rope_dims = int(get("rope.dimension_count", head_dim))
+    sections = [int(s) for s in md.get(f"{a}.rope.dimension_sections", [])][:3]
+    rope: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "partial_rotary_factor": rope_dims / head_dim,
+    }
+    if sections and any(sections):
+        rope["mrope_section"] = sections
+        rope["mrope_interleaved"] = True
+    vocab = int(tensors["token_embd.weight"].shape[0])
+    md_eos = md.get("tokenizer.ggml.eos_token_id")
+    return {
+        "architectures": [HF_ARCHITECTURE],
+        "model_type": HF_MODEL_TYPE,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": int(get("attention.head_count")),
+        "num_key_value_heads": int(get("attention.head_count_kv")),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(get("context_length")),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "rope_parameters": rope,
+        "attention_bias": False,
+        "linear_conv_kernel_dim": int(get("ssm.conv_kernel")),
+        "linear_key_head_dim": int(get("ssm.state_size")),
+        "linear_value_head_dim": inner // nv,
+        "linear_num_key_heads": nk,
+        "linear_num_value_heads": nv,
+        "layer_types": layer_types,
+        "eos_token_id": None if md_eos is None else int(md_eos),
+        "pad_token_id": None if md.get("tokenizer.ggml.padding_token_id") is None
+        else int(md["tokenizer.ggml.padding_token_id"]),
+        "bos_token_id": None,
+        "dtype": "bfloat16",
+    }
+
+
+def _group_size(requested: int | None, native: set[int], where: str) -> int:
+    """The checkpoint's group size: the requested one, or the source's smallest native group."""
+    if requested is None:
+        return min(native) if native else 128
+    if any(g < requested for g in native):
+        raise ValidationError(
+            f"{where}: group size {requested} is larger than the source's native groups {sorted(native)}; "
+            "that would requantize the weights"
+        )
+    return requested
+
+
+def _gdn_permute_for(cfg: dict, grouped: bool):
+    def f(module: str) -> H.GdnPermute | None:
+        if grouped or not module.endswith("linear_attn.out_proj"):
+            return None
+        return H.GdnPermute("grouped", "tiled", cfg["linear_num_value_heads"], cfg["linear_num_key_heads"],
+                            cfg["linear_value_head_dim"])
+    return f
+
+
+def _plan_from_gguf(src, options) -> _Plan:
+    from ..tensor import decode, repack
+
+    path = str(getattr(src, "path", "") or "qwen35 GGUF")
+    md = dict(src.metadata)
+    tensors = dict(src.tensors)
+    plan = _Plan(path)
+    cfg = plan.config = _config_from_gguf(md, tensors, path)
+    native = set()
+    kinds = {}
+    for name, info in tensors.items():
+        hf = gguf_to_hf(name)
+        kinds[name] = hf
+        if info.type in GGUF_TERNARY_TYPES:
+            native.add(128 if info.type in ("PQ2_0", "PTQ1_0", "Q2_0") else 256)
+    g = plan.group_size = _group_size(options.group_size, native, path)
+
+    for name, info in tensors.items():
+        hf = kinds[name]
+        shape = tuple(int(d) for d in info.shape)
+        rows = _v_rows(hf, cfg)
+        if info.type in GGUF_TERNARY_TYPES:
+            if len(shape) != 2 or shape[1] % g:
+                raise ValidationError(f"{path}: tensor '{name}' {shape}: K is not a multiple of group size {g}")
+
+            def produce(name=name, rows=rows):
+                t = decode(src, name)
+                if t.group_size != g:
+                    t = repack(t, g)
+                q, s = np.asarray(t.qweight), np.asarray(t.scales)
+                if rows is not None:
+                    q, s = q[rows], s[rows]
+                return np.ascontiguousarray(q), np.ascontiguousarray(s).view(np.float16)
+
+            module = hf[: -len(".weight")]
+            plan.ternary[module] = produce
+            plan.ternary_shape[module] = shape
+            continue
+
+        def dense(name=name, info=info, hf=hf, rows=rows):
+            x = _float_array(src, info)
+            if hf.endswith("norm.weight") and not hf.endswith("linear_attn.norm.weight"):
+                x = x - 1.0
+            elif hf.endswith("linear_attn.A_log"):
+                if np.any(x >= 0):
+                    raise ValidationError(f"{path}: tensor '{name}': ssm_a must be negative (A = -exp(A_log))")
+                x = np.log(-x)
+            if rows is not None:
+                x = x[rows]
+            if hf.endswith("conv1d.weight"):
+                x = x.reshape(x.shape[0], 1, -1)
+            return x
+
+        out_shape = shape if not hf.endswith("conv1d.weight") else (shape[0], 1, shape[1])
+        plan.dense[hf] = (dense, "F32", out_shape)
+
+    prism = H.prism_keys(md)
+    if prism:
+        width_of = {}
+        for name, hf in kinds.items():
+            if hf.endswith(".weight") and len(tensors[name].shape) == 2:
+                width_of[name] = (hf[: -len(".weight")], int(tensors[name].shape[1]))
+        grouped = prism.get("gdn_v_grouped")
+        listed = prism.get("weight_names") or []
+        if grouped is None and any(str(n).endswith("ssm_out.weight") for n in listed):
+            raise ValidationError(
+                f"{path}: prism.hadamard.gdn_v_grouped is missing, so the head order ssm_out was rotated in "
+                "is unknown; refusing rather than guessing"
+            )
+        plan.spec = H.HadamardSpec.from_prism(
+            prism, width_of.get, _gdn_permute_for(cfg, bool(grouped) if grouped is not None else True), path
+        )
+    plan.spec = _fold_dense_rotations(plan)
+
+    def tokenizer(out_dir: Path):
+        from ..hf_gguf import generation_config_from_gguf, tokenizer_from_gguf
+
+        tokenizer_from_gguf(None, md, out_dir)
+        gen = generation_config_from_gguf(md)
+        gen.setdefault("do_sample", False)
+        (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+    plan.tokenizer_writer = tokenizer
+    return plan
+
+
+def _fold_dense_rotations(plan: _Plan) -> H.HadamardSpec | None:
+    """Un-rotate listed weights that are stored dense (no ternary structure to keep) and drop them."""
+    spec = plan.spec
+    if spec is None:
+        return None
+    layers = dict(spec.layers)
+    inverse = list(spec.inverse_embeddings)
+    for module in list(layers) + inverse:
+        w = module + ".weight"
+        if w not in plan.dense:
+            if module not in plan.ternary:
+                raise ValidationError(f"{plan.source}: rotated weight '{module}' is missing from the file")
+            continue
+        produce, dtype, shape = plan.dense[w]
+        width = shape[-1]
+        signs = spec.signs.get(width)
+        if signs is None:
+            raise ValidationError(f"{plan.source}: '{module}' has width {width}, no sign vector of that width")
+        if module in layers and layers[module][1] is not None:
+            raise ValidationError(f"{plan.source}: '{module}' needs a GDN permutation but is stored dense")
+
+        def unrotated(produce=produce, signs=signs, block=spec.block_size):
+            x = produce()
+            return H.reference_transform(x, block, signs, inverse=True).astype(np.float32)
+
+        plan.dense[w] = (unrotated, dtype, shape)
+        layers.pop(module, None)
+        if module in inverse:
+            inverse.remove(module)
+    if not layers and not inverse:
+        return None
+    return H.HadamardSpec(spec.block_size, dict(spec.signs), layers, tuple(inverse), source=spec.source)
+
+
+def _plan_from_mlx(src, options) -> _Plan:
+    root = Path(getattr(src, "path", src))
+    root = root if root.is_dir() else root.parent
+    where = str(root)
+    cfg_all = json.loads((root / "config.json").read_text())
+    if cfg_all.get("model_type") != MLX_MODEL_TYPE:
+        raise UnsupportedTypeError(f"{where}/config.json: model_type {cfg_all.get('model_type')!r} is not "
+                                   f"{MLX_MODEL_TYPE!r}")
+    quant = cfg_all.get("quantization") or {}
+    if quant.get("bits") != 2 or quant.get("mode", "affine") != "affine":
+        raise UnsupportedTypeError(f"{where}: MLX quantization {quant} is not 2-bit affine")
+    if cfg_all.get("gdn_activation_layout", "grouped") != "grouped":
+        raise UnsupportedTypeError(f"{where}: gdn_activation_layout {cfg_all.get('gdn_activation_layout')!r}")
+    native = int(quant.get("group_size", 128))
+    plan = _Plan(where)
+    text = dict(cfg_all.get("text_config") or {})
+    if not text:
+        raise FormatError(f"{where}/config.json: no text_config")
+    text.pop("transformers_version", None)
+    text["model_type"] = HF_MODEL_TYPE
+    text["architectures"] = [HF_ARCHITECTURE]
+    text.setdefault("dtype", "bfloat16")
+    plan.config = text
+    g = plan.group_size = _group_size(options.group_size, {native}, where)
+    if g != native:
+        raise ValidationError(f"{where}: MLX packs convert at their native group size {native}, not {g}")
+    tensors = dict(src.tensors)
+    had_name = cfg_all.get("hadamard_config", "hadamard.json")
+    had = json.loads((root / had_name).read_text())
+
+    def hf_of(name: str) -> str:
+        if not name.startswith(MLX_PREFIX):
+            raise FormatError(f"{where}: tensor '{name}' is outside the '{MLX_PREFIX}' namespace")
+        return name[len(MLX_PREFIX):]
+
+    pack_signs: dict[str, str] = {}
+    for name, info in tensors.items():
+        if name.endswith(".signs"):
+            pack_signs[hf_of(name)[: -len(".signs")]] = name
+            continue
+        base = name.rsplit(".", 1)[0]
+        if name.endswith((".scales", ".biases")) and f"{base}.weight" in tensors and \
+                tensors[f"{base}.weight"].type == "U32":
+            continue
+        hf = hf_of(name)
+        if name.endswith(".weight") and info.type == "U32":
+            n, k = int(info.shape[0]), int(info.shape[1]) * 16
+
+            def produce(name=name, base=base, n=n, k=k):
+                words = np.ascontiguousarray(np.asarray(src.raw(name))).view("<u4").reshape(n, k // 16)
+                scales = np.asarray(src.raw(base + ".scales")).view("<f2").reshape(n, k // native)
+                biases = np.asarray(src.raw(base + ".biases")).view("<f2").reshape(n, k // native)
+                bad = np.flatnonzero((scales.astype(np.float32) + biases.astype(np.float32)).ravel() != 0)
+                if bad.size:
+                    raise ValidationError(
+                        f"{where}: tensor '{base}': bias != -scale at group {bad[0]} ({bad.size} groups): "
+                        "not a ternary pack"
+                    )
+                # 16 codes per little-endian uint32, LSB first == 4 canonical bytes of 4 codes each.
+                return np.ascontiguousarray(words.view(np.uint8)), np.ascontiguousarray(scales)
+
+            module = hf[: -len(".weight")]
+            plan.ternary[module] = produce
+            plan.ternary_shape[module] = (n, k)
+            continue
+        shape = tuple(int(d) for d in info.shape)
+
+        def dense(name=name, info=info, hf=hf, shape=shape):
+            raw = np.asarray(src.raw(name))
+            x = _float_array(src, info) if info.type in FLOAT_TYPES else raw
+            if hf.endswith("conv1d.weight") and x.ndim == 3 and x.shape[2] == 1:
+                x = np.transpose(x, (0, 2, 1))  # MLX [C, K, 1] → HF [C, 1, K]
+            if hf.endswith("norm.weight") and not hf.endswith("linear_attn.norm.weight"):
+                x = x - 1.0  # mlx-lm's sanitize stores Qwen3.5 norms shifted by +1 (like llama.cpp)
+            return np.ascontiguousarray(x, dtype=np.float32)
+
+        out_shape = shape if not (hf.endswith("conv1d.weight") and len(shape) == 3 and shape[2] == 1) \
+            else (shape[0], 1, shape[1])
+        plan.dense[hf] = (dense, "F32", out_shape)
+
+    def resolve(name: str):
+        hf = name[len(MLX_PREFIX):] if name.startswith(MLX_PREFIX) else name
+        module = hf[: -len(".weight")] if hf.endswith(".weight") else hf
+        if module in plan.ternary:
+            return module, plan.ternary_shape[module][1]
+        if module + ".weight" in plan.dense:
+            return module, plan.dense[module + ".weight"][2][-1]
+        return None
+
+    grouped = had.get("gdn_v_grouped", True)
+    plan.spec = H.HadamardSpec.from_prism(had, resolve, _gdn_permute_for(plan.config, bool(grouped)),
+                                          f"{where}/{had_name}")
+    # Each module's own sign vector must be the one of its width in hadamard.json.
+    for module, sname in pack_signs.items():
+        s = _float_array(src, tensors[sname]).ravel()
+        want = plan.spec.signs.get(s.size)
+        if want is None or not np.array_equal(s, want.astype(np.float32)):
+            raise ValidationError(f"{where}: '{sname}' differs from hadamard.json's sign vector of width {s.size}")
+    plan.spec = _fold_dense_rotations(plan)
+
+    def side_files(out_dir: Path):
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                  "merges.txt", "chat_template.jinja", "generation_config.json"):
+            if (root / f).is_file():
+                (out_dir / f).write_bytes((root / f).read_bytes())
+
+    plan.tokenizer_writer = side_files
+    return plan
+
+
+def _write(plan: _Plan, out_dir: Path, options) -> None:
+    from ..checkpoint import Job, OutTensor, quantization_config, write_shards
+
+    g = plan.group_size
+    jobs = []
+    order = sorted(set(plan.ternary) | {k.rsplit(".", 1)[0] for k in plan.dense}, key=_natural)
+    for module in order:
+        if module in plan.ternary:
+            n, k = plan.ternary_shape[module]
+            jobs.append(Job(
+                outputs=[OutTensor(module + ".qweight", "U8", (n, k // 4), n * k // 4),
+                         OutTensor(module + ".scales", "F16", (n, k // g), n * (k // g) * 2)],
+                produce=plan.ternary[module],
+                source=f"{plan.source}: {module}",
+            ))
+        for hf in sorted(t for t in plan.dense if t.rsplit(".", 1)[0] == module):
+            produce, dtype, shape = plan.dense[hf]
+            nbytes = int(np.prod(shape)) * 4
+
+            def job(produce=produce, shape=shape, hf=hf):
+                x = np.ascontiguousarray(produce(), dtype=np.float32)
+                if x.shape != tuple(shape):
+                    raise ValidationError(f"{plan.source}: '{hf}' has shape {x.shape}, expected {tuple(shape)}")
+                return [x]
+
+            jobs.append(Job(outputs=[OutTensor(hf, "F32", tuple(shape), nbytes)], produce=job,
+                            source=f"{plan.source}: {hf}"))
+    write_shards(out_dir, jobs, options.shard_size)
+    dense_linears = sorted(
+        t[: -len(".weight")] for t in plan.dense
+        if t.endswith(".weight") and t.rsplit(".", 2)[-2] in LINEAR_MODULES
+    )
+    qc = quantization_config(g, dense_linears)
+    if plan.spec is not None:
+        qc["hadamard"] = plan.spec.to_config()
+    config = dict(plan.config)
+    config["quantization_config"] = qc
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if plan.tokenizer_writer is not None:
+        plan.tokenizer_writer(out_dir)
+
+
+def _natural(name: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+ARCH = Qwen35Arch()
