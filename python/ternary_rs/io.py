@@ -1,13 +1,524 @@
-"""Zero-copy file access (placeholder until the container work lands)."""
+"""Zero-copy access to GGUF and safetensors checkpoints, and streaming writers for both.
+
+Reading::
+
+    with ternary_rs.open("model.gguf") as f:            # or a .safetensors, an *.index.json, a directory
+        f.format, f.metadata, f.config                  # "gguf" | "safetensors", KV / __metadata__, config.json
+        info = f.tensors["blk.0.attn_q.weight"]         # TensorInfo(name, shape, type, type_id, nbytes, offset, file)
+        raw = f.raw(info.name)                          # read-only uint8 view of the bytes, no copy
+        w = f.tensor("token_embd.weight")               # NumPy array for plain dtypes (F32/F16/BF16/ints/…)
+
+Opening parses headers only (the Rust core validates every offset and size once, at open); tensor
+bytes are read from the memory map when a view is used. Views keep the map alive, so they stay valid
+after the file is closed. Errors derive from :class:`ternary_rs.TernaryError` and name file, tensor
+and byte offset.
+
+Writing (constant memory; data streamed tensor by tensor in the declared order)::
+
+    with GGUFWriter("out.gguf", alignment=32) as w:
+        w.add_metadata("general.architecture", "llama")
+        w.add_metadata("tokenizer.ggml.scores", [0.0, -1.0], type="array[f32]")
+        w.add_tensor_info("blk.0.ffn_up.weight", (n, k), "TQ2_0", nbytes)   # PyTorch-order shape
+        w.write_tensor_data("blk.0.ffn_up.weight", data)                    # any buffer / ndarray
+
+    with SafetensorsWriter("out.safetensors", [("w", "F16", (2, 3))], metadata={"format": "pt"}) as w:
+        w.write("w", np.zeros((2, 3), np.float16))
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from . import _core
+from ._core import FormatError, UnsupportedTypeError
+
+__all__ = ["GGUFWriter", "SafetensorsWriter", "TensorInfo", "TernaryFile", "open", "GGML_TYPE_IDS"]
+
+# ggml type name -> id for the types ternary_rs knows (Q2_0_G128 shares id 42 with upstream Q2_0).
+GGML_TYPE_IDS: dict[str, int] = {
+    "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q8_1": 9,
+    "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q8_K": 15, "IQ2_XXS": 16,
+    "IQ2_XS": 17, "IQ3_XXS": 18, "IQ1_S": 19, "IQ4_NL": 20, "IQ3_S": 21, "IQ2_S": 22, "IQ4_XS": 23,
+    "I8": 24, "I16": 25, "I32": 26, "I64": 27, "F64": 28, "IQ1_M": 29, "BF16": 30, "TQ1_0": 34,
+    "TQ2_0": 35, "I2_S": 36, "MXFP4": 39, "NVFP4": 40, "Q1_0": 41, "Q2_0": 42, "Q2_0_G128": 42,
+    "PQ2_0": 142, "PTQ1_0": 143,
+}
 
 
-class TensorInfo:  # replaced by the container work
-    pass
+def _numpy_dtypes() -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "F64": np.float64, "F32": np.float32, "F16": np.float16,
+        "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+        "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
+        "BOOL": np.bool_, "C64": np.complex64,
+    }
+    try:
+        import ml_dtypes
+    except ImportError:  # BF16/F8 then raise a clear error in tensor()
+        return d
+    d["BF16"] = ml_dtypes.bfloat16
+    d["F8_E4M3"] = ml_dtypes.float8_e4m3fn
+    d["F8_E5M2"] = ml_dtypes.float8_e5m2
+    d["F8_E4M3FNUZ"] = ml_dtypes.float8_e4m3fnuz
+    d["F8_E5M2FNUZ"] = ml_dtypes.float8_e5m2fnuz
+    if hasattr(ml_dtypes, "float8_e8m0fnu"):
+        d["F8_E8M0"] = ml_dtypes.float8_e8m0fnu
+    return d
 
 
-class TernaryFile:  # replaced by the container work
-    pass
+_NUMPY_DTYPES = _numpy_dtypes()
+# GGUF types that are plain element arrays (everything else is block-quantized: use ternary_rs.decode).
+_GGUF_PLAIN = ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")
 
 
-def open(path):  # noqa: A001 - mirrors builtins.open on purpose
-    raise NotImplementedError("ternary_rs.open is being built")
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One tensor of an open file.
+
+    ``shape`` is in PyTorch order (GGUF ``ne`` reversed); ``ggml_ne`` is GGUF's own order (None for
+    safetensors). ``type`` is the GGUF type name ("F16", "TQ2_0", "Q2_0", "Q2_0_G128", "PQ2_0",
+    "PTQ1_0", "Q1_0", "I2_S", "Q8_0", …) or the safetensors dtype ("F16", "BF16", "U8", …).
+    ``offset`` is the absolute byte offset in ``file`` (the file or shard holding the bytes).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    type: str
+    type_id: int | None
+    nbytes: int
+    offset: int
+    file: str
+    ggml_ne: tuple[int, ...] | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _find_in_directory(d: Path) -> Path:
+    """The checkpoint file of a model directory: an index, a single safetensors file, or a single GGUF."""
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        return index
+    indexes = sorted(d.glob("*.safetensors.index.json"))
+    if len(indexes) == 1:
+        return indexes[0]
+    if len(indexes) > 1:
+        raise FormatError(f"{d}: several index files ({', '.join(p.name for p in indexes)}); open one of them")
+    shards = sorted(d.glob("*.safetensors"))
+    if len(shards) == 1:
+        return shards[0]
+    if len(shards) > 1:
+        raise FormatError(f"{d}: {len(shards)} .safetensors files but no *.safetensors.index.json; open one file")
+    ggufs = sorted(d.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if len(ggufs) > 1:
+        raise FormatError(f"{d}: several .gguf files ({', '.join(p.name for p in ggufs)}); open one of them")
+    raise FormatError(f"{d}: no model.safetensors.index.json, *.safetensors or *.gguf file in this directory")
+
+
+def _sniff_is_gguf(p: Path) -> bool:
+    with builtins.open(p, "rb") as fh:
+        return fh.read(4) == b"GGUF"
+
+
+class TernaryFile:
+    """An open GGUF file or safetensors checkpoint. Use :func:`ternary_rs.open` to create one."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        p = Path(path)
+        if p.is_dir():
+            directory: Path | None = p
+            target = _find_in_directory(p)
+        else:
+            directory = None
+            target = p
+            if not p.exists():
+                raise FileNotFoundError(2, "No such file or directory", str(p))
+        self.path: str = str(p)
+        self._target = target
+        self._config_dir = directory if directory is not None else target.parent
+        name = target.name
+        self._gguf = None
+        self._st = None
+        if name.endswith(".index.json"):
+            self._st = _core._SafetensorsCheckpoint.open_index(str(target))
+        elif name.endswith(".gguf") or (not name.endswith(".safetensors") and _sniff_is_gguf(target)):
+            self._gguf = _core._GgufFile(str(target))
+        else:
+            self._st = _core._SafetensorsCheckpoint.open_file(str(target))
+        self.format: str = "gguf" if self._gguf is not None else "safetensors"
+        if self._gguf is not None:
+            self._mappings = [self._gguf.mapping()]
+            self._files = [str(target)]
+            self.gguf_version: int | None = self._gguf.version
+            self.alignment: int | None = self._gguf.alignment
+            self.byte_order: str = self._gguf.byte_order
+        else:
+            self._mappings = self._st.mappings()
+            self._files = [str(s) for s in self._st.shard_paths()]
+            self.gguf_version = None
+            self.alignment = None
+            self.byte_order = "little"
+        self._tensors: dict[str, TensorInfo] | None = None
+        self._shard_of: dict[str, int] = {}
+        self._metadata: dict[str, Any] | None = None
+        self._metadata_types: dict[str, str] | None = None
+        self._config: Any = ...
+        self._closed = False
+
+    # ---- header information -------------------------------------------------------------------
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Name -> :class:`TensorInfo`, in file order (shards in name order for an index)."""
+        if self._tensors is None:
+            self._check_open()
+            out: dict[str, TensorInfo] = {}
+            if self._gguf is not None:
+                f = self._files[0]
+                for name, ne, tname, tid, nbytes, offset in self._gguf.tensor_infos():
+                    out[name] = TensorInfo(name, ne[::-1], tname, tid, nbytes, offset, f, ne)
+            else:
+                files = self._files
+                shard_of = self._shard_of
+                for name, shape, dtype, nbytes, offset, shard in self._st.tensor_infos():
+                    out[name] = TensorInfo(name, shape, dtype, None, nbytes, offset, files[shard])
+                    shard_of[name] = shard
+            self._tensors = out
+        return self._tensors
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """GGUF key/values as Python values (ints, floats, bools, str, lists; bytes for non-UTF-8
+        strings), or the safetensors ``__metadata__`` (merged over shards; empty if absent)."""
+        if self._metadata is None:
+            self._check_open()
+            if self._gguf is not None:
+                items = self._gguf.metadata()
+                self._metadata = {k: v for k, _, v in items}
+                self._metadata_types = {k: t for k, t, _ in items}
+            else:
+                self._metadata = dict(self._st.metadata() or {})
+                self._metadata_types = {k: "string" for k in self._metadata}
+        return self._metadata
+
+    @property
+    def metadata_types(self) -> dict[str, str]:
+        """GGUF value type of each key: "u8" … "f64", "bool", "string", "array[<elem>]"."""
+        self.metadata  # noqa: B018 - fills both dicts
+        assert self._metadata_types is not None
+        return self._metadata_types
+
+    @property
+    def index_metadata(self) -> dict[str, Any] | None:
+        """The ``metadata`` object of a safetensors index (e.g. ``total_size``), if any."""
+        if self._st is None:
+            return None
+        text = self._st.index_metadata_json()
+        return None if text is None else json.loads(text)
+
+    @property
+    def files(self) -> list[str]:
+        """The file(s) holding tensor data (the shards of an index)."""
+        return list(self._files)
+
+    @property
+    def config(self) -> dict[str, Any] | None:
+        """``config.json`` next to the checkpoint (opened as a directory or a file inside one), else None."""
+        if self._config is ...:
+            cfg = self._config_dir / "config.json"
+            if cfg.is_file():
+                try:
+                    self._config = json.loads(cfg.read_text(encoding="utf-8"))
+                except (ValueError, UnicodeDecodeError) as e:
+                    raise FormatError(f"{cfg}: not valid JSON: {e}") from None
+            else:
+                self._config = None
+        return self._config
+
+    # ---- tensor data ---------------------------------------------------------------------------
+    def _info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise KeyError(f"{self._target}: no tensor named {name!r}") from None
+
+    def _mapping_for(self, name: str):
+        return self._mappings[self._shard_of.get(name, 0)]
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a read-only ``uint8`` array viewing the memory map (no copy).
+
+        The view keeps the map alive: it stays valid after :meth:`close` and after this object is gone.
+        """
+        self._check_open()
+        info = self._info(name)
+        if info.nbytes == 0:
+            a = np.empty(0, dtype=np.uint8)
+            a.flags.writeable = False
+            return a
+        return np.frombuffer(self._mapping_for(name), dtype=np.uint8, count=info.nbytes, offset=info.offset)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The tensor as a NumPy array of its own dtype and PyTorch-order shape, for plain element
+        types (F32, F16, BF16, F64, signed/unsigned ints, BOOL, C64, F8_*). Zero-copy and read-only
+        when the bytes are aligned for the dtype; an aligned copy otherwise (e.g. MLX-written files).
+        Big-endian GGUF files give big-endian dtypes. Quantized types raise UnsupportedTypeError
+        (decode them with ``ternary_rs.decode``)."""
+        info = self._info(name)
+        if self.format == "gguf" and info.type not in _GGUF_PLAIN:
+            raise UnsupportedTypeError(
+                f"{info.file}: tensor '{name}': type {info.type} is block-quantized, not a plain array; "
+                f"use ternary_rs.decode (plain types: {', '.join(_GGUF_PLAIN)})"
+            )
+        dtype = _NUMPY_DTYPES.get(info.type)
+        if dtype is None:
+            hint = " (install ml_dtypes for BF16/F8)" if info.type in ("BF16",) or info.type.startswith("F8") else ""
+            raise UnsupportedTypeError(
+                f"{info.file}: tensor '{name}': dtype {info.type} has no NumPy equivalent{hint}; "
+                f"supported: {', '.join(sorted(_NUMPY_DTYPES))}; use .raw() for the bytes"
+            )
+        dt = np.dtype(dtype)
+        if self.byte_order == "big":
+            dt = dt.newbyteorder(">")
+        raw = self.raw(name)
+        if info.offset % dt.alignment == 0:
+            arr = raw.view(dt)
+        else:
+            arr = raw.copy().view(dt)  # the copy is aligned
+        return arr.reshape(info.shape)
+
+    # ---- lifetime ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"{self._target}: file is closed")
+
+    def close(self) -> None:
+        """Release this object's reference to the map(s). Views from :meth:`raw` stay valid."""
+        self._closed = True
+        self._gguf = None
+        self._st = None
+        self._mappings = []
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> TernaryFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __repr__(self) -> str:
+        state = "closed " if self._closed else ""
+        n = len(self._tensors) if self._tensors is not None else "?"
+        extra = f" v{self.gguf_version}" if self.gguf_version is not None else f", {len(self._files)} file(s)"
+        return f"<{state}TernaryFile {self.format}{extra} {str(self._target)!r}, {n} tensors>"
+
+
+def open(path: str | os.PathLike[str]) -> TernaryFile:  # noqa: A001 - mirrors builtins.open on purpose
+    """Open a ``.gguf``, a ``.safetensors``, an ``*.index.json`` or a model directory (which must hold
+    ``model.safetensors.index.json``, a single ``*.safetensors``, or a single ``*.gguf``)."""
+    return TernaryFile(path)
+
+
+# ---- writers ---------------------------------------------------------------------------------------
+
+_GGUF_SCALARS = ("u8", "i8", "u16", "i16", "u32", "i32", "u64", "i64", "f32", "f64", "bool", "string")
+_NUMPY_SCALAR_TYPES = {
+    np.uint8: "u8", np.int8: "i8", np.uint16: "u16", np.int16: "i16", np.uint32: "u32",
+    np.int32: "i32", np.uint64: "u64", np.int64: "i64", np.float32: "f32", np.float64: "f64",
+    np.bool_: "bool",
+}
+
+
+def _infer_gguf_type(value: Any) -> str:
+    """gguf-py's GGUFValueType.get_type: str -> string, list -> array, float -> f32, bool -> bool,
+    int -> i32; NumPy scalars keep their own width."""
+    for t, name in _NUMPY_SCALAR_TYPES.items():
+        if isinstance(value, t):
+            return name
+    if isinstance(value, (str, bytes, bytearray)):
+        return "string"
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return "array"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, float):
+        return "f32"
+    if isinstance(value, int):
+        return "i32"
+    raise TypeError(f"cannot infer a GGUF type for {type(value).__name__} value {value!r}; pass type=")
+
+
+def _split_array_type(t: str) -> str | None:
+    """'array[<inner>]' -> '<inner>', 'array' -> None (infer), else error."""
+    if t == "array":
+        return None
+    if t.startswith("array[") and t.endswith("]"):
+        return t[len("array["):-1]
+    raise ValueError(f"unknown GGUF value type {t!r}; use one of {', '.join(_GGUF_SCALARS)}, array[<elem>]")
+
+
+def _typed_value(value: Any, t: str | None) -> tuple[str, Any]:
+    """(type, payload) for the Rust writer; arrays become ("array", (elem, [payload, ...]))."""
+    if t is None:
+        t = _infer_gguf_type(value)
+    if t in _GGUF_SCALARS:
+        if t == "string" and isinstance(value, (bytes, bytearray)):
+            value = bytes(value).decode("utf-8")
+        elif isinstance(value, np.generic):
+            value = value.item()
+        return t, value
+    inner = _split_array_type(t)
+    items = list(value.tolist() if isinstance(value, np.ndarray) else value)
+    if inner is None:
+        if not items:
+            raise ValueError("cannot infer the element type of an empty list; pass type='array[<elem>]'")
+        inner = _infer_gguf_type(items[0])
+    elem = "array" if inner.startswith("array") else inner
+    payload = []
+    for it in items:
+        it_t, it_v = _typed_value(it, inner if inner != "array" else None)
+        if it_t != elem:
+            raise ValueError(f"array element {it!r} is a {it_t}, but the array holds {elem}")
+        payload.append(it_v)
+    return "array", (elem, payload)
+
+
+def _as_bytes_buffer(data: Any) -> Any:
+    """A C-contiguous byte buffer for any ndarray (incl. ml_dtypes) or buffer object."""
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    if type(data).__module__ == "torch" and hasattr(data, "untyped_storage"):  # a torch tensor
+        import torch
+
+        return data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return data
+
+
+class GGUFWriter:
+    """Streaming GGUF v3 writer (llama.cpp's byte layout), constant memory.
+
+    Call order: :meth:`add_metadata` and :meth:`add_tensor_info` for everything, then
+    :meth:`write_tensor_data` for each tensor in the order its info was added (a tensor may be
+    written in several chunks), then :meth:`close`, which checks every tensor got exactly
+    ``nbytes`` bytes. As a context manager, an exception deletes the partial file.
+
+    ``alignment`` (a power of two) is written as ``general.alignment`` when it is not 32.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], alignment: int = 32):
+        self.path = str(path)
+        self._w = _core._GgufWriter(self.path, alignment)
+
+    def add_metadata(self, key: str, value: Any, type: str | None = None) -> None:  # noqa: A002
+        """Add a key. ``type`` is one of "u8","i8","u16","i16","u32","i32","u64","i64","f32","f64",
+        "bool","string" or "array[<elem>]" (nestable, e.g. "array[array[u8]]"); without it the type is
+        inferred like gguf-py (int -> i32, float -> f32, bool -> bool, str -> string, list -> array of
+        the first element's type)."""
+        t, payload = _typed_value(value, type)
+        self._w.add_metadata(key, t, payload)
+
+    def add_tensor_info(self, name: str, shape: Sequence[int], type_id: int | str, nbytes: int) -> None:
+        """Declare a tensor. ``shape`` is in PyTorch order (reversed into GGUF ``ne``); ``type_id`` is
+        a ggml type id (any id, incl. 142 PQ2_0 / 143 PTQ1_0) or a name from ``GGML_TYPE_IDS``;
+        ``nbytes`` the raw byte size (checked against the shape for known types)."""
+        if isinstance(type_id, str):
+            try:
+                type_id = GGML_TYPE_IDS[type_id]
+            except KeyError:
+                raise ValueError(f"unknown ggml type name {type_id!r}; known: {', '.join(GGML_TYPE_IDS)}") from None
+        ne = [int(d) for d in reversed(tuple(shape))]
+        self._w.add_tensor_info(name, ne, int(type_id), int(nbytes))
+
+    def write_tensor_data(self, name: str, data: Any) -> None:
+        """Append bytes (any buffer, NumPy array or CPU torch tensor) to tensor ``name``."""
+        self._w.write_tensor_data(name, _as_bytes_buffer(data))
+
+    def close(self) -> None:
+        self._w.finish()
+
+    def abort(self) -> None:
+        """Stop and delete the partial file."""
+        self._w.abort()
+
+    def __enter__(self) -> GGUFWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _safetensors_dtype(dtype: Any) -> str:
+    if isinstance(dtype, str):
+        return dtype
+    dt = np.dtype(dtype)
+    for name, d in _NUMPY_DTYPES.items():
+        if np.dtype(d) == dt:
+            return name
+    raise TypeError(f"no safetensors dtype for {dt}")
+
+
+class SafetensorsWriter:
+    """Streaming safetensors writer, constant memory.
+
+    ``tensors`` lists every (name, dtype, shape) up front (dtype a safetensors name such as "F16",
+    "U8", "BF16", or a NumPy dtype); the header is written at once, then :meth:`write` streams each
+    tensor's bytes in that order (several chunks allowed); :meth:`close` checks completeness. Data
+    offsets follow the given order without gaps, so put wider dtypes first if aligned reads matter.
+    As a context manager, an exception deletes the partial file.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        tensors: Sequence[tuple[str, Any, Sequence[int]]],
+        metadata: dict[str, str] | None = None,
+    ):
+        self.path = str(path)
+        spec = [(n, _safetensors_dtype(d), [int(x) for x in s]) for n, d, s in tensors]
+        self._w = _core._SafetensorsWriter(self.path, spec, metadata)
+
+    def write(self, name: str, data: Any) -> None:
+        """Append bytes (any buffer, NumPy array or CPU torch tensor) to tensor ``name``."""
+        self._w.write(name, _as_bytes_buffer(data))
+
+    def close(self) -> None:
+        self._w.finish()
+
+    def abort(self) -> None:
+        self._w.abort()
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
