@@ -222,10 +222,11 @@ def unpack_codes(qweight: np.ndarray) -> np.ndarray:
     return _core.unpack_codes(np.ascontiguousarray(qweight))
 
 
-def _rows_cols(shape) -> tuple[int, int]:
+def _rows_cols(shape, name: str = "<tensor>") -> tuple[int, int]:
     shape = tuple(int(x) for x in shape)
     if len(shape) < 2:
-        raise ValueError(f"a ternary weight needs at least 2 dimensions [N, K], got shape {shape}")
+        raise _core.ValidationError(
+            f"tensor '{name}': a ternary weight needs at least 2 dimensions [N, K], got shape {shape}")
     return int(np.prod(shape[:-1])), shape[-1]
 
 
@@ -291,7 +292,7 @@ def decode_bytes(format: str, data: Any, shape, *, group_size: int | None = None
             f"tensor '{name}': bitnet.cpp {fmt} (GGUF type {_REFUSED[fmt]}) is a kernel-tiled LUT layout tied to one "
             f"model's kernel_config.ini and cannot be decoded portably; supported: {', '.join(GGUF_FORMATS)}, "
             "BITNET, MLX, DENSE")
-    rows, cols = _rows_cols(shape)
+    rows, cols = _rows_cols(shape, name)
     if fmt in GGUF_FORMATS:
         out = _core.decode_gguf(fmt, _as_u8(data), rows, cols, group_size, requantize, tensor=name)
         return _from_core(out, name)
@@ -363,6 +364,11 @@ def decode(file_or_path: Any, name: str, *, group_size: int | None = None, forma
         raise KeyError(f"no tensor named {name!r} in {getattr(f, 'path', f)!r}") from None
     kind = (format or info.type).upper()
     shape = tuple(info.shape)
+    big_endian = getattr(f, "byte_order", "little") == "big"
+    if big_endian and kind in GGUF_FORMATS:
+        raise _core.UnsupportedTypeError(
+            f"tensor '{name}': {kind} blocks in a big-endian GGUF file are not supported (llama.cpp writes "
+            "quantized blocks little-endian only); convert the file on a little-endian host")
     if kind in _REFUSED or kind in GGUF_FORMATS:
         return decode_bytes(kind, f.raw(name), shape, group_size=group_size, requantize=requantize, name=name)
     if kind in ("U8", "BITNET"):
@@ -370,7 +376,7 @@ def decode(file_or_path: Any, name: str, *, group_size: int | None = None, forma
         if scale_name not in f.tensors:
             raise _core.UnsupportedTypeError(
                 f"tensor '{name}': uint8 weight without a companion '{scale_name}' is not a BitNet pack")
-        rows, cols = _rows_cols(shape)
+        rows, cols = _rows_cols(shape, name)
         lc = linear_class or _linear_class_from(getattr(f, "config", None))
         return decode_bytes("BITNET", f.raw(name), (rows * 4, cols), group_size=group_size,
                             requantize=requantize, weight_scale=f.tensor(scale_name), linear_class=lc, name=name)
@@ -379,10 +385,14 @@ def decode(file_or_path: Any, name: str, *, group_size: int | None = None, forma
         if s_name not in f.tensors or b_name not in f.tensors:
             raise _core.UnsupportedTypeError(
                 f"tensor '{name}': uint32 weight without companions '{s_name}' and '{b_name}' is not an MLX pack")
-        rows, cols = _rows_cols(shape)
+        rows, cols = _rows_cols(shape, name)
         return decode_bytes("MLX", f.tensor(name), (rows, cols * 16), group_size=group_size,
                             requantize=requantize, scales=f.tensor(s_name), biases=f.tensor(b_name), name=name)
     if kind in _DENSE_TYPES or kind == "DENSE":
+        if big_endian:  # byte-swap through NumPy (a copy); the Rust decoder reads little-endian
+            arr = f.tensor(name)
+            return decode_bytes("DENSE", arr.astype(arr.dtype.newbyteorder("=")), shape, group_size=group_size,
+                                name=name)
         dt = info.type.upper() if info.type.upper() in _DENSE_TYPES else None
         return decode_bytes("DENSE", f.raw(name), shape, group_size=group_size, dtype=dt, name=name)
     raise _core.UnsupportedTypeError(
@@ -440,6 +450,6 @@ def ternarize(w: Any, group_size: int = 128, method: str = "absmax", *, per_tens
     ``t · fp16(scale)``.
     """
     arr = _float_array(w)
-    rows, cols = _rows_cols(arr.shape)
+    rows, cols = _rows_cols(arr.shape, name)
     out = _core.ternarize(arr.reshape(rows, cols), rows, cols, group_size, method, per_tensor, tensor=name)
     return _from_core(out, name)
