@@ -1,1 +1,26 @@
-"""vLLM quantization backend for ternary checkpoints (``quant_method: "ternary"``)."""
+"""vLLM quantization backend for ternary checkpoints (``quant_method: "ternary"``).
+
+Loaded by vLLM through the ``vllm.general_plugins`` entry point (:func:`plugin.register`); nothing here is
+imported by ``import ternary_rs``. Modules:
+
+* :mod:`.config` — :class:`~.config.TernaryConfig` (reads ``quantization_config``, picks a method per layer);
+* :mod:`.linear` — :class:`~.linear.TernaryLinearMethod` (TP sharding via vLLM parameter classes);
+* :mod:`.embedding` — :class:`~.embedding.TernaryEmbeddingMethod` (ternary ``embed_tokens`` / ``lm_head``).
+
+Hook for rotated checkpoints (Bonsai 2 Hadamard, FORMATS.md §1.3.5)
+-------------------------------------------------------------------
+Every key of ``quantization_config`` that the contract does not define is kept in ``TernaryConfig.extra``.
+When it has a ``"hadamard"`` entry (``TernaryConfig.hadamard``), the module ``ternary_rs.vllm.hadamard``
+must provide:
+
+* ``make_input_transform(hadamard, prefix, layer, tp_rank, tp_size) -> Callable[[Tensor], Tensor] | None``
+  — called once per ternary linear / lm_head after its weights are loaded (``layer`` is the vLLM module,
+  ``prefix`` its vLLM name, e.g. ``model.layers.0.self_attn.qkv_proj``; ``tp_rank``/``tp_size`` describe
+  this rank's K shard for row-parallel layers). The callable is applied to the activations ``x[..., K]``
+  right before ``torch.ops.ternary_rs.ternary_linear`` and must be traceable by ``torch.compile``.
+* ``make_embedding_transform(hadamard, prefix) -> Callable[[Tensor], Tensor] | None`` — applied to the
+  looked-up rows ``[..., hidden]`` of a ternary ``embed_tokens``.
+
+Checkpoints without ``"hadamard"`` never import that module; ones with it fail with a clear error when
+it is missing.
+"""

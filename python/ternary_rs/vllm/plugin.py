@@ -1,5 +1,26 @@
-"""vLLM general plugin entry point (placeholder until the vLLM work lands)."""
+"""vLLM general-plugin entry point (``vllm.general_plugins`` -> ``ternary_rs.vllm.plugin:register``).
+
+vLLM calls ``register()`` in every process it starts (engine core, TP workers, API server), possibly more
+than once; registering is idempotent. vLLM is imported here only, never at ``import ternary_rs`` time.
+"""
+
+from __future__ import annotations
+
+_registered = False
 
 
 def register() -> None:
-    pass
+    """Register the ``"ternary"`` quantization config with vLLM (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from vllm.model_executor.layers.quantization import (
+        _CUSTOMIZED_METHOD_TO_QUANT_CONFIG,
+        register_quantization_config,
+    )
+
+    from .config import QUANT_METHOD, TernaryConfig
+
+    if _CUSTOMIZED_METHOD_TO_QUANT_CONFIG.get(QUANT_METHOD) is not TernaryConfig:
+        register_quantization_config(QUANT_METHOD)(TernaryConfig)
+    _registered = True

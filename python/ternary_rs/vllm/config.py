@@ -1,0 +1,223 @@
+"""``TernaryConfig``: vLLM quantization config for checkpoints with ``quant_method: "ternary"``.
+
+Reads the ``quantization_config`` block of ``config.json`` (checkpoint contract, DESIGN.md) and decides,
+per layer, which quant method serves it:
+
+* a linear layer whose checkpoint tensors are ``<prefix>.qweight`` / ``<prefix>.scales`` gets
+  :class:`~ternary_rs.vllm.linear.TernaryLinearMethod`;
+* ``embed_tokens`` / ``lm_head`` stored that way get :class:`~ternary_rs.vllm.embedding.TernaryEmbeddingMethod`
+  (a tied ``lm_head`` follows ``embed_tokens``);
+* everything listed in ``modules_not_converted``, or stored as a plain ``<prefix>.weight``, stays dense.
+
+Which prefixes are ternary is read from the safetensors headers once (``maybe_update_config``), so a
+checkpoint that keeps some linears dense loads without listing them. Unknown keys of
+``quantization_config`` are kept in :attr:`TernaryConfig.extra` (the Bonsai 2 ``"hadamard"`` entry is
+one of them, see :meth:`TernaryConfig.get_input_transform`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    UnquantizedEmbeddingMethod,
+    VocabParallelEmbedding,
+)
+
+QUANT_METHOD = "ternary"
+SUPPORTED_FORMAT_VERSIONS = (1,)
+SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)
+SUPPORTED_SCALE_DTYPES = ("float16",)
+# Codes are packed four per byte along K.
+CODES_PER_BYTE = 4
+_KNOWN_KEYS = {"quant_method", "format_version", "group_size", "scale_dtype", "modules_not_converted"}
+
+
+def k_shard_multiple(group_size: int) -> int:
+    """Smallest K a shard may hold: whole bytes of codes and whole scale groups."""
+    return math.lcm(CODES_PER_BYTE, group_size)
+
+
+class TernaryConfig(QuantizationConfig):
+    """Ternary weights (codes 2 bits along K, one fp16 scale per ``group_size`` inputs)."""
+
+    def __init__(
+        self,
+        group_size: int,
+        modules_not_converted: list[str] | None = None,
+        format_version: int = 1,
+        scale_dtype: str = "float16",
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if format_version not in SUPPORTED_FORMAT_VERSIONS:
+            raise ValueError(
+                f"ternary quantization_config: format_version {format_version!r} is not supported "
+                f"(this ternary_rs reads {SUPPORTED_FORMAT_VERSIONS}); upgrade ternary_rs"
+            )
+        if group_size not in SUPPORTED_GROUP_SIZES:
+            raise ValueError(
+                f"ternary quantization_config: group_size {group_size!r} is not one of {SUPPORTED_GROUP_SIZES}"
+            )
+        if scale_dtype not in SUPPORTED_SCALE_DTYPES:
+            raise ValueError(
+                f"ternary quantization_config: scale_dtype {scale_dtype!r} is not one of {SUPPORTED_SCALE_DTYPES}"
+            )
+        self.group_size = group_size
+        self.format_version = format_version
+        self.scale_dtype = scale_dtype
+        self.modules_not_converted = list(modules_not_converted or [])
+        self.extra = dict(extra or {})
+        # Bonsai 2 rotation description, passed as-is to ternary_rs.vllm.hadamard.
+        self.hadamard = self.extra.get("hadamard")
+        # Filled from the safetensors headers by maybe_update_config (checkpoint names, vLLM-mapped).
+        self.ternary_prefixes: set[str] = set()
+        self.dense_prefixes: set[str] = set()
+        self.tie_word_embeddings = False
+
+    def __repr__(self) -> str:
+        return (
+            f"TernaryConfig(group_size={self.group_size}, format_version={self.format_version}, "
+            f"modules_not_converted={self.modules_not_converted}, extra_keys={sorted(self.extra)})"
+        )
+
+    # ---- QuantizationConfig interface -------------------------------------------------------------
+    @classmethod
+    def get_name(cls) -> str:
+        return QUANT_METHOD
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        # The CUDA kernels are built for sm_89/sm_90 (+PTX); CPU has no capability check.
+        return 80
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        # Everything is in config.json's quantization_config.
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> TernaryConfig:
+        method = str(config.get("quant_method", "")).lower()
+        if method != QUANT_METHOD:
+            raise ValueError(f"ternary quantization_config: quant_method is {method!r}, expected 'ternary'")
+        group_size = cls.get_from_keys(config, ["group_size"])
+        return cls(
+            group_size=int(group_size),
+            modules_not_converted=cls.get_from_keys_or(config, ["modules_not_converted"], []) or [],
+            format_version=int(cls.get_from_keys_or(config, ["format_version"], 1)),
+            scale_dtype=str(cls.get_from_keys_or(config, ["scale_dtype"], "float16")),
+            extra={k: v for k, v in config.items() if k not in _KNOWN_KEYS},
+        )
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
+        """Learn from the safetensors headers which prefixes are ternary and which are dense."""
+        from vllm.transformers_utils.config import get_safetensors_params_metadata
+
+        if hf_config is not None:
+            text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+            self.tie_word_embeddings = bool(getattr(text_config, "tie_word_embeddings", False))
+        metadata = get_safetensors_params_metadata(model_name, revision=revision)
+        for name in metadata:
+            if name.endswith(".qweight"):
+                self.ternary_prefixes.add(name[: -len(".qweight")])
+            elif name.endswith(".weight"):
+                self.dense_prefixes.add(name[: -len(".weight")])
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        self.modules_not_converted = hf_to_vllm_mapper.apply_list(self.modules_not_converted)
+        self.ternary_prefixes = set(hf_to_vllm_mapper.apply_list(sorted(self.ternary_prefixes)))
+        self.dense_prefixes = set(hf_to_vllm_mapper.apply_list(sorted(self.dense_prefixes)))
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from .embedding import TernaryEmbeddingMethod
+        from .linear import TernaryLinearMethod
+
+        if isinstance(layer, ParallelLMHead):
+            # A tied lm_head has no tensors of its own: it is whatever embed_tokens is.
+            ternary = self._embedding_is_ternary() if self.tie_word_embeddings else self._is_ternary(prefix)
+            return TernaryEmbeddingMethod(self, prefix) if ternary else UnquantizedEmbeddingMethod()
+        if isinstance(layer, VocabParallelEmbedding):
+            return TernaryEmbeddingMethod(self, prefix) if self._is_ternary(prefix) else UnquantizedEmbeddingMethod()
+        if isinstance(layer, LinearBase):
+            return TernaryLinearMethod(self, prefix) if self._is_ternary(prefix) else UnquantizedLinearMethod()
+        return None
+
+    # ---- layer classification ---------------------------------------------------------------------
+    def _shard_prefixes(self, prefix: str) -> list[str]:
+        """Checkpoint prefixes behind a (possibly fused) vLLM layer: qkv_proj -> q_proj, k_proj, v_proj."""
+        head, _, proj = prefix.rpartition(".")
+        parts = self.packed_modules_mapping.get(proj)
+        if not parts:
+            return [prefix]
+        return [f"{head}.{p}" if head else p for p in parts]
+
+    def _is_ternary(self, prefix: str) -> bool:
+        if self.modules_not_converted and is_layer_skipped(
+            prefix, self.modules_not_converted, self.packed_modules_mapping, match_mode="suffix"
+        ):
+            return False
+        kinds = set()
+        for shard in self._shard_prefixes(prefix):
+            if shard in self.ternary_prefixes:
+                kinds.add("ternary")
+            elif shard in self.dense_prefixes:
+                kinds.add("dense")
+        if kinds == {"ternary", "dense"}:
+            raise ValueError(
+                f"ternary checkpoint: fused layer {prefix!r} mixes ternary and dense parts "
+                f"({self._shard_prefixes(prefix)}); vLLM needs one format per fused layer"
+            )
+        # No header information (e.g. a remote repository without metadata): the contract default.
+        return kinds != {"dense"}
+
+    def _embedding_is_ternary(self) -> bool:
+        names = self.ternary_prefixes | self.dense_prefixes
+        embed = [n for n in names if n.endswith("embed_tokens")]
+        if not embed:
+            return not any(m.endswith("embed_tokens") for m in self.modules_not_converted)
+        return all(self._is_ternary(n) for n in embed)
+
+    # ---- Bonsai 2 Hadamard hook (implemented by ternary_rs.vllm.hadamard) ------------------------
+    def _hadamard_module(self):
+        try:
+            from . import hadamard
+        except ImportError as e:  # only hadamard checkpoints need it
+            raise ValueError(
+                "this ternary checkpoint has a 'hadamard' quantization_config entry (Bonsai 2 rotation) "
+                f"but ternary_rs.vllm.hadamard cannot be imported: {e}"
+            ) from e
+        return hadamard
+
+    def get_input_transform(self, prefix: str, layer: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Activation transform applied before the ternary matmul of ``prefix`` (None: identity)."""
+        if self.hadamard is None:
+            return None
+        tp_rank, tp_size = _layer_tp(layer)
+        return self._hadamard_module().make_input_transform(self.hadamard, prefix, layer, tp_rank, tp_size)
+
+    def get_embedding_transform(self, prefix: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Transform applied to looked-up embedding rows of ``prefix`` (None: identity)."""
+        if self.hadamard is None:
+            return None
+        return self._hadamard_module().make_embedding_transform(self.hadamard, prefix)
+
+
+def _layer_tp(layer: torch.nn.Module) -> tuple[int, int]:
+    """TP rank/size the layer was sharded with (layers built with disable_tp report 0/1)."""
+    if hasattr(layer, "tp_rank") and hasattr(layer, "tp_size"):
+        return int(layer.tp_rank), int(layer.tp_size)
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()

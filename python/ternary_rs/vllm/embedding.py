@@ -1,0 +1,120 @@
+"""``TernaryEmbeddingMethod``: ternary ``embed_tokens`` (row lookup) and ternary ``lm_head`` (the op).
+
+The same canonical tensors as a linear layer (``qweight uint8 [V, K/4]``, ``scales fp16 [V, K/g]``, V =
+this rank's padded vocabulary shard, K = hidden size), sharded along the vocabulary by vLLM's
+``VocabParallelEmbedding.weight_loader`` (padding rows get code 0 and scale 0, i.e. zero weights).
+
+* ``embedding``: gathers the packed rows and scales of the requested token ids and unpacks only those
+  rows — the table is never materialised in bf16 (memory stays at 2.25 bits/weight + scales).
+* ``apply`` (lm_head): ``torch.ops.ternary_rs.ternary_linear`` on the kernel layout from
+  ``ops.prepare_weight``.
+* ``tie_weights``: a tied lm_head shares the embedding's ``qweight``/``scales`` Parameters (so vLLM's
+  loader skips the alias); the kernel layout is prepared once per shared tensor and cached on it.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+from .. import ops as ternary_ops
+from .config import CODES_PER_BYTE, TernaryConfig
+from .linear import check_partition, create_ternary_parameters, validate_loaded
+
+# Attribute cached on a canonical qweight Parameter shared by embed_tokens and a tied lm_head.
+_KERNEL_CACHE_ATTR = "_ternary_kernel_tensors"
+
+
+def unpack_rows(qweight_rows: torch.Tensor, scale_rows: torch.Tensor, group_size: int, dtype: torch.dtype):
+    """Dequantize gathered rows: ``[..., K/4] uint8`` + ``[..., K/g] fp16`` -> ``[..., K]`` of ``dtype``."""
+    shifts = torch.arange(0, 2 * CODES_PER_BYTE, 2, dtype=torch.uint8, device=qweight_rows.device)
+    codes = (qweight_rows.unsqueeze(-1) >> shifts) & 3
+    lead = qweight_rows.shape[:-1]
+    k = qweight_rows.shape[-1] * CODES_PER_BYTE
+    trits = codes.reshape(*lead, k // group_size, group_size).to(torch.float32) - 1.0
+    # fp32 product is exact (t·fp16 scale); one rounding to the model dtype, as a dense checkpoint gets.
+    rows = trits * scale_rows.to(torch.float32).unsqueeze(-1)
+    return rows.reshape(*lead, k).to(dtype)
+
+
+class TernaryEmbeddingMethod(QuantizeMethodBase):
+    """Quant method of ``VocabParallelEmbedding`` and ``ParallelLMHead`` with ternary weights."""
+
+    def __init__(self, quant_config: TernaryConfig, prefix: str = "") -> None:
+        self.quant_config = quant_config
+        self.prefix = prefix
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        g = self.quant_config.group_size
+        vocab_rows = sum(output_partition_sizes)
+        check_partition(self.prefix, input_size_per_partition, vocab_rows, input_size, g, 1)
+        create_ternary_parameters(layer, vocab_rows, input_size_per_partition, g, extra_weight_attrs.get("weight_loader"))
+        layer.ternary_out_features = vocab_rows
+        layer.ternary_in_features = input_size_per_partition
+        layer.ternary_group_size = g
+        layer.ternary_tied = False
+        layer.ternary_input_transform = None
+        layer.ternary_embedding_transform = None
+
+    def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module):
+        if not isinstance(getattr(embed_tokens, "quant_method", None), TernaryEmbeddingMethod):
+            raise ValueError(
+                f"ternary checkpoint: {self.prefix!r} is tied to the input embeddings, which are not ternary"
+            )
+        layer.qweight = embed_tokens.qweight
+        layer.scales = embed_tokens.scales
+        layer.ternary_tied = True
+        return layer
+
+    def _kernel_tensors(self, layer: torch.nn.Module):
+        """Kernel layout of the layer's canonical tensors, prepared once per (shared) Parameter."""
+        cached = getattr(layer.qweight, _KERNEL_CACHE_ATTR, None)
+        if cached is None:
+            cached = ternary_ops.prepare_weight(layer.qweight.data, layer.scales.data, layer.ternary_group_size)
+            setattr(layer.qweight, _KERNEL_CACHE_ATTR, cached)
+        return cached
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if not getattr(layer.qweight, "_ternary_validated", False):
+            validate_loaded(self.prefix, layer.qweight.data, layer.scales.data)
+            layer.qweight._ternary_validated = True
+        if isinstance(layer, ParallelLMHead):
+            qweight_k, scales_k = self._kernel_tensors(layer)
+            layer.register_buffer("qweight_k", qweight_k, persistent=False)
+            layer.register_buffer("scales_k", scales_k, persistent=False)
+            if not layer.ternary_tied:
+                # Only the kernel layout is needed by an untied head.
+                del layer.qweight
+                del layer.scales
+            layer.ternary_input_transform = self.quant_config.get_input_transform(self.prefix, layer)
+        else:
+            layer.ternary_embedding_transform = self.quant_config.get_embedding_transform(self.prefix)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        transform = layer.ternary_input_transform
+        if transform is not None:
+            x = transform(x)
+        return torch.ops.ternary_rs.ternary_linear(
+            x,
+            layer.qweight_k,
+            layer.scales_k,
+            layer.ternary_out_features,
+            layer.ternary_in_features,
+            layer.ternary_group_size,
+            bias,
+        )
+
+    def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        rows = unpack_rows(layer.qweight[input_], layer.scales[input_], layer.ternary_group_size, layer.params_dtype)
+        transform = layer.ternary_embedding_transform
+        return rows if transform is None else transform(rows)

@@ -1,0 +1,149 @@
+"""Runs vLLM (CPU build) in its own process for tests/test_vllm.py and benches/bench_vllm.py.
+
+    python tests/vllm_runner.py --model DIR --out OUT.json [--tp 2] [--eager] [--dtype float32]
+        [--prompts-json FILE] [--max-tokens 12] [--dump-weights DIR] [--quantization ternary]
+
+Writes OUT.json: greedy generations (token ids + top logprobs) of the prompts, the quant method of every
+module, load time; with --dump-weights, every ternary layer's weights as seen *through vLLM* (linear /
+lm_head: ``quant_method.apply(layer, I_K)`` = W_shard.T through the real op; embeddings: the lookup of
+every row of the shard) to ``DIR/rank<r>.npz``. The ``__main__`` guard is required: vLLM starts worker
+processes with ``spawn``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+
+
+def cpu_env(tp: int) -> None:
+    """vLLM CPU settings for a small shared machine (one OMP thread group per TP rank)."""
+    ncpu = os.cpu_count() or 1
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    if tp == 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}" if ncpu > 1 else "0")
+    else:
+        per = max(1, ncpu // tp)
+        os.environ.setdefault(
+            "VLLM_CPU_OMP_THREADS_BIND",
+            "|".join(f"{(r * per) % ncpu}-{(r * per + per - 1) % ncpu}" if per > 1 else str(r % ncpu) for r in range(tp)),
+        )
+    # One process fewer to start (~20 s on 2 cores) when there is a single worker.
+    if tp == 1:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # The weight dump sends a function to the workers (cloudpickle).
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+
+def dump_weights(model, out_dir: str):
+    """Worker side: each ternary layer's shard as dequantized by the serving path."""
+    import numpy as np
+    import torch
+    from ternary_rs.vllm.embedding import TernaryEmbeddingMethod
+    from ternary_rs.vllm.linear import TernaryLinearMethod
+    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    rank = get_tensor_model_parallel_rank()
+    arrays, methods = {}, {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            qm = getattr(module, "quant_method", None)
+            if qm is None:
+                continue
+            methods[name] = type(qm).__name__
+            if isinstance(qm, TernaryLinearMethod) or (
+                isinstance(qm, TernaryEmbeddingMethod) and isinstance(module, ParallelLMHead)
+            ):
+                eye = torch.eye(module.ternary_in_features, dtype=torch.float32)
+                arrays[name] = qm.apply(module, eye).T.contiguous().numpy()
+            elif isinstance(qm, TernaryEmbeddingMethod):
+                ids = torch.arange(module.ternary_out_features)
+                arrays[name] = qm.embedding(module, ids).float().numpy()
+    os.makedirs(out_dir, exist_ok=True)
+    np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **arrays)
+    return {"rank": rank, "methods": methods}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--prompts-json", default=None)
+    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--logprobs", type=int, default=5)
+    ap.add_argument("--dump-weights", default=None)
+    ap.add_argument("--max-model-len", type=int, default=256)
+    # Benchmark mode: decode throughput for a batch of prompts.
+    ap.add_argument("--bench-batch", default="", help="comma-separated batch sizes, e.g. 1,16")
+    ap.add_argument("--bench-tokens", type=int, default=64)
+    args = ap.parse_args()
+    cpu_env(args.tp)
+
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        tensor_parallel_size=args.tp,
+        enforce_eager=args.eager,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        max_model_len=args.max_model_len,
+        max_num_seqs=32,
+        seed=0,
+    )
+    result: dict = {"load_s": time.perf_counter() - t0}
+    cfg = llm.llm_engine.vllm_config
+    result["compilation_mode"] = str(cfg.compilation_config.mode)
+    result["quantization"] = cfg.model_config.quantization
+    result["dtype"] = str(cfg.model_config.dtype)
+
+    if args.dump_weights:
+        # By reference to this file as a module, so the spawned workers can import it.
+        import vllm_runner
+
+        result["workers"] = llm.apply_model(functools.partial(vllm_runner.dump_weights, out_dir=args.dump_weights))
+
+    if args.prompts_json:
+        with open(args.prompts_json) as f:
+            prompts = json.load(f)
+        sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=args.logprobs, ignore_eos=True)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        result["outputs"] = [
+            {
+                "prompt_token_ids": list(o.prompt_token_ids),
+                "token_ids": list(o.outputs[0].token_ids),
+                "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs],
+                "text": o.outputs[0].text,
+            }
+            for o in outs
+        ]
+
+    if args.bench_batch:
+        llm.generate([{"prompt_token_ids": [5, 9, 11]}], SamplingParams(max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)  # warm-up
+        result["bench"] = []
+        for batch in (int(b) for b in args.bench_batch.split(",")):
+            prompts = [{"prompt_token_ids": [5 + (i % 7), 9, 11 + i % 3]} for i in range(batch)]
+            sp = SamplingParams(temperature=0.0, max_tokens=args.bench_tokens, ignore_eos=True)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            generated = sum(len(o.outputs[0].token_ids) for o in outs)
+            result["bench"].append({"batch": batch, "tokens": generated, "seconds": dt, "tok_per_s": generated / dt})
+
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
