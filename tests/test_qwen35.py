@@ -1,0 +1,201 @@
+"""Bonsai 2 (``qwen35``) conversion: PrismML GGUF (PQ2_0 / PTQ1_0 + ``prism.hadamard.*``) and the MLX
+Bonsai 2 pack → vLLM checkpoint.
+
+The inputs are written by ``tests/bonsai2_model.py`` (NumPy codecs from FORMATS.md + the PyPI ``gguf``
+writer); expected values come from the tiny model itself (its stored ternary ``W'`` in Hugging Face order and
+its dense Hugging Face tensors), read back with ``safetensors`` — never from ternary_rs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+import ternary_rs
+from bonsai2_model import (
+    build_bonsai2_tiny,
+    dequant,
+    prism_metadata,
+    unrotate,
+    write_mlx_pack,
+    write_prism_gguf,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_bonsai2_tiny(tmp_path_factory.mktemp("bonsai2") / "hf", block_size=128)
+
+
+@pytest.fixture(scope="module")
+def converted(tiny, tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen35")
+    out = {}
+    for qtype in ("PQ2_0", "PTQ1_0"):
+        src = write_prism_gguf(tiny, root / f"tiny-{qtype}.gguf", qtype)
+        out[qtype] = ternary_rs.convert(src, root / f"vllm-{qtype}", progress=False)
+    mlx = write_mlx_pack(tiny, root / "mlx")
+    out["MLX"] = ternary_rs.convert(mlx, root / "vllm-mlx", progress=False)
+    return out
+
+
+def read_all(d: Path) -> dict[str, np.ndarray]:
+    index = json.loads((Path(d) / "model.safetensors.index.json").read_text())
+    out = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(str(Path(d) / shard), framework="numpy") as f:
+            for k in f.keys():
+                out[k] = f.get_tensor(k)
+    assert set(out) == set(index["weight_map"])
+    return out
+
+
+def pack_codes(t: np.ndarray) -> np.ndarray:
+    """Canonical qweight (DESIGN.md): code t+1 of W[n, k] at bits 2·(k%4) of byte k/4."""
+    c = (t.astype(np.int16) + 1).astype(np.uint8).reshape(t.shape[0], -1, 4)
+    return c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+
+
+@pytest.mark.parametrize("source", ["PQ2_0", "PTQ1_0", "MLX"])
+def test_tensors_match_the_model(tiny, converted, source):
+    got = read_all(converted[source])
+    for name, (t, d) in tiny.stored.items():
+        module = name[: -len(".weight")]
+        np.testing.assert_array_equal(got[module + ".qweight"], pack_codes(t), err_msg=module)
+        np.testing.assert_array_equal(got[module + ".scales"].view(np.uint16), d.astype(np.float16).view(np.uint16))
+    for name, want in tiny.dense.items():
+        assert name in got, name
+        have = got[name].astype(np.float32)
+        assert have.shape == want.shape, name
+        # F32 round trips (w+1−1, log(exp)) and, for MLX, the fp16 of the pack.
+        tol = 2e-3 if source == "MLX" else 2e-6
+        np.testing.assert_allclose(have, want, atol=tol * max(1.0, float(np.abs(want).max())), err_msg=name)
+    assert set(got) == {m[: -len(".weight")] + s for m in tiny.stored for s in (".qweight", ".scales")} | set(
+        tiny.dense
+    )
+
+
+@pytest.mark.parametrize("source", ["PQ2_0", "PTQ1_0", "MLX"])
+def test_config_and_rotation_description(tiny, converted, source):
+    cfg = json.loads((Path(converted[source]) / "config.json").read_text())
+    ref = tiny.config
+    assert cfg["architectures"] == ["Qwen3_5ForCausalLM"] and cfg["model_type"] == "qwen3_5_text"
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_num_key_heads", "linear_num_value_heads", "linear_conv_kernel_dim", "layer_types",
+                "tie_word_embeddings"):
+        assert cfg[key] == ref[key], key
+    assert cfg["rope_parameters"]["partial_rotary_factor"] == pytest.approx(0.25)
+    assert cfg["rope_parameters"]["mrope_section"] == ref["rope_parameters"]["mrope_section"]
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "ternary" and qc["group_size"] == 128
+    had = qc["hadamard"]
+    assert had["block_size"] == tiny.block_size and had["version"] == 1
+    assert set(had["layers"]) == {n[: -len(".weight")] for n in tiny.rotated_names}
+    assert had["inverse_embeddings"] == ["model.embed_tokens"]
+    assert all("gdn_permute" not in v for v in had["layers"].values())  # gdn_v_grouped: vLLM is grouped too
+    at = 0
+    for w in had["sign_widths"]:
+        np.testing.assert_array_equal(np.array(had["sign_values"][at:at + w]), tiny.signs[w])
+        at += w
+    for module, entry in had["layers"].items():
+        assert entry["width"] == tiny.stored[module + ".weight"][0].shape[1]
+
+
+def test_rotated_weights_reproduce_the_dense_model(tiny, converted):
+    """Dequantized W' un-rotated with the checkpoint's own description (scipy Hadamard) == transformers' W."""
+    from safetensors.numpy import load_file  # noqa: F401  (same reader as read_all)
+
+    got = read_all(converted["PTQ1_0"])
+    had = json.loads((Path(converted["PTQ1_0"]) / "config.json").read_text())["quantization_config"]["hadamard"]
+    signs, at = {}, 0
+    for w in had["sign_widths"]:
+        signs[w] = np.array(had["sign_values"][at:at + w])
+        at += w
+    with safe_open(str(tiny.hf_dir / "model.safetensors"), framework="numpy") as f:
+        for module in list(had["layers"]) + had["inverse_embeddings"]:
+            q, s = got[module + ".qweight"], got[module + ".scales"]
+            codes = np.stack([(q >> (2 * i)) & 3 for i in range(4)], axis=-1).reshape(q.shape[0], -1)
+            w_stored = dequant(codes.astype(np.int8) - 1, s, 128)
+            dense = unrotate(w_stored, signs[w_stored.shape[1]], had["block_size"])
+            np.testing.assert_allclose(dense, f.get_tensor(module + ".weight"), atol=1e-5, err_msg=module)
+
+
+def test_plain_qwen35_without_rotation(tiny, tmp_path):
+    """A qwen35 GGUF without prism.hadamard.* is an ordinary model: same tensors, no rotation entry."""
+    src = write_prism_gguf(tiny, tmp_path / "plain.gguf", "PQ2_0", hadamard=False)
+    out = ternary_rs.convert(src, tmp_path / "plain", progress=False)
+    cfg = json.loads((Path(out) / "config.json").read_text())
+    assert "hadamard" not in cfg["quantization_config"]
+    got = read_all(out)
+    t, _ = tiny.stored["model.layers.0.mlp.down_proj.weight"]
+    np.testing.assert_array_equal(got["model.layers.0.mlp.down_proj.qweight"], pack_codes(t))
+
+
+def test_gdn_tiled_basis_gets_a_permutation(tiny, tmp_path):
+    import gguf
+
+    src = write_prism_gguf(tiny, tmp_path / "tiled.gguf", "PQ2_0",
+                           overrides={"prism.hadamard.gdn_v_grouped": (False, gguf.GGUFValueType.BOOL, None)})
+    out = ternary_rs.convert(src, tmp_path / "tiled", progress=False)
+    layers = json.loads((Path(out) / "config.json").read_text())["quantization_config"]["hadamard"]["layers"]
+    c = tiny.config
+    for name, entry in layers.items():
+        if name.endswith("linear_attn.out_proj"):
+            assert entry["gdn_permute"] == {"from": "grouped", "to": "tiled",
+                                            "num_v_heads": c["linear_num_value_heads"],
+                                            "num_k_heads": c["linear_num_key_heads"],
+                                            "head_dim": c["linear_value_head_dim"]}
+        else:
+            assert "gdn_permute" not in entry
+
+
+def _refusal_cases():
+    import gguf
+
+    V = gguf.GGUFValueType
+    return [
+        ({"prism.hadamard.version": (2, V.UINT32, None)}, "version"),
+        ({"prism.hadamard.transform": ("random-orthogonal", V.STRING, None)}, "transform"),
+        ({"prism.hadamard.block_size": (96, V.UINT32, None)}, "power of two"),
+        ({"prism.hadamard.sign_values": ([1, -1] * 8, V.ARRAY, V.INT8)}, "sign_values"),
+        ({"prism.hadamard.weight_names": (["blk.0.ffn_down.weight", "blk.77.ffn_up.weight"], V.ARRAY, V.STRING)},
+         "blk.77"),
+        ({"prism.hadamard.gdn_v_grouped": (None, V.BOOL, None)}, "gdn_v_grouped"),
+        ({"prism.hadamard.block_size": (None, V.UINT32, None)}, "block_size"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_rotation_metadata_problems_are_refused(tiny, tmp_path, case):
+    overrides, match = _refusal_cases()[case]
+    src = write_prism_gguf(tiny, tmp_path / "bad.gguf", "PQ2_0", overrides=overrides)
+    dst = tmp_path / "out"
+    with pytest.raises(ternary_rs.ValidationError, match=match):
+        ternary_rs.convert(src, dst, progress=False)
+    assert not dst.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["bad.gguf"]  # no temporary left behind
+
+
+def test_mlx_pack_sign_mismatch_refused(tiny, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    d = write_mlx_pack(tiny, tmp_path / "mlx")
+    tensors = load_file(str(d / "model.safetensors"))
+    key = "language_model.model.layers.0.mlp.down_proj.signs"
+    tensors[key] = -tensors[key]
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "mlx"})
+    with pytest.raises(ternary_rs.ValidationError, match="sign vector"):
+        ternary_rs.convert(d, tmp_path / "out", progress=False)
+
+
+def test_prism_metadata_shape(tiny):
+    """The reference writer's keys are the ones FORMATS.md §1.3.5 lists (guards the test inputs)."""
+    kv = prism_metadata(tiny)
+    assert {k.rsplit(".", 1)[-1] for k in kv} == {
+        "version", "transform", "axis", "sign_mode", "block_size", "sign_widths", "sign_values",
+        "weight_names", "inverse_weight_names", "gdn_v_grouped"}
