@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--shard-size", default="5GB")
     c.add_argument("--force", action="store_true", help="replace an existing destination")
     c.add_argument("--no-progress", action="store_true")
+    c.add_argument("--no-transformers", action="store_true",
+                   help="GGUF sources: rebuild config.json/tokenizer with the built-in mapping instead of "
+                        "transformers' GGUF loader (faster start; gpt2 BPE tokenizers only)")
 
     i = sub.add_parser("inspect", help="describe a checkpoint")
     i.add_argument("path")
@@ -100,14 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args) -> int:
-    from . import convert as conv
+    import importlib
+
+    # the package's ``convert`` attribute is the function; the module holds the rest
+    conv = importlib.import_module("ternary_rs.convert")
 
     if args.command == "convert":
         src = args.src if len(args.src) > 1 else args.src[0]
         try:
             out = conv.convert(src, args.dst, to=args.to, gguf_type=args.gguf_type, group_size=args.group_size,
                                threads=args.threads, shard_size=args.shard_size, force=args.force,
-                               progress=not args.no_progress)
+                               progress=not args.no_progress, use_transformers=not args.no_transformers)
         except conv.BulkConversionError as e:
             for r in e.results:
                 print(f"wrote {r}")

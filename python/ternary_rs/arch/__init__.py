@@ -36,7 +36,8 @@ An arch object provides (attributes / methods):
     temporary directory is deleted. ``options`` carries ``group_size`` (``None`` = source's), ``shard_size``
     (bytes), ``threads``, ``progress`` (bool) and ``source_paths``.
 
-To add an architecture: write ``arch/<name>.py`` exposing ``ARCH`` and add one line to ``_MODULES``.
+To add an architecture: write ``arch/<name>.py`` (``<name>`` = its GGUF ``general.architecture``) exposing
+``ARCH`` and add one line to ``_MODULES``. Modules are imported on first use (``ARCHES[name]``).
 """
 
 from __future__ import annotations
@@ -50,17 +51,33 @@ _MODULES = (
     "qwen35",
 )
 
-ARCHES: dict[str, Any] = {}
+
+class _Registry(dict):
+    """``gguf_arch -> arch object``; an architecture's module is imported on first lookup, so that
+    ``import ternary_rs`` stays light (some arches pull in torch). ``ARCHES[name]`` loads;
+    ``load_all()`` loads every module in ``_MODULES`` (needed before iterating)."""
+
+    def __missing__(self, key: str) -> Any:
+        if key in _MODULES:
+            arch = register(importlib.import_module(f"{__name__}.{key}").ARCH)
+            if arch.gguf_arch == key:
+                return arch
+        raise KeyError(key)
+
+    def load_all(self) -> "_Registry":
+        for name in _MODULES:
+            if name not in self:
+                self[name]  # noqa: B018 - loads it
+        return self
+
+
+ARCHES: dict[str, Any] = _Registry()
 
 
 def register(arch: Any) -> Any:
     """Add an arch object to the registry (keyed by ``arch.gguf_arch``); returns it."""
-    ARCHES[arch.gguf_arch] = arch
+    dict.__setitem__(ARCHES, arch.gguf_arch, arch)
     return arch
-
-
-for _name in _MODULES:
-    register(importlib.import_module(f"{__name__}.{_name}").ARCH)
 
 
 def arch_for_gguf(architecture: str) -> Any:
@@ -68,6 +85,7 @@ def arch_for_gguf(architecture: str) -> Any:
     try:
         return ARCHES[architecture]
     except KeyError:
+        ARCHES.load_all()
         from .._core import UnsupportedTypeError
 
         raise UnsupportedTypeError(
@@ -78,6 +96,7 @@ def arch_for_gguf(architecture: str) -> Any:
 def arch_for_config(config: dict[str, Any]) -> Any:
     """The arch object for a Hugging Face ``config.json`` dict (``model_type`` first, then ``architectures``)."""
     model_type = config.get("model_type")
+    ARCHES.load_all()
     for arch in ARCHES.values():
         if model_type in arch.hf_model_types:
             return arch
