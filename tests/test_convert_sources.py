@@ -1,0 +1,115 @@
+"""Other safetensors sources -> vLLM: MLX 2-bit packs and transformers BitNet packs, written here with
+plain NumPy from FORMATS.md §1.4(b) / §3.1; the expected output is ``tests/contract_writer.py``'s."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import ternary_rs
+from models import build_tiny_model
+
+import contract_writer as cw
+
+pytest.importorskip("torch")
+
+LINEAR = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+          "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sources")
+    build_tiny_model(root / "hf", arch="qwen3", group_size=128)
+    return root, root / "hf"
+
+
+def _ternary_parts(w: np.ndarray, g: int):
+    codes, scales = cw.ternarize_groups(w, g)
+    return codes, scales
+
+
+def test_mlx_2bit_pack(hf):
+    root, src = hf
+    d = root / "mlx"
+    shutil.copytree(src, d)
+    tensors = load_file(d / "model.safetensors")
+    out = {}
+    for name, w in tensors.items():
+        if name.endswith(cw.DEFAULT_TERNARY_SUFFIXES):
+            codes, scales = _ternary_parts(w, 128)
+            n, k = codes.shape
+            c = codes.reshape(n, k // 16, 16).astype(np.uint32)
+            words = np.zeros((n, k // 16), dtype=np.uint32)
+            for j in range(16):  # code j of a word at bits 2j, least significant first
+                words |= c[..., j] << np.uint32(2 * j)
+            base = name[: -len(".weight")]
+            out[name] = words
+            out[base + ".scales"] = scales
+            out[base + ".biases"] = (-scales.astype(np.float32)).astype(np.float16)
+        else:
+            out[name] = w
+    save_file(out, str(d / "model.safetensors"))
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization"] = {"group_size": 128, "bits": 2}
+    (d / "config.json").write_text(json.dumps(cfg))
+
+    r = ternary_rs.inspect(d)
+    assert r["is_ternary"] and r["by_type"]["MLX"]["tensors"] == 16
+    conv = ternary_rs.convert(d, root / "mlx-vllm", progress=False)
+    ref = cw.write_contract(src, root / "mlx-ref", group_size=128)
+    qc, ours = cw.read_contract(conv)
+    _, theirs = cw.read_contract(ref)
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+    assert "quantization" not in json.loads((conv / "config.json").read_text())
+    assert ternary_rs.verify(conv).ok
+
+
+def test_bitnet_pack_autobitlinear(hf):
+    root, src = hf
+    d = root / "bitnet"
+    shutil.copytree(src, d)
+    tensors = load_file(d / "model.safetensors")
+    rng = np.random.default_rng(0)
+    expected_dense = {}
+    out = {}
+    for name, w in tensors.items():
+        if name.endswith(LINEAR):
+            n, k = w.shape
+            t = rng.integers(-1, 2, size=(n, k)).astype(np.int8)
+            s = np.float32(2.0 ** -int(rng.integers(4, 8)))  # exact in fp16
+            r = n // 4
+            packed = np.zeros((r, k), dtype=np.uint8)
+            for i in range(4):  # rows i·R + r at bits 2i (transformers' pack_weights)
+                packed |= ((t[i * r:(i + 1) * r] + 1).astype(np.uint8) << (2 * i)).astype(np.uint8)
+            out[name] = packed
+            out[name + "_scale"] = np.array([s], dtype=np.float32)
+            expected_dense[name] = (t.astype(np.float32) * s).astype(np.float16)
+        else:
+            out[name] = w
+            expected_dense[name] = w
+    save_file(out, str(d / "model.safetensors"))
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitnet", "linear_class": "autobitlinear",
+                                  "quantization_mode": "offline"}
+    (d / "config.json").write_text(json.dumps(cfg))
+
+    conv = ternary_rs.convert(d, root / "bitnet-vllm", progress=False)
+    dense_dir = root / "bitnet-dense"
+    dense_dir.mkdir()
+    save_file(expected_dense, str(dense_dir / "model.safetensors"))
+    shutil.copy(src / "config.json", dense_dir / "config.json")
+    ref = cw.write_contract(dense_dir, root / "bitnet-ref", group_size=128)
+    _, ours = cw.read_contract(conv)
+    _, theirs = cw.read_contract(ref)
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+    qc = json.loads((conv / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "ternary" and qc["group_size"] == 128
