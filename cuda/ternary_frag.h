@@ -84,7 +84,11 @@ TERNARY_HD bool group_ends_after(int kstep, int group_size) {
 
 // ---- launch planning (host) -------------------------------------------------------------------------
 
-constexpr int kGemvMaxM = 8;         // M <= this: decode kernel (W as A operand, x^T fills the mma's n8)
+// M <= the cut-off: decode kernel (W is the mma's A operand, x^T its B operand, 8 rows of x per n8 tile).
+// Default 8 (one n8 tile); the kernel supports up to kGemvMaxRows (two tiles), so the cut-off is tunable
+// at run time (ternary_cuda_set_gemv_max_m) against the mma GEMM's 16-row tile.
+constexpr int kGemvMaxM = 8;
+constexpr int kGemvMaxRows = 16;
 constexpr int kGemvWarps = 4;        // warps per decode block, interleaved over one strip's K-chunks
 constexpr int kGemvUnroll = 4;       // K-chunks (16-byte loads) each lane keeps in flight
 constexpr int kGemvBlocksPerSm = 8;  // aim: this many decode blocks per SM before splitting K stops
@@ -98,7 +102,7 @@ enum Kernel : int { kKernelGemv = 0, kKernelGemm16 = 1, kKernelGemm32 = 2, kKern
 
 struct Plan {
   int kernel;        // Kernel
-  int block_m;       // rows of x per block (GEMV: 8)
+  int block_m;       // rows of x per block (GEMV: 8 per n8 tile of x^T)
   int block_n;       // output features per block
   int grid_n;        // blocks along N
   int grid_m;        // blocks along M
@@ -112,15 +116,15 @@ inline int ceil_div_int(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 inline int clamp_int(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
 // Returns false on sizes outside the limits (the launcher reports which).
-inline bool make_plan(int64_t m, int64_t n, int64_t k, int sm_count, Plan* plan) {
+inline bool make_plan(int64_t m, int64_t n, int64_t k, int sm_count, int gemv_max_m, Plan* plan) {
   if (m <= 0 || n <= 0 || k <= 0 || m > kMaxDim || n > kMaxDim || k > kMaxDim || sm_count <= 0) return false;
   const int64_t n_pad = (n + kChunkN - 1) / kChunkN * kChunkN;
   const int k_chunks = ceil_div_int(k, kChunkK);
   const int strips = (int)(n_pad / kChunkN);
   Plan p{};
-  if (m <= kGemvMaxM) {
+  if (m <= gemv_max_m && m <= kGemvMaxRows) {
     p.kernel = kKernelGemv;
-    p.block_m = 8;
+    p.block_m = m <= 8 ? 8 : 16;
     p.block_n = kChunkN;
     p.grid_n = strips;
     p.grid_m = 1;

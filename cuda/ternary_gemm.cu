@@ -3,8 +3,8 @@
 // Two kernels, both fed by one weight layout (ternary_frag.h / gpu_layout.rs) in which one 16-byte load
 // per lane yields all mma.sync.m16n8k16 fragment registers of a 64 (K) x 32 (N) chunk:
 //
-// * decode GEMV (M <= ternary::kGemvMaxM): memory-bound. W is the mma's A operand (16 output features per
-//   tile), x^T its B operand (M <= 8 rows fill the n8), so tensor cores do the multiply-adds (fp32
+// * decode GEMV (M <= ternary::kGemvMaxM = 8, tunable up to 16): memory-bound. W is the mma's A operand (16 output features per
+//   tile), x^T its B operand (each 8 rows of x fill one n8), so tensor cores do the multiply-adds (fp32
 //   accumulation) and the ALUs only unpack (shift + lop3 + one hsub2 per two weights). Four warps per block
 //   interleave over one strip's K-chunks with four 16-byte loads in flight per lane; K is split across
 //   blocks until every SM holds several blocks.
@@ -20,6 +20,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <atomic>
 
 #include "ternary_frag.h"
 #include "ternary_gemm.h"
@@ -150,6 +152,24 @@ __device__ __forceinline__ void store_out(T* y, const T* bias, int m, int n, int
   y[(int64_t)m * n_real + n] = DType<T>::from_float(v);
 }
 
+// y[m, n] and y[m, n + 1] (n even): one 32-bit store when both exist and pairs are 4-byte aligned (pair_ok:
+// N even and y 4-byte aligned).
+template <typename T>
+__device__ __forceinline__ void store_out_pair(T* y, const T* bias, int m, int n, int n_real, bool pair_ok, float v0,
+                                               float v1) {
+  if (pair_ok && n + 1 < n_real) {
+    if (bias != nullptr) {
+      v0 += DType<T>::to_float(bias[n]);
+      v1 += DType<T>::to_float(bias[n + 1]);
+    }
+    T pair[2] = {DType<T>::from_float(v0), DType<T>::from_float(v1)};
+    *reinterpret_cast<uint32_t*>(y + (int64_t)m * n_real + n) = *reinterpret_cast<const uint32_t*>(pair);
+  } else {
+    if (n < n_real) store_out<T>(y, bias, m, n, n_real, v0);
+    if (n + 1 < n_real) store_out<T>(y, bias, m, n + 1, n_real, v1);
+  }
+}
+
 struct Args {
   const void* x;
   const uint4* qweight;
@@ -159,43 +179,52 @@ struct Args {
   float* partials;
   int32_t* counters;
   int m, n, k, n_pad, k_chunks, group_size, splits;
+  bool pair_stores;  // N even and y 4-byte aligned: y may be written as bf16x2 / half2 pairs
 };
 
 // ---- decode GEMV -------------------------------------------------------------------------------------
-// grid (strips, splits), kGemvWarps warps. Accumulator acc[p][i]: W rows (n) 16p + c_row, x rows (m) c_col.
-template <typename T>
+// grid (strips, splits), kGemvWarps warps. NT8 n8-tiles of x^T (M <= 8 NT8). Accumulator acc[p][t8][i]:
+// W rows (n) 16p + c_row, x rows (m) 8 t8 + c_col.
+template <typename T, int NT8>
 __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const Args a) {
   constexpr int kThreads = kGemvWarps * 32;
+  constexpr int kRows = 8 * NT8;
   const int strip = blockIdx.x, split = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int kb_begin = split_begin(split, a.splits, a.k_chunks);
   const int kb_end = split_begin(split + 1, a.splits, a.k_chunks);
   const T* x = static_cast<const T*>(a.x);
-  const int xm = lane / 4;  // the x row this lane feeds into the B fragment
-  const bool x_row_ok = xm < a.m;
-  const uint32_t* x_row = reinterpret_cast<const uint32_t*>(x + (int64_t)(x_row_ok ? xm : 0) * a.k);
+  bool x_row_ok[NT8];
+  const uint32_t* x_row[NT8];  // the x rows this lane feeds into the B fragments (bf16x2 / half2 pairs)
+#pragma unroll
+  for (int t8 = 0; t8 < NT8; ++t8) {
+    const int xm = 8 * t8 + lane / 4;
+    x_row_ok[t8] = xm < a.m;
+    x_row[t8] = reinterpret_cast<const uint32_t*>(x + (int64_t)(x_row_ok[t8] ? xm : 0) * a.k);
+  }
   const uint4* w_strip = a.qweight + (int64_t)strip * a.k_chunks * 32 + lane;
   const int64_t scale_col = (int64_t)strip * kChunkN;
 
-  float acc[2][4] = {};
-  float part[2][4] = {};
+  float acc[2][NT8][4] = {};
+  float part[2][NT8][4] = {};
   for (int kb0 = kb_begin + warp; kb0 < kb_end; kb0 += kGemvWarps * kGemvUnroll) {
     uint4 wq[kGemvUnroll];
-    uint32_t xb[kGemvUnroll][kKSteps][2];
+    uint32_t xb[kGemvUnroll][NT8][kKSteps][2];
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
       const int kb = kb0 + u * kGemvWarps;
       wq[u] = kb < kb_end ? load_stream(w_strip + (int64_t)kb * 32) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-      for (int w = 0; w < kKSteps; ++w) {
+      for (int t8 = 0; t8 < NT8; ++t8)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int k = kb * kChunkK + gemv_b_k(lane, w, j);
-          // K is a multiple of 32, so a k-step is entirely inside or outside [0, K).
-          const bool ok = x_row_ok && kb < kb_end && kb * kChunkK + 16 * w < a.k;
-          xb[u][w][j] = ok ? __ldg(x_row + k / 2) : 0u;
-        }
-      }
+        for (int w = 0; w < kKSteps; ++w)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int k = kb * kChunkK + gemv_b_k(lane, w, j);
+            // K is a multiple of 32, so a k-step is entirely inside or outside [0, K).
+            const bool ok = x_row_ok[t8] && kb < kb_end && kb * kChunkK + 16 * w < a.k;
+            xb[u][t8][w][j] = ok ? __ldg(x_row[t8] + k / 2) : 0u;
+          }
     }
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
@@ -206,9 +235,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const Args a) {
       for (int w = 0; w < kKSteps; ++w) {
 #pragma unroll
         for (int p = 0; p < 2; ++p) {
-          mma16816<T>(part[p], frag_rt<T>(words[w], gemv_a_reg(p, 0)), frag_rt<T>(words[w], gemv_a_reg(p, 1)),
-                      frag_rt<T>(words[w], gemv_a_reg(p, 2)), frag_rt<T>(words[w], gemv_a_reg(p, 3)), xb[u][w][0],
-                      xb[u][w][1]);
+          const uint32_t a0 = frag_rt<T>(words[w], gemv_a_reg(p, 0)), a1 = frag_rt<T>(words[w], gemv_a_reg(p, 1));
+          const uint32_t a2 = frag_rt<T>(words[w], gemv_a_reg(p, 2)), a3 = frag_rt<T>(words[w], gemv_a_reg(p, 3));
+#pragma unroll
+          for (int t8 = 0; t8 < NT8; ++t8) mma16816<T>(part[p][t8], a0, a1, a2, a3, xb[u][t8][w][0], xb[u][t8][w][1]);
         }
         // Chunks of one warp are not adjacent in K, so every chunk ends with a flush; g = 32 also mid-chunk.
         if (w == kKSteps - 1 || (w == 1 && a.group_size == 32)) {
@@ -219,10 +249,12 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const Args a) {
             const float s_lo = scale_at(srow, gemv_scale_n(lane, 2 * p));
             const float s_hi = scale_at(srow, gemv_scale_n(lane, 2 * p + 1));
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              acc[p][i] += part[p][i] * (i < 2 ? s_lo : s_hi);
-              part[p][i] = 0.f;
-            }
+            for (int t8 = 0; t8 < NT8; ++t8)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                acc[p][t8][i] += part[p][t8][i] * (i < 2 ? s_lo : s_hi);
+                part[p][t8][i] = 0.f;
+              }
           }
         }
       }
@@ -230,16 +262,18 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const Args a) {
   }
 
   // Sum the warps' accumulators for this strip: red[warp][m][n].
-  __shared__ float red[kGemvWarps][8][kChunkN];
+  __shared__ float red[kGemvWarps][kRows][kChunkN];
 #pragma unroll
   for (int p = 0; p < 2; ++p)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) red[warp][gemv_c_m(lane, 0, i)][gemv_c_n(lane, p, i)] = acc[p][i];
+    for (int t8 = 0; t8 < NT8; ++t8)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[warp][gemv_c_m(lane, t8, i)][gemv_c_n(lane, p, i)] = acc[p][t8][i];
   __syncthreads();
 
   T* y = static_cast<T*>(a.y);
   const T* bias = static_cast<const T*>(a.bias);
-  const int rows = a.m < 8 ? a.m : 8;
+  const int rows = a.m < kRows ? a.m : kRows;
   for (int idx = threadIdx.x; idx < rows * kChunkN; idx += kThreads) {
     const int m = idx / kChunkN, nl = idx % kChunkN, n = strip * kChunkN + nl;
     float v = 0.f;
@@ -372,14 +406,15 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N) gemm_kernel(const Args
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
+        for (int i = 0; i < 4; i += 2) {  // elements i, i + 1: one row, columns n, n + 1
           const int m = m0 + wm * 16 * MT + mt * 16 + c_row(lane, i);
           const int n = strip * kChunkN + gemm_c_n(lane, nt, i);
           if (m >= a.m) continue;
           if (a.splits == 1) {
-            if (n < a.n) store_out<T>(y, bias, m, n, a.n, acc[mt][nt][i]);
+            store_out_pair<T>(y, bias, m, n, a.n, a.pair_stores, acc[mt][nt][i], acc[mt][nt][i + 1]);
           } else {
-            __stcg(a.partials + ((int64_t)split * a.m + m) * a.n_pad + n, acc[mt][nt][i]);
+            __stcg(reinterpret_cast<float2*>(a.partials + ((int64_t)split * a.m + m) * a.n_pad + n),
+                   make_float2(acc[mt][nt][i], acc[mt][nt][i + 1]));
           }
         }
   }
@@ -407,7 +442,10 @@ template <typename T>
 cudaError_t launch(const Args& a, const Plan& p, cudaStream_t stream) {
   switch (p.kernel) {
     case kKernelGemv:
-      gemv_kernel<T><<<dim3(p.grid_n, p.splits), kGemvWarps * 32, 0, stream>>>(a);
+      if (p.block_m <= 8)
+        gemv_kernel<T, 1><<<dim3(p.grid_n, p.splits), kGemvWarps * 32, 0, stream>>>(a);
+      else
+        gemv_kernel<T, 2><<<dim3(p.grid_n, p.splits), kGemvWarps * 32, 0, stream>>>(a);
       return cudaGetLastError();
     case kKernelGemm16:
       return launch_gemm<T, 1, 4, 1>(a, p, stream);
@@ -419,6 +457,8 @@ cudaError_t launch(const Args& a, const Plan& p, cudaStream_t stream) {
       return launch_gemm<T, 2, 4, 4>(a, p, stream);
   }
 }
+
+std::atomic<int> g_gemv_max_m{kGemvMaxM};
 
 bool aligned(const void* p, uintptr_t to) { return (reinterpret_cast<uintptr_t>(p) & (to - 1)) == 0; }
 
@@ -440,7 +480,7 @@ extern "C" int ternary_cuda_plan(int64_t m, int64_t n, int64_t k, int32_t group_
   if (rc != TERNARY_CUDA_OK) return rc;
   if (out == nullptr) return TERNARY_CUDA_ERR_POINTER;
   Plan p;
-  if (!make_plan(m, n, k, sm_count, &p)) return TERNARY_CUDA_ERR_SHAPE;
+  if (!make_plan(m, n, k, sm_count, g_gemv_max_m.load(std::memory_order_relaxed), &p)) return TERNARY_CUDA_ERR_SHAPE;
   out->kernel = p.kernel;
   out->splits = p.splits;
   out->grid_n = p.grid_n;
@@ -461,7 +501,7 @@ extern "C" int ternary_cuda_linear(const void* x, const void* qweight, const voi
       !aligned(qweight, 16) || !aligned(scales, 4) || !aligned(y, 2) || (bias != nullptr && !aligned(bias, 2)))
     return TERNARY_CUDA_ERR_POINTER;
   Plan p;
-  if (!make_plan(m, n, k, sm_count, &p)) return TERNARY_CUDA_ERR_SHAPE;
+  if (!make_plan(m, n, k, sm_count, g_gemv_max_m.load(std::memory_order_relaxed), &p)) return TERNARY_CUDA_ERR_SHAPE;
   if (p.splits > 1 && (partials == nullptr || counters == nullptr)) return TERNARY_CUDA_ERR_WORKSPACE;
   Args a;
   a.x = x;
@@ -478,9 +518,16 @@ extern "C" int ternary_cuda_linear(const void* x, const void* qweight, const voi
   a.k_chunks = (int)((k + kChunkK - 1) / kChunkK);
   a.group_size = group_size;
   a.splits = p.splits;
+  a.pair_stores = n % 2 == 0 && aligned(y, 4);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const cudaError_t e = dtype == TERNARY_DTYPE_BF16 ? launch<__nv_bfloat16>(a, p, s) : launch<__half>(a, p, s);
   return static_cast<int>(e);
+}
+
+extern "C" int ternary_cuda_set_gemv_max_m(int32_t m) {
+  using namespace ternary;
+  if (m < 0 || m > kGemvMaxRows) return TERNARY_CUDA_ERR_SHAPE;
+  return ternary::g_gemv_max_m.exchange(m);
 }
 
 extern "C" int ternary_cuda_device_count(int32_t* count) {

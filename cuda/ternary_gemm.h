@@ -44,6 +44,10 @@ int ternary_cuda_linear(const void* x, const void* qweight, const void* scales, 
                         float* partials, int32_t* counters, int64_t m, int64_t n, int64_t k,
                         int32_t group_size, int32_t dtype, int32_t sm_count, void* stream);
 
+// Set the largest M that uses the decode GEMV (0..16; default 8; above it the mma GEMM runs). Returns the
+// previous value, or TERNARY_CUDA_ERR_SHAPE. Process-wide; meant for tuning and benchmarks.
+int ternary_cuda_set_gemv_max_m(int32_t m);
+
 // Number of visible CUDA devices; 0 (and the cudaError_t) when there is no driver or device.
 int ternary_cuda_device_count(int32_t* count);
 

@@ -163,11 +163,14 @@ static void ldmatrix_emulate(const std::vector<std::vector<float>>& smem, const 
 }
 
 // ---- replay of gemv_kernel ---------------------------------------------------------------------------
-static std::vector<double> replay_gemv(const Problem& pr, bool bf16, bool with_bias, int sm_count, int* splits_out) {
+static std::vector<double> replay_gemv(const Problem& pr, bool bf16, bool with_bias, int sm_count, int gemv_max_m,
+                                       int* splits_out) {
   Plan plan{};
-  CHECK(make_plan(pr.m, pr.n, pr.k, sm_count, &plan), "plan");
+  CHECK(make_plan(pr.m, pr.n, pr.k, sm_count, gemv_max_m, &plan), "plan");
   CHECK(plan.kernel == kKernelGemv, "gemv plan for m=%d", pr.m);
   *splits_out = plan.splits;
+  const int nt8_count = plan.block_m / 8;
+  CHECK(nt8_count * 8 >= pr.m && (nt8_count == 1 || nt8_count == 2), "gemv rows %d for m=%d", plan.block_m, pr.m);
   const uint32_t magic = bf16 ? kMagicBf162 : kMagicHalf2;
   std::vector<double> y((size_t)pr.m * pr.n, NAN);
   std::vector<float> partials((size_t)plan.splits * pr.m * pr.n_pad, NAN);
@@ -175,29 +178,30 @@ static std::vector<double> replay_gemv(const Problem& pr, bool bf16, bool with_b
     for (int split = 0; split < plan.splits; ++split) {
       const int kb_begin = split_begin(split, plan.splits, pr.k_chunks);
       const int kb_end = split_begin(split + 1, plan.splits, pr.k_chunks);
-      float red[kGemvWarps][8][kChunkN];
+      float red[kGemvWarps][kGemvMaxRows][kChunkN];
       for (int warp = 0; warp < kGemvWarps; ++warp) {
-        float acc[32][2][4] = {}, part[32][2][4] = {};
+        float acc[32][2][2][4] = {}, part[32][2][2][4] = {};  // [lane][p][t8][i]
         for (int kb = kb_begin + warp; kb < kb_end; kb += kGemvWarps) {  // the unroll only reorders loads
           for (int w = 0; w < kKSteps; ++w) {
-            for (int p = 0; p < 2; ++p) {
-              Pair a[32][4], b[32][2];
-              float c[32][4];
-              for (int lane = 0; lane < 32; ++lane) {
-                const uint32_t word = pr.words[((size_t)strip * pr.k_chunks + kb) * kChunkWords + lane * 4 + w];
-                for (int i = 0; i < 4; ++i) a[lane][i] = decode_pair(pair_bits(word, gemv_a_reg(p, i), magic), bf16);
-                const int xm = lane / 4;
-                for (int j = 0; j < 2; ++j) {
-                  const int k = kb * kChunkK + gemv_b_k(lane, w, j);
-                  const bool ok = xm < pr.m && kb * kChunkK + 16 * w < pr.k;
-                  b[lane][j] = ok ? Pair{pr.x[(size_t)xm * pr.k + k], pr.x[(size_t)xm * pr.k + k + 1]} : Pair{0, 0};
+            for (int p = 0; p < 2; ++p)
+              for (int t8 = 0; t8 < nt8_count; ++t8) {
+                Pair a[32][4], b[32][2];
+                float c[32][4];
+                for (int lane = 0; lane < 32; ++lane) {
+                  const uint32_t word = pr.words[((size_t)strip * pr.k_chunks + kb) * kChunkWords + lane * 4 + w];
+                  for (int i = 0; i < 4; ++i) a[lane][i] = decode_pair(pair_bits(word, gemv_a_reg(p, i), magic), bf16);
+                  const int xm = 8 * t8 + lane / 4;
+                  for (int j = 0; j < 2; ++j) {
+                    const int k = kb * kChunkK + gemv_b_k(lane, w, j);
+                    const bool ok = xm < pr.m && kb * kChunkK + 16 * w < pr.k;
+                    b[lane][j] = ok ? Pair{pr.x[(size_t)xm * pr.k + k], pr.x[(size_t)xm * pr.k + k + 1]} : Pair{0, 0};
+                  }
+                  for (int i = 0; i < 4; ++i) c[lane][i] = part[lane][p][t8][i];
                 }
-                for (int i = 0; i < 4; ++i) c[lane][i] = part[lane][p][i];
+                mma_emulate(a, b, c);
+                for (int lane = 0; lane < 32; ++lane)
+                  for (int i = 0; i < 4; ++i) part[lane][p][t8][i] = c[lane][i];
               }
-              mma_emulate(a, b, c);
-              for (int lane = 0; lane < 32; ++lane)
-                for (int i = 0; i < 4; ++i) part[lane][p][i] = c[lane][i];
-            }
             if (w == kKSteps - 1 || (w == 1 && pr.g == 32)) {
               const int grp = (kb * kChunkK + 16 * w) / pr.g;
               CHECK(grp < pr.groups_pad, "group %d out of padded scales", grp);
@@ -205,19 +209,22 @@ static std::vector<double> replay_gemv(const Problem& pr, bool bf16, bool with_b
                 for (int p = 0; p < 2; ++p) {
                   const float s_lo = pr.scales_t[(size_t)grp * pr.n_pad + strip * 32 + gemv_scale_n(lane, 2 * p)];
                   const float s_hi = pr.scales_t[(size_t)grp * pr.n_pad + strip * 32 + gemv_scale_n(lane, 2 * p + 1)];
-                  for (int i = 0; i < 4; ++i) {
-                    acc[lane][p][i] += part[lane][p][i] * (i < 2 ? s_lo : s_hi);
-                    part[lane][p][i] = 0;
-                  }
+                  for (int t8 = 0; t8 < nt8_count; ++t8)
+                    for (int i = 0; i < 4; ++i) {
+                      acc[lane][p][t8][i] += part[lane][p][t8][i] * (i < 2 ? s_lo : s_hi);
+                      part[lane][p][t8][i] = 0;
+                    }
                 }
             }
           }
         }
         for (int lane = 0; lane < 32; ++lane)
           for (int p = 0; p < 2; ++p)
-            for (int i = 0; i < 4; ++i) red[warp][gemv_c_m(lane, 0, i)][gemv_c_n(lane, p, i)] = acc[lane][p][i];
+            for (int t8 = 0; t8 < nt8_count; ++t8)
+              for (int i = 0; i < 4; ++i)
+                red[warp][gemv_c_m(lane, t8, i)][gemv_c_n(lane, p, i)] = acc[lane][p][t8][i];
       }
-      const int rows = pr.m < 8 ? pr.m : 8;
+      const int rows = pr.m < plan.block_m ? pr.m : plan.block_m;
       for (int m = 0; m < rows; ++m)
         for (int nl = 0; nl < kChunkN; ++nl) {
           float v = 0;
@@ -244,10 +251,10 @@ static std::vector<double> replay_gemv(const Problem& pr, bool bf16, bool with_b
 }
 
 // ---- replay of gemm_kernel ---------------------------------------------------------------------------
-static std::vector<double> replay_gemm(const Problem& pr, bool bf16, bool with_bias, int sm_count, int* splits_out,
-                                       int* kernel_out) {
+static std::vector<double> replay_gemm(const Problem& pr, bool bf16, bool with_bias, int sm_count, int gemv_max_m,
+                                       int* splits_out, int* kernel_out) {
   Plan plan{};
-  CHECK(make_plan(pr.m, pr.n, pr.k, sm_count, &plan), "plan");
+  CHECK(make_plan(pr.m, pr.n, pr.k, sm_count, gemv_max_m, &plan), "plan");
   CHECK(plan.kernel != kKernelGemv, "gemm plan for m=%d", pr.m);
   *splits_out = plan.splits;
   *kernel_out = plan.kernel;
@@ -389,7 +396,7 @@ static void test_plan() {
                                {64, 6144, 5120}, {512, 5120, 17408}, {2048, 6144, 5120}, {3, 33, 32}};
   for (auto& s : shapes) {
     Plan p{};
-    CHECK(make_plan(s[0], s[1], s[2], 132, &p), "plan");
+    CHECK(make_plan(s[0], s[1], s[2], 132, kGemvMaxM, &p), "plan");
     const int k_chunks = (int)((s[2] + 63) / 64);
     CHECK(p.splits >= 1 && p.splits <= kMaxSplits && p.splits <= k_chunks, "splits %d", p.splits);
     // Ranges tile [0, k_chunks) with no gap or overlap and none is empty.
@@ -408,7 +415,7 @@ static void test_plan() {
                 (long long)s[2], p.kernel, p.grid_n, p.grid_m, p.splits);
   }
   Plan p{};
-  CHECK(!make_plan(0, 1, 32, 132, &p) && !make_plan(1, 1, kMaxDim + 1, 132, &p), "limits");
+  CHECK(!make_plan(0, 1, 32, 132, kGemvMaxM, &p) && !make_plan(1, 1, kMaxDim + 1, 132, kGemvMaxM, &p), "limits");
 }
 
 int main() {
@@ -420,20 +427,23 @@ int main() {
                           {2, 7, 1024, 256, 4}, {5, 33, 160, 32, 132},  {17, 45, 96, 32, 1},
                           {16, 130, 512, 64, 132}, {33, 61, 256, 128, 132}, {70, 40, 320, 32, 2},
                           {129, 96, 256, 256, 1}, {9, 200, 1024, 128, 132}, {4, 40, 1024, 32, 132},
-                          {2, 40, 2304, 256, 132}, {20, 64, 1280, 256, 1}};
-  for (auto& c : cases)
-    for (int bf = 0; bf < 2; ++bf) {
-      Problem p = make_problem(c[0], c[1], c[2], c[3]);
-      const bool with_bias = (c[0] + bf) % 2 == 0;
-      const std::vector<double> want = reference(p, with_bias);
-      int splits = 0, kernel = 0;
-      std::vector<double> got;
-      if (c[0] <= kGemvMaxM) got = replay_gemv(p, bf, with_bias, c[4], &splits);
-      else got = replay_gemm(p, bf, with_bias, c[4], &splits, &kernel);
-      compare(c[0] <= kGemvMaxM ? "gemv" : "gemm", p, got, want);
-      std::printf("m=%d n=%d k=%d g=%d %s: kernel %d, %d split(s): ok=%d\n", c[0], c[1], c[2], c[3],
-                  bf ? "bf16" : "fp16", kernel, splits, g_failures == 0);
-    }
+                          {2, 40, 2304, 256, 132}, {20, 64, 1280, 256, 1}, {16, 70, 2048, 64, 132}, {12, 33, 192, 32, 1},
+                          {14, 300, 4096, 128, 132}};
+  // Every case under the default GEMV cut-off (8) and the largest (16), so rows 9..16 run both kernels.
+  for (const int cutoff : {kGemvMaxM, kGemvMaxRows})
+    for (auto& c : cases)
+      for (int bf = 0; bf < 2; ++bf) {
+        Problem p = make_problem(c[0], c[1], c[2], c[3]);
+        const bool with_bias = (c[0] + bf) % 2 == 0;
+        const std::vector<double> want = reference(p, with_bias);
+        int splits = 0, kernel = 0;
+        const bool gemv = c[0] <= cutoff;
+        std::vector<double> got = gemv ? replay_gemv(p, bf, with_bias, c[4], cutoff, &splits)
+                                       : replay_gemm(p, bf, with_bias, c[4], cutoff, &splits, &kernel);
+        compare(gemv ? "gemv" : "gemm", p, got, want);
+        std::printf("cut-off %2d: m=%d n=%d k=%d g=%d %s: kernel %d, %d split(s): ok=%d\n", cutoff, c[0], c[1], c[2],
+                    c[3], bf ? "bf16" : "fp16", kernel, splits, g_failures == 0);
+      }
   if (g_failures) {
     std::fprintf(stderr, "%d failure(s)\n", g_failures);
     return 1;

@@ -23,6 +23,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gpu_layout, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_plan, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ternary_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_set_gemv_max_m, m)?)?;
     m.add("GPU_CHUNK_N", layout::CHUNK_N)?;
     m.add("GPU_CHUNK_K", layout::CHUNK_K)?;
     m.add("GPU_CHUNK_BYTES", layout::CHUNK_BYTES)?;
@@ -127,6 +128,13 @@ fn cuda_plan<'py>(
     d.set_item("partial_floats", p.partial_floats)?;
     d.set_item("counters", p.counters)?;
     Ok(d)
+}
+
+/// Set the largest M that runs the decode GEMV (0..=16, default 8); returns the previous value.
+/// Process-wide, for tuning and benchmarks (`benches/bench_gpu.py --gemv-max-m`).
+#[pyfunction]
+fn cuda_set_gemv_max_m(m: i32) -> PyResult<i32> {
+    ternary_cuda::set_gemv_max_m(m).map_err(cuda_err)
 }
 
 /// Enqueue `y = x @ W^T (+ bias)` on `stream`. All pointers are device addresses (0 for an absent bias or

@@ -106,6 +106,7 @@ mod ffi {
             sm_count: i32,
             stream: *mut c_void,
         ) -> c_int;
+        pub fn ternary_cuda_set_gemv_max_m(m: i32) -> c_int;
         pub fn ternary_cuda_device_count(count: *mut i32) -> c_int;
         pub fn ternary_cuda_error_string(code: c_int) -> *const c_char;
     }
@@ -174,6 +175,28 @@ pub unsafe fn linear(args: &LinearArgs) -> Result<(), CudaError> {
     #[cfg(not(feature = "nvcc"))]
     {
         let _ = args;
+        Err(CudaError::NotBuilt)
+    }
+}
+
+/// Largest M the decode GEMV handles (the kernel supports up to this).
+pub const GEMV_MAX_ROWS: i32 = 16;
+
+/// Set the largest M that runs the decode GEMV (0..=[`GEMV_MAX_ROWS`], default 8; larger M runs the mma
+/// GEMM). Process-wide, for tuning; returns the previous value.
+pub fn set_gemv_max_m(m: i32) -> Result<i32, CudaError> {
+    #[cfg(feature = "nvcc")]
+    {
+        // SAFETY: plain value call; the C side range-checks it.
+        let prev = unsafe { ffi::ternary_cuda_set_gemv_max_m(m) };
+        if prev < 0 {
+            check(prev)?;
+        }
+        Ok(prev)
+    }
+    #[cfg(not(feature = "nvcc"))]
+    {
+        let _ = m;
         Err(CudaError::NotBuilt)
     }
 }
@@ -252,5 +275,11 @@ mod tests {
             Err(CudaError::Launch { code: -4, .. })
         ));
         assert!(device_count() >= 0);
+        // The GEMV cut-off moves the plan between the decode kernel and the 16-row mma tile.
+        assert_eq!(plan(16, 4096, 4096, 128, 132).unwrap().kernel, 1);
+        assert_eq!(set_gemv_max_m(16), Ok(8));
+        assert_eq!(plan(16, 4096, 4096, 128, 132).unwrap().kernel, 0);
+        assert!(set_gemv_max_m(17).is_err());
+        assert_eq!(set_gemv_max_m(8), Ok(16));
     }
 }

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The one-command device check of the CUDA kernels (H200 machine, no network; aim: well under 6 minutes).
+#
+# Needs the abi3 GPU wheel built on the build machine and carried along (dist/ is git-ignored):
+#     maturin build --release --features cuda -o dist/       # here, with the CUDA toolkit
+#     device run: carry ["dist"], command "bash benches/gpu_check.sh"
+# It installs that wheel (pip --no-deps --no-index, into a private target dir), checks that the kernels
+# load and see the GPU, runs the GPU tests (tests/test_cuda.py, tests/test_gpu_layout.py) and then
+# benches/bench_gpu.py (ternary vs cuBLAS bf16 on the 27B shapes). Uses only what the machine has:
+# python3 with torch, numpy, pytest, hypothesis. Results also go to $OUT (when set) as files.
+# SANITIZE=1 additionally runs a few GPU tests under compute-sanitizer memcheck (slow; Firecracker only).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+RESULTS=${OUT:-/tmp/ternary_gpu_check}
+mkdir -p "$RESULTS"
+status=0
+
+WHEEL=$(ls -t dist/ternary_rs-*.whl 2>/dev/null | head -1)
+if [ -z "$WHEEL" ]; then
+  echo "gpu_check: no dist/ternary_rs-*.whl (build it with: maturin build --release --features cuda -o dist/)" >&2
+  exit 2
+fi
+SITE=${TMPDIR:-/tmp}/ternary_rs_site
+rm -rf "$SITE"
+echo "== install $WHEEL"
+python3 -m pip install -q --no-deps --no-index --no-compile --disable-pip-version-check --target "$SITE" "$WHEEL" \
+  || { echo "gpu_check: wheel install failed" >&2; exit 2; }
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>/dev/null || true
+python3 - <<'PY' || exit 2
+import sys, torch, ternary_rs
+from ternary_rs import _core
+print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"ternary_rs {ternary_rs.__version__} from {ternary_rs.__file__}")
+print(f"cuda_available={_core.cuda_available()} kernels' runtime sees {_core.cuda_device_count()} device(s); "
+      f"torch sees {torch.cuda.device_count()}")
+if not _core.cuda_available():
+    sys.exit("gpu_check: the wheel has no CUDA kernels (build with --features cuda)")
+if _core.cuda_device_count() < 1 or not torch.cuda.is_available():
+    sys.exit("gpu_check: no CUDA device visible")
+PY
+
+echo "== GPU tests"
+timeout 300 python3 -m pytest tests/test_cuda.py tests/test_gpu_layout.py -q -p no:cacheprovider --noconftest \
+  --junitxml="$RESULTS/gpu_tests.xml" 2>&1 | tee "$RESULTS/gpu_tests.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
+  echo "== compute-sanitizer memcheck (subset)"
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest tests/test_cuda.py -q \
+    -p no:cacheprovider --noconftest -k "group_32 or split_k or opcheck" 2>&1 | tail -20
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+echo "== benchmark (ternary vs cuBLAS bf16)"
+timeout 240 python3 benches/bench_gpu.py --json "$RESULTS/bench_gpu.json" 2>&1 | tee "$RESULTS/bench_gpu.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== gpu_check: $([ $status -eq 0 ] && echo ok || echo FAILED)"
+exit $status
