@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from ternary_rs import _core, ops
+from ternary_rs import _core, _ops_cuda, ops
 
 SHAPES = [(5120, 6144), (5120, 17408), (17408, 5120), (5120, 151936)]
 M_VALUES = [1, 4, 16, 64, 512, 2048]
@@ -63,7 +63,7 @@ def time_graph(fn, copies: int, calls: int, replays: int, device: str = "cuda") 
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         for i in range(calls):
             fn(i % copies)
     graph.replay()  # warm-up replay
@@ -104,7 +104,7 @@ def main() -> int:
         print("bench_gpu: this ternary_rs build has no CUDA kernels", file=sys.stderr)
         return 2
     if args.gemv_max_m is not None:
-        _core.cuda_set_gemv_max_m(args.gemv_max_m)
+        _ops_cuda.set_gemv_max_m(args.gemv_max_m)
     if dev == "cuda":
         props = torch.cuda.get_device_properties(0)
         name, sm_count = props.name, sm_count
@@ -152,7 +152,7 @@ def main() -> int:
             if 8 < m <= 16 and not args.no_alt:
                 variants.append(16 if _core.cuda_plan(m, n, k, g, sm_count)["kernel"] != "gemv" else 8)
             for alt in variants:
-                prev = _core.cuda_set_gemv_max_m(alt) if alt is not None else None
+                prev = _ops_cuda.set_gemv_max_m(alt) if alt is not None else None
                 try:
                     if alt is not None:  # the other kernel must agree with the reference too
                         y = ops.ternary_linear(x, q_k, s_k, n, k, g)
@@ -165,7 +165,7 @@ def main() -> int:
                     t_us = time_graph(lambda i: ops.ternary_linear(x, tq[i], ts[i], n, k, g), t_copies, calls, replays, dev)
                 finally:
                     if prev is not None:
-                        _core.cuda_set_gemv_max_m(prev)
+                        _ops_cuda.set_gemv_max_m(prev)
                 moved = tern_bytes_w + m * k * 2 + m * n * 2
                 gbps = moved / (t_us * 1e-6) / 1e9
                 row = dict(k=k, n=n, m=m, kernel=plan["kernel"], splits=plan["splits"], ternary_us=t_us,

@@ -27,17 +27,29 @@ constexpr int kChunkK = 64;          // input features per chunk (4 k16-steps)
 constexpr int kChunkWords = 128;     // u32 words per chunk: 32 lanes x 4
 constexpr int kKSteps = kChunkK / 16;
 
-// fp16/bf16 bit patterns whose ulp is 1: OR-ing a 2-bit code c into the mantissa gives 1024 + c (fp16)
-// or 128 + c (bf16); subtracting 1025 / 129 (exact in both) leaves the trit c - 1.
-constexpr uint32_t kMagicHalf2 = 0x64006400u;   // 1024.0h x 2
-constexpr uint32_t kMagicBf162 = 0x43004300u;   // 128.0bf x 2
-constexpr float kMagicHalfPlusOne = 1025.0f;
-constexpr float kMagicBf16PlusOne = 129.0f;
-
-// The two codes of fragment register r of a word, each OR-ed into a magic exponent (one shift + lop3).
-TERNARY_HD uint32_t pair_bits(uint32_t word, int r, uint32_t magic) {
-  return ((word >> (2 * r)) & 0x00030003u) | magic;
-}
+// 2-bit code pairs -> fp16/bf16 trits without conversion instructions. The two codes of register r sit at
+// bits s, s+1 of each 16-bit half of (word >> shift(r)). OR-ing them into the mantissa of 2^E with E chosen
+// so that mantissa bit s weighs 1 gives 2^E + c exactly; subtracting 2^E + 1 (offset_bits, also exact)
+// leaves the trit c - 1. Per register that is one lop3 ((w & mask) | magic) and one hsub2; the shifts are
+// shared by several registers (fp16's 10-bit mantissa holds s <= 8, so r = 0..4 need no shift; bf16's
+// 7 bits hold s <= 4: shifts 0, 6, 12).
+template <bool kBf16>
+struct Unpack {
+  static constexpr int kMantissaBits = kBf16 ? 7 : 10;
+  static constexpr int kExponentBias = kBf16 ? 127 : 15;
+  static TERNARY_HD int shift(int r) { return kBf16 ? (r < 3 ? 0 : (r < 6 ? 6 : 12)) : (r < 5 ? 0 : 10); }
+  static TERNARY_HD int bit(int r) { return 2 * r - shift(r); }
+  // 2^E for E = kMantissaBits - bit(r), in both halves.
+  static TERNARY_HD uint32_t magic(int r) {
+    return (uint32_t)(kMantissaBits - bit(r) + kExponentBias) << kMantissaBits;
+  }
+  // Register r of a weight word: both halves hold 2^E + c.
+  static TERNARY_HD uint32_t bits(uint32_t word, int r) {
+    return ((word >> shift(r)) & (0x00030003u << bit(r))) | (magic(r) * 0x00010001u);
+  }
+  // 2^E + 1 in both halves (what to subtract to get the trits).
+  static TERNARY_HD uint32_t offset_bits(int r) { return (magic(r) | (1u << bit(r))) * 0x00010001u; }
+};
 
 // GEMV: register index (into a word) of A-fragment register i (a0a1, a2a3, a4a5, a6a7) of rows 16p..16p+15.
 TERNARY_HD int gemv_a_reg(int p, int i) {
@@ -91,7 +103,7 @@ constexpr int kGemvMaxM = 8;
 constexpr int kGemvMaxRows = 16;
 constexpr int kGemvWarps = 4;        // warps per decode block, interleaved over one strip's K-chunks
 constexpr int kGemvUnroll = 4;       // K-chunks (16-byte loads) each lane keeps in flight
-constexpr int kGemvBlocksPerSm = 8;  // aim: this many decode blocks per SM before splitting K stops
+constexpr int kGemvBlocksPerSm = 4;  // aim: ~one wave (about 5 blocks of 95 registers x 128 threads fit an SM)
 constexpr int kGemvMinChunksPerSplit = 8;
 constexpr int kGemmMinChunksPerSplit = 4;
 constexpr int kGemmBlocksPerSm = 2;

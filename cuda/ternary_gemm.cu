@@ -3,14 +3,16 @@
 // Two kernels, both fed by one weight layout (ternary_frag.h / gpu_layout.rs) in which one 16-byte load
 // per lane yields all mma.sync.m16n8k16 fragment registers of a 64 (K) x 32 (N) chunk:
 //
-// * decode GEMV (M <= ternary::kGemvMaxM = 8, tunable up to 16): memory-bound. W is the mma's A operand (16 output features per
-//   tile), x^T its B operand (each 8 rows of x fill one n8), so tensor cores do the multiply-adds (fp32
-//   accumulation) and the ALUs only unpack (shift + lop3 + one hsub2 per two weights). Four warps per block
+// * decode GEMV (M <= kGemvMaxM = 8, tunable up to 16 at run time): memory-bound. W is the mma's A operand
+//   (16 output features per tile), x^T its B operand (each 8 rows of x fill one n8), so tensor cores do
+//   the multiply-adds (fp32 accumulation) and the ALUs only unpack (one lop3 + one hsub2 per two weights,
+//   plus a shift shared by several registers; see Unpack in ternary_frag.h). Four warps per block
 //   interleave over one strip's K-chunks with four 16-byte loads in flight per lane; K is split across
 //   blocks until every SM holds several blocks.
 // * GEMM (larger M): x tiles stream through a 4-stage cp.async pipeline into XOR-swizzled shared memory
 //   and are read with ldmatrix; each warp's weight chunk is one 16-byte shared load per lane per K-chunk.
-//   For very large M a dequantize-to-bf16-tile + cuBLAS path may win; it is not implemented (not measured).
+//   For very large M a dequantize-to-bf16 + cuBLAS path (Hopper cuBLAS uses wgmma, which mma.sync cannot
+//   match) may win; it is not implemented because it could not be measured here (see benches/bench_gpu.py).
 //
 // Scales are applied in fp32 once per group: trits x activations accumulate exactly in a per-group fp32
 // fragment that is scaled into the output accumulator when the group ends. Split-K blocks write fp32
@@ -33,11 +35,9 @@ template <typename T>
 struct DType;
 template <>
 struct DType<__nv_bfloat16> {
-  static constexpr uint32_t kMagic = kMagicBf162;
-  __device__ static uint32_t trits(uint32_t bits) {
-    // (128 + c) - 129 = c - 1, exact in bf16.
-    __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&bits);
-    __nv_bfloat162 r = __hsub2(v, __float2bfloat162_rn(kMagicBf16PlusOne));
+  using U = Unpack<true>;
+  __device__ static uint32_t sub2(uint32_t a, uint32_t b) {
+    __nv_bfloat162 r = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
     return *reinterpret_cast<uint32_t*>(&r);
   }
   __device__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
@@ -45,24 +45,21 @@ struct DType<__nv_bfloat16> {
 };
 template <>
 struct DType<__half> {
-  static constexpr uint32_t kMagic = kMagicHalf2;
-  __device__ static uint32_t trits(uint32_t bits) {
-    __half2 v = *reinterpret_cast<__half2*>(&bits);
-    __half2 r = __hsub2(v, __float2half2_rn(kMagicHalfPlusOne));
+  using U = Unpack<false>;
+  __device__ static uint32_t sub2(uint32_t a, uint32_t b) {
+    __half2 r = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
     return *reinterpret_cast<uint32_t*>(&r);
   }
   __device__ static __half from_float(float v) { return __float2half_rn(v); }
   __device__ static float to_float(__half v) { return __half2float(v); }
 };
 
-// Trits of fragment register r of a weight word, as a bf16x2 / half2 register.
-template <typename T, int R>
-__device__ __forceinline__ uint32_t frag(uint32_t word) {
-  return DType<T>::trits(pair_bits(word, R, DType<T>::kMagic));
-}
+// Trits of fragment register r (a compile-time constant after unrolling) of a weight word, as one
+// bf16x2 / half2 register: shift (shared across registers), lop3, hsub2 — all exact.
 template <typename T>
 __device__ __forceinline__ uint32_t frag_rt(uint32_t word, int r) {
-  return DType<T>::trits(pair_bits(word, r, DType<T>::kMagic));
+  using U = typename DType<T>::U;
+  return DType<T>::sub2(U::bits(word, r), U::offset_bits(r));
 }
 
 template <typename T>

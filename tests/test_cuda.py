@@ -129,7 +129,10 @@ def test_split_k_is_deterministic_and_counters_reset():
 
 
 @pytest.mark.parametrize("m", [1, 4, 16, 200])
-def test_cuda_graph_capture_and_replay(m):
+@pytest.mark.parametrize("warm_stream", [True, False], ids=["warm-stream", "fresh-stream"])
+def test_cuda_graph_capture_and_replay(m, warm_stream):
+    # warm-stream: the capture stream ran the op before (its split-K counters exist); fresh-stream: the
+    # counters are first allocated (and zeroed) inside the capture.
     n, k, g = 320, 2048, 128
     qw, sc = make_layer(n, k, g, seed=m)
     w = dequantize(qw, sc, g)
@@ -137,18 +140,22 @@ def test_cuda_graph_capture_and_replay(m):
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     static_x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on the capture stream (allocates its counters outside capture)
-        ops.ternary_linear(static_x, q_k, s_k, n, k, g, bias)
-    torch.cuda.current_stream().wait_stream(side)
+    if warm_stream:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ops.ternary_linear(static_x, q_k, s_k, n, k, g, bias)
+        torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         static_y = ops.ternary_linear(static_x, q_k, s_k, n, k, g, bias)
     for step in range(4):
         static_x.copy_(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
         graph.replay()
         torch.cuda.synchronize()
         assert_matches(static_y, reference(static_x, w, bias), torch.bfloat16, f"graph replay {step} m={m}")
+    # Eager calls after the graph still see zeroed counters.
+    assert_matches(ops.ternary_linear(static_x, q_k, s_k, n, k, g, bias), reference(static_x, w, bias),
+                   torch.bfloat16, f"eager after graph m={m}")
 
 
 def test_side_stream_and_second_layer_interleaved():

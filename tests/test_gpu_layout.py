@@ -153,3 +153,20 @@ def test_cuda_entry_points_do_not_crash_without_a_gpu():
         _core.cuda_plan(1, 32, 100, 64, 132)
     with pytest.raises(ValueError, match="null or misaligned"):
         _core.cuda_ternary_linear(0, 0, 0, 0, 0, 0, 0, 1, 32, 64, 64, "bfloat16", 1, 0)
+    with pytest.raises(ValueError, match="dtype"):
+        _core.cuda_ternary_linear(0, 0, 0, 0, 0, 0, 0, 1, 32, 64, 64, "float32", 1, 0)
+    # The GEMV cut-off moves M = 16 between the 16-row mma tile and the decode kernel.
+    assert _core.cuda_plan(16, 4096, 4096, 128, 132)["kernel"] == "gemm16"
+    assert _ops_cuda.set_gemv_max_m(16) == 8
+    try:
+        assert _core.cuda_plan(16, 4096, 4096, 128, 132)["kernel"] == "gemv"
+        with pytest.raises(ValueError):
+            _ops_cuda.set_gemv_max_m(17)
+    finally:
+        assert _ops_cuda.set_gemv_max_m(8) == 16
+    # Argument checks run before anything touches a device.
+    q_k, s_k = _ops_cuda.prepare_weight(torch.full((40, 24), 0x55, dtype=torch.uint8), torch.ones(40, 3, dtype=torch.float16), 32)
+    with pytest.raises(ValueError, match="prepared CUDA layout"):
+        _ops_cuda.ternary_linear(torch.zeros(2, 96), q_k[:1], s_k, 40, 96, 32)
+    with pytest.raises(ValueError, match="features"):
+        _ops_cuda.ternary_linear(torch.zeros(2, 64), q_k, s_k, 40, 96, 32)

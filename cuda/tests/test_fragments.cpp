@@ -54,10 +54,13 @@ static float bf16_to_float(uint16_t b) {
 
 struct Pair { float lo, hi; };  // one 32-bit fragment register as its two values
 
-// What the device's DType<T>::trits(pair_bits(...)) computes: hsub2(bits, magic + 1), exact.
-static Pair decode_pair(uint32_t bits, bool bf16) {
-  if (bf16) return {bf16_to_float(bits & 0xffff) - kMagicBf16PlusOne, bf16_to_float(bits >> 16) - kMagicBf16PlusOne};
-  return {half_to_float(bits & 0xffff) - kMagicHalfPlusOne, half_to_float(bits >> 16) - kMagicHalfPlusOne};
+// What the device's frag_rt computes for register r of a word: hsub2(Unpack::bits, Unpack::offset_bits),
+// a difference of two exactly representable values (so exact in fp32 here as on the device).
+static Pair decode_reg(uint32_t word, int r, bool bf16) {
+  const uint32_t b = bf16 ? Unpack<true>::bits(word, r) : Unpack<false>::bits(word, r);
+  const uint32_t o = bf16 ? Unpack<true>::offset_bits(r) : Unpack<false>::offset_bits(r);
+  auto f = [bf16](uint32_t h) { return bf16 ? bf16_to_float((uint16_t)h) : half_to_float((uint16_t)h); };
+  return {f(b & 0xffff) - f(o & 0xffff), f(b >> 16) - f(o >> 16)};
 }
 
 // ---- problem + reference layout --------------------------------------------------------------------
@@ -171,7 +174,6 @@ static std::vector<double> replay_gemv(const Problem& pr, bool bf16, bool with_b
   *splits_out = plan.splits;
   const int nt8_count = plan.block_m / 8;
   CHECK(nt8_count * 8 >= pr.m && (nt8_count == 1 || nt8_count == 2), "gemv rows %d for m=%d", plan.block_m, pr.m);
-  const uint32_t magic = bf16 ? kMagicBf162 : kMagicHalf2;
   std::vector<double> y((size_t)pr.m * pr.n, NAN);
   std::vector<float> partials((size_t)plan.splits * pr.m * pr.n_pad, NAN);
   for (int strip = 0; strip < plan.grid_n; ++strip) {
@@ -189,7 +191,7 @@ static std::vector<double> replay_gemv(const Problem& pr, bool bf16, bool with_b
                 float c[32][4];
                 for (int lane = 0; lane < 32; ++lane) {
                   const uint32_t word = pr.words[((size_t)strip * pr.k_chunks + kb) * kChunkWords + lane * 4 + w];
-                  for (int i = 0; i < 4; ++i) a[lane][i] = decode_pair(pair_bits(word, gemv_a_reg(p, i), magic), bf16);
+                  for (int i = 0; i < 4; ++i) a[lane][i] = decode_reg(word, gemv_a_reg(p, i), bf16);
                   const int xm = 8 * t8 + lane / 4;
                   for (int j = 0; j < 2; ++j) {
                     const int k = kb * kChunkK + gemv_b_k(lane, w, j);
@@ -261,7 +263,6 @@ static std::vector<double> replay_gemm(const Problem& pr, bool bf16, bool with_b
   const int warps_m = plan.kernel >= kKernelGemm64 ? 2 : 1, warps_n = 4;
   const int mt_count = plan.block_m / (16 * warps_m);
   CHECK(plan.block_m == 16 * mt_count * warps_m && plan.block_n == 32 * warps_n, "tile shape");
-  const uint32_t magic = bf16 ? kMagicBf162 : kMagicHalf2;
   const int strips = pr.n_pad / 32;
   std::vector<double> y((size_t)pr.m * pr.n, NAN);
   std::vector<float> partials((size_t)plan.splits * pr.m * pr.n_pad, NAN);
@@ -305,7 +306,7 @@ static std::vector<double> replay_gemm(const Problem& pr, bool bf16, bool with_b
                 for (int lane = 0; lane < 32; ++lane) {
                   const uint32_t word =
                       strip < strips ? pr.words[((size_t)strip * pr.k_chunks + kb) * kChunkWords + lane * 4 + ks] : 0u;
-                  for (int j = 0; j < 2; ++j) b[lane][j] = decode_pair(pair_bits(word, gemm_b_reg(nt, j), magic), bf16);
+                  for (int j = 0; j < 2; ++j) b[lane][j] = decode_reg(word, gemm_b_reg(nt, j), bf16);
                 }
                 for (int mt = 0; mt < mt_count; ++mt) {
                   Pair a[32][4];
@@ -379,12 +380,20 @@ static void compare(const char* what, const Problem& p, const std::vector<double
 }
 
 static void test_pair_bits() {
-  for (int t = 0; t < 20000; ++t) {
+  // Every register of every word of 16 codes in {0, 1, 2} (43 million words is too many: all 3^8 patterns of
+  // the low half against random high halves, and random words), both dtypes.
+  for (int t = 0; t < 6561 + 20000; ++t) {
     uint32_t word = 0;
-    for (int q = 0; q < 16; ++q) word |= (rnd() % 3) << (2 * q);
+    if (t < 6561) {
+      int v = t;
+      for (int q = 0; q < 8; ++q, v /= 3) word |= (uint32_t)(v % 3) << (2 * q);
+      for (int q = 8; q < 16; ++q) word |= (rnd() % 3) << (2 * q);
+    } else {
+      for (int q = 0; q < 16; ++q) word |= (rnd() % 3) << (2 * q);
+    }
     for (int r = 0; r < 8; ++r)
       for (int bf = 0; bf < 2; ++bf) {
-        const Pair v = decode_pair(pair_bits(word, r, bf ? kMagicBf162 : kMagicHalf2), bf);
+        const Pair v = decode_reg(word, r, bf);
         const int lo = (word >> (2 * r)) & 3, hi = (word >> (16 + 2 * r)) & 3;
         CHECK(v.lo == lo - 1 && v.hi == hi - 1, "pair r=%d word=%08x", r, word);
       }

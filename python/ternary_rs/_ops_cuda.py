@@ -25,6 +25,8 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _GROUP_SIZES = (32, 64, 128, 256)
 
 _sm_counts: dict[int, int] = {}
+# (m, n, k, g, sm_count) -> (splits, partial_floats, counters); cleared when the GEMV cut-off changes.
+_plans: dict[tuple[int, int, int, int, int], tuple[int, int, int]] = {}
 # (device index, stream handle) -> zeroed int32 counters; retired buffers stay alive because CUDA graphs
 # captured earlier may still point at them.
 _counters: dict[tuple[int, int], torch.Tensor] = {}
@@ -71,6 +73,24 @@ def prepare_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int)
     q_t = torch.from_numpy(q_k).to(qweight.device)
     s_t = torch.from_numpy(s_k.view(np.int16)).view(torch.float16).to(qweight.device)
     return q_t, s_t
+
+
+def set_gemv_max_m(m: int) -> int:
+    """Largest M that runs the decode GEMV (0..16, default 8; above it the tensor-core GEMM runs).
+    Process-wide, for tuning; returns the previous value."""
+    _require_kernels()
+    prev = _core.cuda_set_gemv_max_m(int(m))
+    _plans.clear()
+    return prev
+
+
+def _plan(m: int, n: int, k: int, g: int, sm: int) -> tuple[int, int, int]:
+    key = (m, n, k, g, sm)
+    plan = _plans.get(key)
+    if plan is None:
+        p = _core.cuda_plan(m, n, k, g, sm)
+        plan = _plans[key] = (p["splits"], p["partial_floats"], p["counters"])
+    return plan
 
 
 def _sm_count(device: torch.device) -> int:
@@ -140,29 +160,37 @@ def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bi
         b = bias.to(device=x2.device, dtype=x2.dtype).contiguous()
 
     device = x2.device
-    with torch.cuda.device(device):
-        stream = torch.cuda.current_stream(device).cuda_stream
-        sm = _sm_count(device)
-        plan = _core.cuda_plan(m, n, k, g, sm)
-        partials = None
-        counters = None
-        if plan["splits"] > 1:
-            partials = torch.empty(plan["partial_floats"], dtype=torch.float32, device=device)
-            counters = _counter_buffer(device, stream, plan["counters"])
-        _core.cuda_ternary_linear(
-            x2.data_ptr(),
-            qweight.data_ptr(),
-            scales.data_ptr(),
-            b.data_ptr() if b is not None else 0,
-            y.data_ptr(),
-            partials.data_ptr() if partials is not None else 0,
-            counters.data_ptr() if counters is not None else 0,
-            m,
-            n,
-            k,
-            g,
-            _DTYPE_NAMES[x2.dtype],
-            sm,
-            stream,
-        )
+    if device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):  # the launcher enqueues on the current device
+            _launch(x2, qweight, scales, b, y, m, n, k, g)
+    else:
+        _launch(x2, qweight, scales, b, y, m, n, k, g)
     return y.reshape(*lead, n).to(out_dtype)
+
+
+def _launch(x2, qweight, scales, b, y, m: int, n: int, k: int, g: int) -> None:
+    device = x2.device
+    stream = torch.cuda.current_stream(device).cuda_stream
+    sm = _sm_count(device)
+    splits, partial_floats, n_counters = _plan(m, n, k, g, sm)
+    partials = counters = None
+    if splits > 1:
+        # Per call from torch's caching allocator (stream-ordered, graph-safe); the counters persist.
+        partials = torch.empty(partial_floats, dtype=torch.float32, device=device)
+        counters = _counter_buffer(device, stream, n_counters)
+    _core.cuda_ternary_linear(
+        x2.data_ptr(),
+        qweight.data_ptr(),
+        scales.data_ptr(),
+        b.data_ptr() if b is not None else 0,
+        y.data_ptr(),
+        partials.data_ptr() if partials is not None else 0,
+        counters.data_ptr() if counters is not None else 0,
+        m,
+        n,
+        k,
+        g,
+        _DTYPE_NAMES[x2.dtype],
+        sm,
+        stream,
+    )
