@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -79,8 +78,9 @@ def write_gguf(path: Path, layers: int) -> int:
     rng = np.random.default_rng(0)
     pool = _block_pool(rng)
     tokens, types, merges = demo_tokenizer()
-    tokens = tokens + [f"<extra_{i}>" for i in range(s["vocab"] - len(tokens))]
-    types = types + [4] * (s["vocab"] - len(types))
+    # filler vocabulary: ordinary (type 1) byte-level tokens, like most of a real Qwen vocabulary
+    tokens = tokens + [f"tok{i}" for i in range(s["vocab"] - len(tokens))]
+    types = types + [1] * (s["vocab"] - len(types))
     w = GGUFWriter(path)
     for key, value, vtype in [
         ("general.architecture", "qwen3", GGUF_STRING),
@@ -121,6 +121,22 @@ def write_gguf(path: Path, layers: int) -> int:
     return sum(v for k, v in sizes.items())
 
 
+def _poll_memory(proc, interval: float = 0.05) -> dict[str, int]:
+    """Peak VmRSS / RssAnon / RssFile (bytes) of a running process, read from /proc."""
+    peaks = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0}
+    status = Path(f"/proc/{proc.pid}/status")
+    while proc.poll() is None:
+        try:
+            for line in status.read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key in peaks:
+                    peaks[key] = max(peaks[key], int(value.split()[0]) * 1024)
+        except (OSError, ValueError):
+            pass
+        time.sleep(interval)
+    return peaks
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=64)
@@ -148,22 +164,26 @@ def main() -> int:
         t_copy = time.perf_counter() - t0
         os.remove(root / "copy.gguf")
 
-        cmd = [sys.executable, "-m", "ternary_rs", "convert", str(src), str(root / "out"), "--no-progress"]
+        cmd = [sys.executable, "-m", "ternary_rs", "-v", "convert", str(src), str(root / "out"), "--no-progress"]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
-        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         t0 = time.perf_counter()
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        peaks = _poll_memory(proc)
+        out, err = proc.communicate()
         t_conv = time.perf_counter() - t0
-        peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        if r.returncode:
-            print(r.stdout, r.stderr)
+        if proc.returncode:
+            print(out, err)
             return 1
         out_bytes = sum(p.stat().st_size for p in (root / "out").iterdir())
+        for line in err.splitlines():
+            if line.startswith("ternary-rs:"):
+                print("  " + line)
         print(f"copy    : {t_copy:7.2f} s  {size / t_copy / 1e9:6.2f} GB/s  (I/O floor)")
         print(f"convert : {t_conv:7.2f} s  {size / t_conv / 1e9:6.2f} GB/s packed input, "
-              f"{out_bytes / 1e9:.2f} GB written, peak RSS {peak_kib / 1024**2:.2f} GiB"
-              + ("" if before < peak_kib else " (peak RSS may include earlier children)"))
+              f"{out_bytes / 1e9:.2f} GB written")
+        print(f"memory  : peak anonymous (heap) RSS {peaks['RssAnon'] / 2**30:.2f} GiB; peak total RSS "
+              f"{peaks['VmRSS'] / 2**30:.2f} GiB (includes clean, reclaimable pages of the memory-mapped source)")
         print(f"ratio convert/copy: {t_conv / t_copy:.2f}x  (includes SHA-256 of source and output for the manifest)")
         return 0
     finally:

@@ -113,3 +113,32 @@ def test_bitnet_pack_autobitlinear(hf):
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
     qc = json.loads((conv / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "ternary" and qc["group_size"] == 128
+
+
+def test_gguf_to_gguf_retype_and_lossy_refusal(tmp_path):
+    from ternary_rs.demo import write_demo_gguf
+
+    src = tmp_path / "demo-PQ2_0.gguf"
+    written = write_demo_gguf(src, "PQ2_0", seed=3)
+    ptq = ternary_rs.convert(src, tmp_path / "demo-PTQ1_0.gguf", to="gguf", gguf_type="PTQ1_0", progress=False)
+    a = ternary_rs.convert(src, tmp_path / "a", progress=False, use_transformers=False)
+    b = ternary_rs.convert(ptq, tmp_path / "b", progress=False, use_transformers=False)
+    _, ta = cw.read_contract(a)
+    _, tb = cw.read_contract(b)
+    assert set(ta) == set(tb)
+    for name in ta:
+        np.testing.assert_array_equal(ta[name], tb[name], err_msg=name)
+    # the demo's HF-order tensors, read back with plain NumPy (qwen3: no row permutation)
+    arch = ternary_rs.arch.ARCHES["qwen3"]
+    for gname, t in written.items():
+        prefix = arch.hf_name(gname, 2)[: -len(".weight")]
+        np.testing.assert_array_equal(ta[prefix + ".qweight"], t.qweight)
+        np.testing.assert_array_equal(ta[prefix + ".scales"], t.scales)
+    # metadata carried over, file type updated only for upstream types
+    r = ternary_rs.inspect(ptq)
+    assert r["by_type"]["PTQ1_0"]["tensors"] == len(written) and not r["problems"]
+    # g128 scales differ inside 256-blocks: TQ2_0 would lose information -> refused, nothing written
+    with pytest.raises(ternary_rs.TernaryError, match="attn|ffn|token_embd|output"):
+        ternary_rs.convert(src, tmp_path / "lossy.gguf", to="gguf", gguf_type="TQ2_0", progress=False)
+    assert not (tmp_path / "lossy.gguf").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

@@ -22,6 +22,7 @@ import glob
 import json
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -463,12 +464,17 @@ def _config_dtype(source: Source) -> str:
 
 def write_vllm_dir(source: Source, out_dir: Path, options: ConvertOptions) -> dict[str, Any]:
     """The generic dense-decoder writer: shards, config.json, tokenizer, generation config."""
+    t0 = time.perf_counter()
     source.classify()
     group_size = choose_group_size(source, options.group_size)
     jobs, not_converted = _vllm_jobs(source, group_size)
     total = sum(j.source_bytes for j in jobs)
+    t1 = time.perf_counter()
     with _progress(total, f"convert {source.path.name}", options.progress) as bar:
         write_shards(out_dir, jobs, options.shard_size, bar)
+    t2 = time.perf_counter()
+    log.info("%s: classified %d tensors in %.1f s, wrote shards in %.1f s (%.2f GB/s of source)",
+             source.path.name, len(jobs), t1 - t0, t2 - t1, total / max(t2 - t1, 1e-9) / 1e9)
     n_ternary = sum(1 for st in source.tensors if st.ternary)
     if n_ternary == 0:
         log.warning("%s: no ternary weights found; the output holds only float tensors", source.path)
@@ -490,6 +496,7 @@ def write_vllm_dir(source: Source, out_dir: Path, options: ConvertOptions) -> di
         copy_hf_side_files(source.hf_dir, out_dir)
     config["quantization_config"] = quantization_config(group_size, not_converted)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    log.info("%s: config and tokenizer in %.1f s", source.path.name, time.perf_counter() - t2)
     return {
         "group_size": group_size,
         "ternary_tensors": n_ternary,
@@ -676,6 +683,13 @@ def _convert_one(src: Path, dst: Path, options: ConvertOptions) -> Path:
     if src.absolute() == dst.absolute():
         raise ConversionError(f"{src}: source and destination are the same path")
     source = Source(src, options)
+    # Bonsai 2 rotation: only paths that keep it may run (a dropped rotation serves garbage, silently).
+    keeps_rotation = (source.is_gguf and options.to == "gguf") or (
+        options.to != "gguf" and getattr(source.arch, "write_vllm_checkpoint", None) is not None)
+    if not keeps_rotation:
+        from .hadamard import refuse_if_rotated
+
+        refuse_if_rotated(source.metadata or source.config or {}, f"this conversion to {options.to}", str(src))
     options.source_paths = source.source_files()
     hasher = SourceHasher(options.source_paths)
     try:
@@ -692,12 +706,17 @@ def _convert_one(src: Path, dst: Path, options: ConvertOptions) -> Path:
                 details = {"writer": f"arch.{source.arch.gguf_arch}.write_vllm_checkpoint"}
             else:
                 details = write_vllm_dir(source, tmp, options)
-            write_manifest(tmp, hasher.result(), {
+            t0 = time.perf_counter()
+            sources = hasher.result()
+            t1 = time.perf_counter()
+            write_manifest(tmp, sources, {
                 "architecture": source.arch.gguf_arch,
                 "source_format": source.format,
                 "conversion": {"to": "vllm", **details},
                 "options": {"group_size": options.group_size, "shard_size": options.shard_size},
             })
+            log.info("%s: waited %.1f s for source SHA-256, output SHA-256 + manifest in %.1f s",
+                     src.name, t1 - t0, time.perf_counter() - t1)
             staging.commit()
         return dst
     except BaseException:
@@ -761,6 +780,11 @@ def dequantize_checkpoint(vllm_dir, out_dir, dtype: str = "float32") -> Path:
     if qc.get("quant_method") != "ternary":
         raise ValidationError(f"{vllm_dir}/config.json: quantization_config.quant_method is not 'ternary'")
     group_size = int(qc["group_size"])
+    rotation = None
+    if qc.get("hadamard") is not None:
+        from .hadamard import HadamardSpec, unrotate_weight
+
+        rotation = HadamardSpec.from_config(qc["hadamard"])
     np_dtype = {"float32": np.float32, "float16": np.float16}.get(dtype)
     if np_dtype is None:
         raise ValueError(f"dtype {dtype!r}: expected float32 or float16")
@@ -790,6 +814,8 @@ def dequantize_checkpoint(vllm_dir, out_dir, dtype: str = "float32") -> Path:
                 if name.endswith(".qweight"):
                     prefix = name[: -len(".qweight")]
                     w = dequantize_np(get(name), get(prefix + ".scales"), group_size)
+                    if rotation is not None:  # Bonsai 2: the dense model is W'·H·D, not W'
+                        w = unrotate_weight(w, rotation, prefix)
                     tensors[prefix + ".weight"] = w.astype(np_dtype)
                 else:
                     t = get(name)
