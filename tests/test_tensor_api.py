@@ -60,6 +60,14 @@ def test_dequantize_to_torch_dtypes():
         got = t.dequantize(dt)
         assert isinstance(got, torch.Tensor) and got.dtype == dt
         assert torch.equal(got, want.to(dt))
+    # Filling caller-provided buffers (torch tensors and NumPy arrays) gives the same values.
+    for dt in (torch.float32, torch.bfloat16):
+        buf = torch.empty(t.shape, dtype=dt)
+        assert t.dequantize(dt, out=buf) is buf and torch.equal(buf, want.to(dt))
+    arr = np.empty(t.shape, np.float16)
+    np.testing.assert_array_equal(t.dequantize("float16", out=arr), want.numpy().astype(np.float16))
+    with pytest.raises(ValueError, match="shape"):
+        t.dequantize("float32", out=np.empty((4, 256), np.float32))
     q, s = t.to_torch()
     assert q.dtype == torch.uint8 and s.dtype == torch.float16
     assert q.data_ptr() == t.qweight.ctypes.data  # no copy

@@ -159,25 +159,40 @@ class TernaryTensor:
         """int8 ``[N, K]`` with values in {-1, 0, 1}."""
         return _core.unpack_codes(np.ascontiguousarray(self.qweight))
 
-    def dequantize(self, dtype: Any = "float32"):
+    def dequantize(self, dtype: Any = "float32", *, out: Any = None):
         """Dense ``W = t · scale``. ``dtype``: float32, float16 or bfloat16 (str, NumPy dtype, or a
         ``torch.dtype`` — then a torch tensor is returned). The product is exact in f32 and rounded
         once (nearest even) to the output dtype. A NumPy bfloat16 result uses ``ml_dtypes``; without it
-        a torch tensor is returned."""
+        a torch tensor is returned. ``out``: an existing C-contiguous ``[N, K]`` array or CPU tensor of
+        that dtype to fill (no allocation)."""
         name = _dtype_name(dtype)
-        out = _core.dequantize(*self._args(), dtype=name)
-        want_torch = _is_torch_dtype(dtype)
-        if name == "float32":
-            return _to_torch(out) if want_torch else out
-        if name == "float16":
-            arr = out.view(np.float16)
-            return _to_torch(arr) if want_torch else arr
-        bf16 = _bf16_numpy_dtype()
-        if want_torch or bf16 is None:
+        want_torch = _is_torch_dtype(dtype) or (out is not None and not isinstance(out, np.ndarray))
+        if out is None:
+            if want_torch or (name == "bfloat16" and _bf16_numpy_dtype() is None):
+                import torch
+
+                out = torch.empty(self.shape, dtype=getattr(torch, name))
+                want_torch = True
+            else:
+                out = np.empty(self.shape, dtype=np.float32 if name == "float32" else np.uint16)
+        if isinstance(out, np.ndarray):
+            target = out if name == "float32" or out.dtype == np.uint16 else out.view(np.uint16)
+        else:  # a torch tensor: write through a NumPy view of its memory
             import torch
 
-            return torch.from_numpy(out).view(torch.bfloat16)
-        return out.view(bf16)
+            if out.dtype != getattr(torch, name) or out.device.type != "cpu":
+                raise TypeError(f"out must be a CPU torch.{name} tensor, got {out.dtype} on {out.device}")
+            target = out.numpy() if name == "float32" else out.view(torch.int16).numpy().view(np.uint16)
+        if target.shape != self.shape:
+            raise ValueError(f"out has shape {target.shape}, expected {self.shape}")
+        _core.dequantize_into(*self._args(), target, dtype=name)
+        if want_torch or not isinstance(out, np.ndarray):
+            return out
+        if name == "float32":
+            return out
+        if name == "float16":
+            return out.view(np.float16)
+        return out.view(_bf16_numpy_dtype())
 
     def to_torch(self):
         """``(qweight, scales)`` as torch tensors sharing memory with this tensor (no copy)."""

@@ -7,7 +7,9 @@
 use half::f16;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use half::vec::HalfFloatVecExt;
-use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use numpy::{
+    PyArray1, PyArray2, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods,
+};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use ternary_core::canonical::{self, CanonicalRef, CanonicalTernary, HalfKind};
@@ -230,18 +232,23 @@ fn ternarize<'py>(
     to_canon(py, t)
 }
 
-/// Dequantize: `dtype` "float32" → float32 array; "float16"/"bfloat16" → uint16 bits.
+/// Dequantize into `out` (C-contiguous, `rows·cols` elements): float32 for `dtype` "float32", uint16
+/// bits for "float16"/"bfloat16". Writing into a caller's array lets Python allocate it (NumPy and
+/// torch use huge pages for large buffers; first-touch page faults dominate fresh outputs) or fill a
+/// torch tensor directly.
 #[pyfunction]
-#[pyo3(signature = (qweight, scales, rows, cols, group_size, dtype="float32"))]
-fn dequantize<'py>(
+#[pyo3(signature = (qweight, scales, rows, cols, group_size, out, dtype="float32"))]
+#[allow(clippy::too_many_arguments)]
+fn dequantize_into<'py>(
     py: Python<'py>,
     qweight: PyReadonlyArrayDyn<'py, u8>,
     scales: PyReadonlyArrayDyn<'py, u16>,
     rows: usize,
     cols: usize,
     group_size: usize,
+    out: Bound<'py, PyAny>,
     dtype: &str,
-) -> PyResult<Bound<'py, PyAny>> {
+) -> PyResult<()> {
     let c = canon_ref(
         slice(&qweight, "qweight")?,
         slice(&scales, "scales")?,
@@ -249,26 +256,33 @@ fn dequantize<'py>(
         cols,
         group_size,
     )?;
-    let kind = match dtype {
-        "float32" => None,
-        "float16" => Some(HalfKind::F16),
-        "bfloat16" => Some(HalfKind::BF16),
-        d => {
-            return Err(PyValueError::new_err(format!(
-                "dequantize dtype must be float32, float16 or bfloat16, not {d}"
-            )))
+    let not_contiguous = || PyValueError::new_err("out must be a writable C-contiguous array");
+    match dtype {
+        "float32" => {
+            let arr = out.cast::<PyArrayDyn<f32>>().map_err(|_| {
+                PyValueError::new_err("out must be a float32 array for dtype float32")
+            })?;
+            let mut rw = arr.try_readwrite().map_err(|_| not_contiguous())?;
+            let o = rw.as_slice_mut().map_err(|_| not_contiguous())?;
+            py.detach(|| c.dequantize_f32_into(o)).map_err(to_py)
         }
-    };
-    Ok(match kind {
-        None => {
-            let v = py.detach(|| c.dequantize_f32()).map_err(to_py)?;
-            PyArray1::from_vec(py, v).reshape([rows, cols])?.into_any()
+        "float16" | "bfloat16" => {
+            let kind = if dtype == "float16" {
+                HalfKind::F16
+            } else {
+                HalfKind::BF16
+            };
+            let arr = out.cast::<PyArrayDyn<u16>>().map_err(|_| {
+                PyValueError::new_err("out must be a uint16 array (raw bits) for float16/bfloat16")
+            })?;
+            let mut rw = arr.try_readwrite().map_err(|_| not_contiguous())?;
+            let o = rw.as_slice_mut().map_err(|_| not_contiguous())?;
+            py.detach(|| c.dequantize_bits_into(kind, o)).map_err(to_py)
         }
-        Some(k) => {
-            let v = py.detach(|| c.dequantize_bits(k)).map_err(to_py)?;
-            PyArray1::from_vec(py, v).reshape([rows, cols])?.into_any()
-        }
-    })
+        d => Err(PyValueError::new_err(format!(
+            "dequantize dtype must be float32, float16 or bfloat16, not {d}"
+        ))),
+    }
 }
 
 /// Reject code 3 and non-finite scales (names the tensor, first index and count).
@@ -399,7 +413,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate_mlx, m)?)?;
     m.add_function(wrap_pyfunction!(recover_dense, m)?)?;
     m.add_function(wrap_pyfunction!(ternarize, m)?)?;
-    m.add_function(wrap_pyfunction!(dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize_into, m)?)?;
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add_function(wrap_pyfunction!(regroup, m)?)?;
     m.add_function(wrap_pyfunction!(unpack_codes, m)?)?;

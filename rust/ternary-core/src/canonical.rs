@@ -210,9 +210,22 @@ const BYTE_TRITS: [u32; 256] = {
 impl<'a> CanonicalRef<'a> {
     /// `W[n, k] = (c − 1) · scale` in f32, row-major `[rows, cols]` (validate first: code 3 reads +2).
     pub fn dequantize_f32(&self) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; self.rows * self.cols];
+        self.dequantize_f32_into(&mut out)?;
+        Ok(out)
+    }
+
+    /// [`Self::dequantize_f32`] into a caller's buffer of `rows · cols` values (e.g. a NumPy or
+    /// torch tensor allocated with huge pages: first-touch page faults dominate large outputs).
+    pub fn dequantize_f32_into(&self, out: &mut [f32]) -> Result<()> {
+        self.dequantize_f32_impl(out, dequant_simd::available())
+    }
+
+    /// `simd = false` forces the scalar reference loop (tests compare the two).
+    pub(crate) fn dequantize_f32_impl(&self, out: &mut [f32], simd: bool) -> Result<()> {
         self.check()?;
+        self.check_out(out.len())?;
         let (cols, g) = (self.cols, self.group_size);
-        let mut out = vec![0f32; self.rows * cols];
         crate::threads::install(|| {
             use rayon::prelude::*;
             out.par_chunks_mut(cols)
@@ -226,6 +239,10 @@ impl<'a> CanonicalRef<'a> {
                     {
                         let sc = sc.to_f32();
                         let lut = [-sc, 0.0 * sc, sc, 2.0 * sc];
+                        if simd {
+                            dequant_simd::group_f32(qg, grp, lut);
+                            continue;
+                        }
                         for (o, &b) in grp.chunks_exact_mut(4).zip(qg) {
                             for (j, v) in o.iter_mut().enumerate() {
                                 *v = lut[((b >> (2 * j)) & 3) as usize];
@@ -234,19 +251,48 @@ impl<'a> CanonicalRef<'a> {
                     }
                 })
         });
-        Ok(out)
+        Ok(())
+    }
+
+    fn check_out(&self, len: usize) -> Result<()> {
+        if len != self.rows * self.cols {
+            return Err(Error::invalid(format!(
+                "output buffer holds {len} values, [{}, {}] needs {}",
+                self.rows,
+                self.cols,
+                self.rows * self.cols
+            )));
+        }
+        Ok(())
     }
 
     /// `W[n, k] = (c − 1) · scale` rounded (nearest even) to fp16 or bf16, returned as raw bits.
     /// The product is computed in f32 (exact: `t ∈ {−1, 0, 1}`), then rounded once.
     pub fn dequantize_bits(&self, kind: HalfKind) -> Result<Vec<u16>> {
+        let mut out = vec![0u16; self.rows * self.cols];
+        self.dequantize_bits_into(kind, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Self::dequantize_bits`] into a caller's buffer of `rows · cols` values.
+    pub fn dequantize_bits_into(&self, kind: HalfKind, out: &mut [u16]) -> Result<()> {
+        self.dequantize_bits_impl(kind, out, dequant_simd::available())
+    }
+
+    /// `simd = false` forces the scalar reference loop (tests compare the two).
+    pub(crate) fn dequantize_bits_impl(
+        &self,
+        kind: HalfKind,
+        out: &mut [u16],
+        simd: bool,
+    ) -> Result<()> {
         self.check()?;
+        self.check_out(out.len())?;
         let (cols, g) = (self.cols, self.group_size);
         let to_bits = move |x: f32| match kind {
             HalfKind::F16 => half::f16::from_f32(x).to_bits(),
             HalfKind::BF16 => half::bf16::from_f32(x).to_bits(),
         };
-        let mut out = vec![0u16; self.rows * cols];
         crate::threads::install(|| {
             use rayon::prelude::*;
             out.par_chunks_mut(cols)
@@ -259,8 +305,18 @@ impl<'a> CanonicalRef<'a> {
                         row.chunks_exact_mut(g).zip(q.chunks_exact(g / 4)).zip(s)
                     {
                         let sc = sc.to_f32();
-                        let lane = |x: f32| to_bits(x) as u64 * 0x0001_0001_0001_0001;
-                        let (neg, zero, pos) = (lane(-sc), lane(0.0 * sc), lane(sc));
+                        let (neg, zero, pos, two) = (
+                            to_bits(-sc),
+                            to_bits(0.0 * sc),
+                            to_bits(sc),
+                            to_bits(2.0 * sc),
+                        );
+                        if simd {
+                            dequant_simd::group_u16(qg, grp, [neg, zero, pos, two]);
+                            continue;
+                        }
+                        let lane = |x: u16| x as u64 * 0x0001_0001_0001_0001;
+                        let (neg, zero, pos) = (lane(neg), lane(zero), lane(pos));
                         for (o, &b) in grp.chunks_exact_mut(4).zip(qg) {
                             let m = &LANE_MASKS[b as usize];
                             let w = (m[0] & neg) | (m[1] & zero) | (m[2] & pos);
@@ -272,7 +328,7 @@ impl<'a> CanonicalRef<'a> {
                     }
                 })
         });
-        Ok(out)
+        Ok(())
     }
 
     /// Trits `t = c − 1` as int8, row-major `[rows, cols]`.
@@ -432,6 +488,125 @@ pub fn pack_trits(tensor: &str, trits: &[i8], cols: usize) -> Result<Vec<u8>> {
         ));
     }
     Ok(out)
+}
+
+/// AVX-512BW dequantization of one group: 8 code bytes → 32 values per step. The bytes are spread
+/// so each 16-bit lane holds the byte of its code (`vpshufb`), shifted to its code (`vpsrlvw`), and the
+/// code indexes a 4-entry table of the group's values (`vpermw`). The scalar loops in
+/// [`CanonicalRef::dequantize_bits_into`] are the reference; the tests compare both.
+mod dequant_simd {
+    /// Whether the AVX-512 path can run here (checked once per call, cached by std).
+    #[inline]
+    pub fn available() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && !cfg!(miri)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
+    /// `out[i] = lut[code i]` for a group (`q.len()` a multiple of 8, `out.len() == 4·q.len()`).
+    #[inline]
+    pub fn group_u16(q: &[u8], out: &mut [u16], lut: [u16; 4]) {
+        assert!(q.len() % 8 == 0 && out.len() == 4 * q.len());
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: callers use this path only when `available()` saw avx512f and avx512bw.
+        unsafe {
+            x86::group_u16(q, out, lut)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("no SIMD dequantization on this architecture")
+    }
+
+    #[inline]
+    pub fn group_f32(q: &[u8], out: &mut [f32], lut: [f32; 4]) {
+        assert!(q.len() % 8 == 0 && out.len() == 4 * q.len());
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        unsafe {
+            x86::group_f32(q, out, lut)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("no SIMD dequantization on this architecture")
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    // AVX-512 intrinsics are stable from Rust 1.89; the workspace `rust-version` (1.85) predates them.
+    #[allow(clippy::incompatible_msrv)]
+    mod x86 {
+        use std::arch::x86_64::*;
+
+        /// `vpshufb` control: 16-bit lane `i` (of 32) gets code byte `i / 4` in its low byte. The
+        /// 8 code bytes are broadcast to every 64-bit lane, so 128-bit lane `L` reads bytes
+        /// `2L + k/4` for its 8 lanes `k`.
+        const SPREAD: [i8; 64] = {
+            let mut c = [0i8; 64];
+            let mut p = 0;
+            while p < 64 {
+                let (lane128, within) = (p / 16, p % 16);
+                c[p] = if within % 2 == 0 {
+                    (2 * lane128 + (within / 2) / 4) as i8
+                } else {
+                    -128 // zero the high byte
+                };
+                p += 1;
+            }
+            c
+        };
+        /// `vpsrlvw` counts: lane `i` shifts by `2·(i % 4)`.
+        const SHIFTS: [u16; 32] = {
+            let mut s = [0u16; 32];
+            let mut i = 0;
+            while i < 32 {
+                s[i] = 2 * (i as u16 % 4);
+                i += 1;
+            }
+            s
+        };
+
+        #[inline(always)]
+        unsafe fn codes32(x: u64) -> __m512i {
+            let spread = _mm512_loadu_si512(SPREAD.as_ptr().cast());
+            let shifts = _mm512_loadu_si512(SHIFTS.as_ptr().cast());
+            let b = _mm512_shuffle_epi8(_mm512_set1_epi64(x as i64), spread);
+            _mm512_and_si512(_mm512_srlv_epi16(b, shifts), _mm512_set1_epi16(3))
+        }
+
+        #[target_feature(enable = "avx512f,avx512bw")]
+        pub unsafe fn group_u16(q: &[u8], out: &mut [u16], lut: [u16; 4]) {
+            let table = lut[0] as u64
+                | (lut[1] as u64) << 16
+                | (lut[2] as u64) << 32
+                | (lut[3] as u64) << 48;
+            let table = _mm512_set1_epi64(table as i64);
+            for (o, qq) in out.chunks_exact_mut(32).zip(q.chunks_exact(8)) {
+                let x = u64::from_le_bytes(qq.try_into().expect("8 bytes"));
+                let v = _mm512_permutexvar_epi16(codes32(x), table);
+                _mm512_storeu_si512(o.as_mut_ptr().cast(), v);
+            }
+        }
+
+        #[target_feature(enable = "avx512f,avx512bw")]
+        pub unsafe fn group_f32(q: &[u8], out: &mut [f32], lut: [f32; 4]) {
+            let table = _mm512_setr_ps(
+                lut[0], lut[1], lut[2], lut[3], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+                0.0, 0.0,
+            );
+            for (o, qq) in out.chunks_exact_mut(32).zip(q.chunks_exact(8)) {
+                let x = u64::from_le_bytes(qq.try_into().expect("8 bytes"));
+                let c = codes32(x);
+                let lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(c));
+                let hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64::<1>(c));
+                _mm512_storeu_ps(o.as_mut_ptr(), _mm512_permutexvar_ps(lo, table));
+                _mm512_storeu_ps(o.as_mut_ptr().add(16), _mm512_permutexvar_ps(hi, table));
+            }
+        }
+    }
 }
 
 #[cfg(test)]

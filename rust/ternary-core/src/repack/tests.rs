@@ -295,32 +295,65 @@ fn mlx_and_dense() {
 }
 
 #[test]
-fn dequantize_bits_match_f32_rounding() {
-    let codes = random_codes(4 * 64, 11);
-    let scales: Vec<f16> = [0.1f32, -3.5, 1e-7, 65504.0]
-        .iter()
-        .map(|&s| f16::from_f32(s))
-        .collect();
-    let t = CanonicalTernary {
-        rows: 4,
-        cols: 64,
-        group_size: 64,
-        qweight: pack_codes(&codes),
-        scales,
-    };
-    let f = t.as_ref().dequantize_f32().unwrap();
-    let b = t.as_ref().dequantize_bits(HalfKind::BF16).unwrap();
-    let h = t.as_ref().dequantize_bits(HalfKind::F16).unwrap();
-    for i in 0..f.len() {
-        assert_eq!(b[i], half::bf16::from_f32(f[i]).to_bits());
-        assert_eq!(h[i], f16::from_f32(f[i]).to_bits());
+fn dequantize_matches_scalar_formula_every_group_size() {
+    for g in [32usize, 64, 128, 256] {
+        let (rows, cols) = (4, 512);
+        let codes = random_codes(rows * cols, g as u64);
+        let scales: Vec<f16> = (0..rows * cols / g)
+            .map(|i| {
+                f16::from_f32(
+                    [0.1f32, -3.5, 1e-7, 65504.0, 0.0, -0.0][i % 6] * (1.0 + i as f32 / 64.0),
+                )
+            })
+            .collect();
+        let t = CanonicalTernary {
+            rows,
+            cols,
+            group_size: g,
+            qweight: pack_codes(&codes),
+            scales: scales.clone(),
+        };
+        // W[n, k] = (c − 1) · scale, computed value by value.
+        let want: Vec<f32> = codes
+            .iter()
+            .enumerate()
+            .map(|(i, &c)| (c as f32 - 1.0) * scales[i / g].to_f32())
+            .collect();
+        let f = t.as_ref().dequantize_f32().unwrap();
+        let b = t.as_ref().dequantize_bits(HalfKind::BF16).unwrap();
+        let h = t.as_ref().dequantize_bits(HalfKind::F16).unwrap();
+        // The scalar loops (the fallback without AVX-512) give the same bits.
+        let mut fs = vec![0f32; want.len()];
+        t.as_ref().dequantize_f32_impl(&mut fs, false).unwrap();
+        let mut bs = vec![0u16; want.len()];
+        t.as_ref()
+            .dequantize_bits_impl(HalfKind::BF16, &mut bs, false)
+            .unwrap();
+        let mut hs = vec![0u16; want.len()];
+        t.as_ref()
+            .dequantize_bits_impl(HalfKind::F16, &mut hs, false)
+            .unwrap();
+        for i in 0..want.len() {
+            assert_eq!(
+                (fs[i].to_bits(), bs[i], hs[i]),
+                (f[i].to_bits(), b[i], h[i]),
+                "scalar g{g} at {i}"
+            );
+            assert_eq!(f[i].to_bits(), want[i].to_bits(), "f32 g{g} at {i}");
+            assert_eq!(
+                b[i],
+                half::bf16::from_f32(want[i]).to_bits(),
+                "bf16 g{g} at {i}"
+            );
+            assert_eq!(h[i], f16::from_f32(want[i]).to_bits(), "f16 g{g} at {i}");
+        }
+        let trits = t.as_ref().trits().unwrap();
+        assert!(trits.iter().zip(&codes).all(|(&t, &c)| t == c as i8 - 1));
+        assert_eq!(
+            crate::canonical::pack_trits("w", &trits, cols).unwrap(),
+            t.qweight
+        );
     }
-    let trits = t.as_ref().trits().unwrap();
-    assert!(trits.iter().zip(&codes).all(|(&t, &c)| t == c as i8 - 1));
-    assert_eq!(
-        crate::canonical::pack_trits("w", &trits, 64).unwrap(),
-        t.qweight
-    );
 }
 
 use crate::canonical::HalfKind;
@@ -391,4 +424,65 @@ proptest! {
         prop_assert_eq!(unpack(&got.qweight), want);
         prop_assert_eq!(got.scales[0].to_f32(), scale);
     }
+}
+
+/// Timing probe (not a test of speed: run with `--ignored --nocapture` to see where time goes).
+#[test]
+#[ignore]
+fn timing_probe() {
+    use std::time::Instant;
+    let (rows, cols) = (5120, 6144);
+    let codes = random_codes(rows * cols, 3);
+    let canon = CanonicalTernary {
+        rows,
+        cols,
+        group_size: 256,
+        qweight: pack_codes(&codes),
+        scales: vec![f16::from_f32(0.03); rows * cols / 256],
+    };
+    let tq2 = encode_gguf(Format::Tq2_0, "w", canon.as_ref(), false).unwrap();
+    let c128 = canon.as_ref().regroup("w", 128, false).unwrap();
+    let ptq1 = encode_gguf(Format::Ptq1_0, "w", c128.as_ref(), false).unwrap();
+    let best = |f: &dyn Fn()| {
+        (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                t.elapsed().as_secs_f64() * 1e3
+            })
+            .fold(f64::INFINITY, f64::min)
+    };
+    crate::threads::set_num_threads(1).unwrap();
+    let alloc = best(&|| {
+        let mut v = vec![0u8; rows * cols / 4];
+        v[rows * cols / 8] = 1;
+        v.iter_mut().step_by(4096).for_each(|b| *b = 1);
+        std::hint::black_box(&v);
+    });
+    let alloc16 = best(&|| {
+        let mut v = vec![0u16; rows * cols];
+        v.iter_mut().step_by(2048).for_each(|b| *b = 1);
+        std::hint::black_box(&v);
+    });
+    let t2 = best(&|| {
+        std::hint::black_box(
+            decode_gguf(Format::Tq2_0, "w", &tq2, rows, cols, None, false).unwrap(),
+        );
+    });
+    let p1 = best(&|| {
+        std::hint::black_box(
+            decode_gguf(Format::Ptq1_0, "w", &ptq1, rows, cols, None, false).unwrap(),
+        );
+    });
+    let bf = best(&|| {
+        std::hint::black_box(canon.as_ref().dequantize_bits(HalfKind::BF16).unwrap());
+    });
+    let f32v = best(&|| {
+        std::hint::black_box(canon.as_ref().dequantize_f32().unwrap());
+    });
+    eprintln!(
+        "1 thread, [{rows}, {cols}]: touch u8 out {alloc:.1} ms, touch u16 out {alloc16:.1} ms, \
+         TQ2_0 {t2:.1} ms, PTQ1_0 {p1:.1} ms, bf16 {bf:.1} ms, f32 {f32v:.1} ms"
+    );
+    crate::threads::set_num_threads(0).unwrap();
 }
