@@ -168,9 +168,30 @@ def untied(workdir):
 @pytest.fixture(scope="module")
 def tied(workdir):
     """Tied-embedding Qwen3, g=64, converted by ``ternary_rs.convert`` (checked against the contract writer)."""
+    import ternary_rs
+
     hf = workdir / "hf_tied"
     build_tiny_model(hf, group_size=64, seed=1, tie_word_embeddings=True)
-    return hf, write_contract(hf, workdir / "ternary_tied", group_size=64)
+    return hf, Path(ternary_rs.convert(hf, workdir / "ternary_tied", progress=False))
+
+
+@pytest.mark.parametrize("which", ["tied", "untied"])
+def test_convert_matches_contract_writer(which, tied, untied, workdir):
+    """``ternary_rs.convert`` writes exactly what the independent contract writer writes."""
+    import ternary_rs
+    from contract_writer import read_contract
+
+    hf, _ = tied if which == "tied" else untied
+    g = 64 if which == "tied" else 128
+    converted = tied[1] if which == "tied" else Path(ternary_rs.convert(hf, workdir / "conv_untied", progress=False))
+    reference = write_contract(hf, workdir / f"contract_{which}", group_size=g)
+    qc_conv, got = read_contract(converted)
+    qc_ref, want = read_contract(reference)
+    assert qc_conv == qc_ref
+    assert sorted(got) == sorted(want)
+    for name, ref in want.items():
+        assert got[name].dtype == ref.dtype and got[name].shape == ref.shape, name
+        np.testing.assert_array_equal(got[name], ref, err_msg=name)
 
 
 # ---------------------------------------------------------------------------------------------------
