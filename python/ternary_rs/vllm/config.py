@@ -99,8 +99,8 @@ class TernaryConfig(QuantizationConfig):
 
     @classmethod
     def get_min_capability(cls) -> int:
-        # The CUDA kernels are built for sm_89/sm_90 (+PTX); CPU has no capability check.
-        return 80
+        # cuda/ is built for sm_89 and sm_90 (+ compute_90 PTX): Ada and newer. CPU has no capability check.
+        return 89
 
     @staticmethod
     def get_config_filenames() -> list[str]:
