@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from safetensors import safe_open
 
 import ternary_rs
@@ -47,9 +48,10 @@ def read_all(d: Path) -> dict[str, np.ndarray]:
     index = json.loads((Path(d) / "model.safetensors.index.json").read_text())
     out = {}
     for shard in sorted(set(index["weight_map"].values())):
-        with safe_open(str(Path(d) / shard), framework="numpy") as f:
+        with safe_open(str(Path(d) / shard), framework="pt") as f:
             for k in f.keys():
-                out[k] = f.get_tensor(k)
+                t = f.get_tensor(k)
+                out[k] = t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
     assert set(out) == set(index["weight_map"])
     return out
 
@@ -63,7 +65,14 @@ def pack_codes(t: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("source", ["PQ2_0", "PTQ1_0", "MLX"])
 def test_tensors_match_the_model(tiny, converted, source):
     got = read_all(converted[source])
+    # vLLM's Qwen3_5Model has no quantized embedding: the table is written dense (fp16) and un-rotated.
+    with safe_open(str(tiny.hf_dir / "model.safetensors"), framework="numpy") as f:
+        want_embed = f.get_tensor("model.embed_tokens.weight")
+    np.testing.assert_allclose(got["model.embed_tokens.weight"], want_embed,
+                               atol=1e-3 * np.abs(want_embed).max(), rtol=0)
     for name, (t, d) in tiny.stored.items():
+        if name == "model.embed_tokens.weight":
+            continue
         module = name[: -len(".weight")]
         np.testing.assert_array_equal(got[module + ".qweight"], pack_codes(t), err_msg=module)
         np.testing.assert_array_equal(got[module + ".scales"].view(np.uint16), d.astype(np.float16).view(np.uint16))
@@ -74,9 +83,9 @@ def test_tensors_match_the_model(tiny, converted, source):
         # F32 round trips (w+1−1, log(exp)) and, for MLX, the fp16 of the pack.
         tol = 2e-3 if source == "MLX" else 2e-6
         np.testing.assert_allclose(have, want, atol=tol * max(1.0, float(np.abs(want).max())), err_msg=name)
-    assert set(got) == {m[: -len(".weight")] + s for m in tiny.stored for s in (".qweight", ".scales")} | set(
-        tiny.dense
-    )
+    ternary = [m[: -len(".weight")] for m in tiny.stored if m != "model.embed_tokens.weight"]
+    assert set(got) == {m + s for m in ternary for s in (".qweight", ".scales")} | set(tiny.dense) | {
+        "model.embed_tokens.weight"}
 
 
 @pytest.mark.parametrize("source", ["PQ2_0", "PTQ1_0", "MLX"])
@@ -96,7 +105,7 @@ def test_config_and_rotation_description(tiny, converted, source):
     had = qc["hadamard"]
     assert had["block_size"] == tiny.block_size and had["version"] == 1
     assert set(had["layers"]) == {n[: -len(".weight")] for n in tiny.rotated_names}
-    assert had["inverse_embeddings"] == ["model.embed_tokens"]
+    assert had["inverse_embeddings"] == []  # the embedding is stored dense and un-rotated
     assert all("gdn_permute" not in v for v in had["layers"].values())  # gdn_v_grouped: vLLM is grouped too
     at = 0
     for w in had["sign_widths"]:
@@ -117,7 +126,7 @@ def test_rotated_weights_reproduce_the_dense_model(tiny, converted):
         signs[w] = np.array(had["sign_values"][at:at + w])
         at += w
     with safe_open(str(tiny.hf_dir / "model.safetensors"), framework="numpy") as f:
-        for module in list(had["layers"]) + had["inverse_embeddings"]:
+        for module in had["layers"]:
             q, s = got[module + ".qweight"], got[module + ".scales"]
             codes = np.stack([(q >> (2 * i)) & 3 for i in range(4)], axis=-1).reshape(q.shape[0], -1)
             w_stored = dequant(codes.astype(np.int8) - 1, s, 128)
@@ -199,3 +208,49 @@ def test_prism_metadata_shape(tiny):
     assert {k.rsplit(".", 1)[-1] for k in kv} == {
         "version", "transform", "axis", "sign_mode", "block_size", "sign_widths", "sign_values",
         "weight_names", "inverse_weight_names", "gdn_v_grouped"}
+
+
+def test_gguf_to_gguf_keeps_the_rotation(tiny, converted, tmp_path):
+    """PQ2_0 → PTQ1_0 GGUF re-encodes W' and copies prism.hadamard.*: converting that gives the same checkpoint."""
+    src = write_prism_gguf(tiny, tmp_path / "a.gguf", "PQ2_0")
+    g = ternary_rs.convert(src, tmp_path / "b.gguf", to="gguf", gguf_type="PTQ1_0", progress=False)
+    f = ternary_rs.open(g)
+    assert f.metadata["prism.hadamard.block_size"] == tiny.block_size
+    assert {i.type for i in f.tensors.values()} >= {"PTQ1_0"}
+    out = ternary_rs.convert(g, tmp_path / "v", progress=False)
+    a, b = read_all(out), read_all(converted["PQ2_0"])
+    assert set(a) == set(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    qa = json.loads((Path(out) / "config.json").read_text())["quantization_config"]
+    qb = json.loads((Path(converted["PQ2_0"]) / "config.json").read_text())["quantization_config"]
+    assert qa["hadamard"] == qb["hadamard"]
+
+
+def test_dequantized_checkpoint_is_the_dense_model(tiny, converted, tmp_path):
+    """``dequantize_checkpoint`` un-rotates: transformers on it gives the reference model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    dense = ternary_rs.dequantize_checkpoint(converted["PTQ1_0"], tmp_path / "dense")
+    ids = torch.tensor([[5, 17, 42, 99, 123, 7, 250, 3]])
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tiny.hf_dir, dtype=torch.float32).eval()(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()(ids).logits
+    # fp16 embedding table in the checkpoint: a small, bounded difference.
+    torch.testing.assert_close(got, ref, atol=0.05 * float(ref.std()), rtol=0)
+
+
+def test_generic_paths_refuse_rotated_sources(tmp_path):
+    """A rotated source the generic (non-qwen35) writers would flatten is refused, never silently converted."""
+    from models import build_tiny_model
+
+    hf = tmp_path / "hf"
+    build_tiny_model(hf, arch="qwen3")
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "ternary", "format_version": 1, "group_size": 128,
+                                  "hadamard": {"version": 1}}
+    (hf / "config.json").write_text(json.dumps(cfg))
+    for to in ("vllm", "gguf"):
+        with pytest.raises(ternary_rs.ValidationError, match="rotated"):
+            ternary_rs.convert(hf, tmp_path / f"out-{to}", to=to, progress=False)
+        assert not (tmp_path / f"out-{to}").exists()

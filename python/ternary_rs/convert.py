@@ -745,7 +745,10 @@ def convert(src, dst, to: str = "vllm", gguf_type: str | None = None, group_size
                              progress=progress, use_transformers=use_transformers)
     sources, bulk = _expand_sources(src)
     if not bulk:
-        return _convert_one(sources[0], Path(dst), options)
+        target = Path(dst)
+        if to == "gguf" and target.is_dir():  # a folder: the GGUF goes inside it
+            target = target / default_output_name(sources[0], to, options.gguf_type)
+        return _convert_one(sources[0], target, options)
     out_root = Path(dst)
     if out_root.exists() and not out_root.is_dir():
         raise ConversionError(f"{out_root}: a bulk job needs a destination folder")

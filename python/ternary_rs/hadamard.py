@@ -423,8 +423,40 @@ def prism_keys(metadata: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def is_rotated(metadata: Mapping[str, Any]) -> bool:
-    """Whether a file's metadata (GGUF KV or MLX config/hadamard.json) asks for the Hadamard rotation."""
-    return any(k.startswith(PRISM_PREFIX) for k in metadata) or metadata.get("model_type") == "prism_hadamard_qwen35"
+    """Whether metadata asks for the Hadamard rotation: GGUF ``prism.hadamard.*`` keys, an MLX Bonsai 2
+    ``config.json``, or a converted checkpoint's ``config.json`` with ``quantization_config.hadamard``."""
+    qc = metadata.get("quantization_config")
+    return (
+        any(str(k).startswith(PRISM_PREFIX) for k in metadata)
+        or metadata.get("model_type") == "prism_hadamard_qwen35"
+        or (isinstance(qc, Mapping) and qc.get("hadamard") is not None)
+    )
+
+
+def unrotate_weight(w: np.ndarray, spec: "HadamardSpec", module: str) -> np.ndarray:
+    """The dense weight a rotated checkpoint module stands for, in the order its input arrives.
+
+    ``W = W'·H·D`` per row (FWHT then signs; the Rust transform, float32), and for a layer with a GDN
+    permutation (``T(x) = H·D·x[gather]``) column ``gather[i]`` of the result is column ``i`` of ``W'·H·D``.
+    Modules the spec does not list are returned unchanged.
+    """
+    key = canonical_module_name(module)
+    layers = {canonical_module_name(n): v for n, v in spec.layers.items()}
+    inverse = {canonical_module_name(n) for n in spec.inverse_embeddings}
+    if key not in layers and key not in inverse:
+        return w
+    x = np.ascontiguousarray(w, dtype=np.float32)
+    signs = spec.signs.get(x.shape[-1])
+    if signs is None:
+        raise ValidationError(f"{spec.source}: '{module}' has width {x.shape[-1]}, no sign vector of that width")
+    out = np.empty_like(x)
+    _core.fwht(x, out, spec.block_size, "float32", True, signs.astype(np.float32), None)
+    perm = layers[key][1] if key in layers else None
+    if perm is not None:
+        act = np.empty_like(out)
+        act[:, perm.gather()] = out
+        out = act
+    return out
 
 
 def refuse_if_rotated(metadata: Mapping[str, Any], what: str, source: str = "") -> None:

@@ -17,8 +17,10 @@ b/a itself through its ``packed_modules_mapping``). What the GGUF stores differe
 
 The rotation stays in the weights (they are exactly ternary only in the rotated basis) and is described in
 ``quantization_config["hadamard"]`` (:class:`ternary_rs.hadamard.HadamardSpec`): the vLLM backend applies
-``x → [GDN permutation] → ·s → FWHT`` before each listed layer and ``FWHT → ·s`` to embedding rows. A listed
-weight that is stored dense (float) is un-rotated here instead (``W = W'·H·D``) and dropped from the list.
+``x → [GDN permutation] → ·s → FWHT`` before each listed layer (and ``FWHT → ·s`` to the rows of an
+inverse-rotated ternary embedding). A listed weight that ends up dense is un-rotated here instead
+(``W = W'·H·D``) and dropped from the list — in particular the embedding: vLLM's ``Qwen3_5Model`` creates
+``embed_tokens`` without a quant config, so the table is written dense (float16).
 ``ssm_out`` was rotated in the *grouped* head basis (``gdn_v_grouped = true``), which is the activation order
 vLLM uses, so it needs no permutation in vLLM; a file saying ``false`` gets the grouped → tiled gather.
 
@@ -186,6 +188,63 @@ def _float_array(src, info) -> np.ndarray:
             f"(supported: {sorted(GGUF_TERNARY_TYPES)} and {sorted(FLOAT_TYPES)})"
         )
     return a.reshape(tuple(int(d) for d in info.shape)).astype(np.float32, copy=False)
+
+
+def _dequantize(qweight: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
+    """Canonical (codes t+1, 4 per byte along K; f16 group scales) → float32 ``W``."""
+    codes = np.stack([(qweight >> (2 * i)) & 3 for i in range(4)], axis=-1).reshape(qweight.shape[0], -1)
+    if np.any(codes == 3):
+        raise ValidationError("ternary code 3 (+2·scale) found; ternary weights hold codes 0..2 only")
+    return (codes.astype(np.float32) - 1.0) * np.repeat(scales.astype(np.float32), group, axis=1)
+
+
+EMBED_CHUNK_ROWS = 4096  # rows dequantized / un-rotated at a time (bounds memory for 248k-row vocabularies)
+
+
+def _unrotate_rows(x: np.ndarray, signs: np.ndarray, block: int) -> np.ndarray:
+    """``W'·H·D`` row by row (WHT then ·s) with the Rust FWHT; float32 in, float32 out."""
+    from .. import _core
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    _core.fwht(x, out, int(block), "float32", True, np.ascontiguousarray(signs, dtype=np.float32), None)
+    return out
+
+
+def _dense_embedding(plan: "_Plan") -> None:
+    """vLLM's ``Qwen3_5Model`` builds ``embed_tokens`` without a quant config, so it cannot hold a ternary
+    table: store the embedding dense in float16 (half the size of float32, 8× finer than bfloat16 — a tiny
+    random Qwen3.5 already moves its logits by 12 % of their spread from bf16 rounding of the table alone),
+    un-rotated (``e = WHT(row)·s``) if the file lists it as inverse-rotated. Done in row chunks: Bonsai 2's
+    table is 248k × 5120."""
+    module = "model.embed_tokens"
+    produce = plan.ternary.pop(module, None)
+    if produce is None:
+        return
+    shape = plan.ternary_shape.pop(module)
+    g = plan.group_size
+    spec = plan.spec
+    signs = None
+    if spec is not None and module in spec.inverse_embeddings:
+        signs = spec.signs.get(shape[1])
+        if signs is None:
+            raise ValidationError(f"{plan.source}: embedding width {shape[1]} has no sign vector")
+        inverse = tuple(n for n in spec.inverse_embeddings if n != module)
+        plan.spec = H.HadamardSpec(spec.block_size, dict(spec.signs), dict(spec.layers), inverse, source=spec.source)
+
+    def dense(produce=produce, signs=signs, block=None if spec is None else spec.block_size):
+        q, s = (np.asarray(a) for a in produce())
+        out = np.empty(shape, dtype=np.float16)
+        for r in range(0, shape[0], EMBED_CHUNK_ROWS):
+            rows = _dequantize(q[r:r + EMBED_CHUNK_ROWS], s[r:r + EMBED_CHUNK_ROWS], g)
+            if signs is not None:
+                rows = _unrotate_rows(rows, signs, block)
+            if np.abs(rows).max(initial=0.0) > np.finfo(np.float16).max:
+                raise ValidationError(f"{plan.source}: {module}: values beyond the float16 range")
+            out[r:r + EMBED_CHUNK_ROWS] = rows
+        return out
+
+    plan.dense[module + ".weight"] = (dense, "F16", shape)
 
 
 def _v_rows(hf: str, cfg: dict) -> np.ndarray | None:
@@ -358,6 +417,7 @@ def _plan_from_gguf(src, options) -> _Plan:
         plan.spec = H.HadamardSpec.from_prism(
             prism, width_of.get, _gdn_permute_for(cfg, bool(grouped) if grouped is not None else True), path
         )
+    _dense_embedding(plan)
     plan.spec = _fold_dense_rotations(plan)
 
     def tokenizer(out_dir: Path):
@@ -394,8 +454,7 @@ def _fold_dense_rotations(plan: _Plan) -> H.HadamardSpec | None:
             raise ValidationError(f"{plan.source}: '{module}' needs a GDN permutation but is stored dense")
 
         def unrotated(produce=produce, signs=signs, block=spec.block_size):
-            x = produce()
-            return H.reference_transform(x, block, signs, inverse=True).astype(np.float32)
+            return _unrotate_rows(produce(), signs, block)
 
         plan.dense[w] = (unrotated, dtype, shape)
         layers.pop(module, None)
@@ -504,6 +563,7 @@ def _plan_from_mlx(src, options) -> _Plan:
         want = plan.spec.signs.get(s.size)
         if want is None or not np.array_equal(s, want.astype(np.float32)):
             raise ValidationError(f"{where}: '{sname}' differs from hadamard.json's sign vector of width {s.size}")
+    _dense_embedding(plan)
     plan.spec = _fold_dense_rotations(plan)
 
     def side_files(out_dir: Path):
@@ -533,15 +593,16 @@ def _write(plan: _Plan, out_dir: Path, options) -> None:
             ))
         for hf in sorted(t for t in plan.dense if t.rsplit(".", 1)[0] == module):
             produce, dtype, shape = plan.dense[hf]
-            nbytes = int(np.prod(shape)) * 4
+            nbytes = int(np.prod(shape)) * (2 if dtype == "F16" else 4)
 
-            def job(produce=produce, shape=shape, hf=hf):
-                x = np.ascontiguousarray(produce(), dtype=np.float32)
+            def job(produce=produce, shape=shape, hf=hf, dtype=dtype):
+                x = produce()
                 if x.shape != tuple(shape):
                     raise ValidationError(f"{plan.source}: '{hf}' has shape {x.shape}, expected {tuple(shape)}")
-                return [x]
+                np_dtype = {"F16": np.float16, "F32": np.float32}[dtype]
+                return [np.ascontiguousarray(x, dtype=np_dtype)]
 
-            jobs.append(Job(outputs=[OutTensor(hf, "F32", tuple(shape), nbytes)], produce=job,
+            jobs.append(Job(outputs=[OutTensor(hf, dtype, tuple(shape), nbytes)], produce=job,
                             source=f"{plan.source}: {hf}"))
     write_shards(out_dir, jobs, options.shard_size)
     dense_linears = sorted(
