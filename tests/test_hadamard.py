@@ -374,3 +374,13 @@ def test_malformed_checkpoint_entry_refused_at_load():
         VH.make_input_transform({"version": 7}, "model.layers.0.mlp.down_proj", layer(512), 0, 1)
     with pytest.raises(ternary_rs.ValidationError):
         VH.make_embedding_transform(["not", "an", "object"], "model.embed_tokens")
+
+
+def test_rotated_layer_served_dense_is_refused():
+    cfg, _ = gdn_spec_config(grouped=True)
+    for prefix in ("model.layers.0.mlp.down_proj", "language_model.model.layers.0.linear_attn.in_proj_qkvz",
+                   "model.embed_tokens"):
+        with pytest.raises(ternary_rs.ValidationError, match="served as a dense layer"):
+            VH.refuse_dense(cfg, prefix)
+    VH.refuse_dense(cfg, "model.layers.0.linear_attn.in_proj_ba")  # not rotated: fine dense
+    VH.refuse_dense(cfg, "model.layers.0.self_attn.qkv_proj")

@@ -108,3 +108,22 @@ def test_checkpoint_really_is_rotated(served):
     w_dense = served["ref"].model.layers[0].mlp.down_proj.weight.detach().numpy()
     w_stored = t.astype(np.float32) * np.repeat(d.astype(np.float32), 128, axis=1)
     assert np.abs(w_dense - w_stored).max() > 0.1
+
+
+def test_vllm_config_refuses_a_malformed_rotation():
+    """No vLLM start needed: the quant config raises while layers are set up, before anything is served."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from ternary_rs.vllm.config import TernaryConfig
+
+    base = {"quant_method": "ternary", "format_version": 1, "group_size": 128, "scale_dtype": "float16",
+            "modules_not_converted": []}
+    layer = SimpleNamespace(tp_rank=0, tp_size=1, input_size=256, input_size_per_partition=256)
+    for bad, match in (({"version": 9}, "version"), ({"version": 1, "transform": "other"}, "transform"),
+                       ("yes", "object")):
+        cfg = TernaryConfig.from_config(base | {"hadamard": bad})
+        with pytest.raises(ternary_rs.ValidationError, match=match):
+            cfg.get_input_transform("model.layers.0.mlp.down_proj", layer)
+        with pytest.raises(ternary_rs.ValidationError, match=match):
+            cfg.get_embedding_transform("model.embed_tokens")

@@ -147,12 +147,22 @@ class TernaryConfig(QuantizationConfig):
         if isinstance(layer, ParallelLMHead):
             # A tied lm_head has no tensors of its own: it is whatever embed_tokens is.
             ternary = self._embedding_is_ternary() if self.tie_word_embeddings else self._is_ternary(prefix)
-            return TernaryEmbeddingMethod(self, prefix) if ternary else UnquantizedEmbeddingMethod()
+            return TernaryEmbeddingMethod(self, prefix) if ternary else self._dense(prefix, UnquantizedEmbeddingMethod())
         if isinstance(layer, VocabParallelEmbedding):
-            return TernaryEmbeddingMethod(self, prefix) if self._is_ternary(prefix) else UnquantizedEmbeddingMethod()
+            if self._is_ternary(prefix):
+                return TernaryEmbeddingMethod(self, prefix)
+            return self._dense(prefix, UnquantizedEmbeddingMethod())
         if isinstance(layer, LinearBase):
-            return TernaryLinearMethod(self, prefix) if self._is_ternary(prefix) else UnquantizedLinearMethod()
+            if self._is_ternary(prefix):
+                return TernaryLinearMethod(self, prefix)
+            return self._dense(prefix, UnquantizedLinearMethod())
         return None
+
+    def _dense(self, prefix: str, method: QuantizeMethodBase) -> QuantizeMethodBase:
+        """A dense layer must not be one the Hadamard rotation lists (its transform would be dropped)."""
+        if self.hadamard is not None:
+            self._hadamard_module().refuse_dense(self.hadamard, prefix)
+        return method
 
     # ---- layer classification ---------------------------------------------------------------------
     def _shard_prefixes(self, prefix: str) -> list[str]:

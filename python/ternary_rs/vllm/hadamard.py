@@ -203,3 +203,16 @@ def make_embedding_transform(hadamard_cfg: Any, prefix: str, *_args, **_kwargs) 
         return t(rows)
 
     return transform
+
+
+def refuse_dense(hadamard_cfg: Any, prefix: str) -> None:
+    """Raise if vLLM is about to serve ``prefix`` dense (no ternary method, so no input transform) although
+    the rotation lists it: its stored weight is rotated and would silently give garbage."""
+    index = spec_index(hadamard_cfg)
+    _, listed = _listed_parts(index, prefix)
+    key = _h.canonical_module_name(prefix)
+    if listed or key in index.inverse:
+        raise ValidationError(
+            f"{index.spec.source}: '{prefix}' is Hadamard-rotated ({listed or [key]}) but would be served as a "
+            "dense layer without its transform; store it ternary (qweight/scales) or un-rotate it when converting"
+        )
