@@ -391,6 +391,12 @@ def test_layer_classification_from_checkpoint(untied, workdir):
 # ---------------------------------------------------------------------------------------------------
 # plugin discovery (fresh interpreter, no engine)
 # ---------------------------------------------------------------------------------------------------
+def test_import_ternary_rs_does_not_import_vllm():
+    code = "import sys, ternary_rs, ternary_rs.vllm; assert 'vllm' not in sys.modules, sorted(sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_entry_point_autodetect_and_mismatch(untied):
     _, ckpt = untied
     script = f"""
