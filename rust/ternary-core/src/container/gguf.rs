@@ -671,15 +671,18 @@ impl GgufFile {
     ) -> Result<()> {
         let mut order: Vec<usize> = (0..tensors.len()).collect();
         order.sort_by_key(|&i| tensors[i].offset);
-        // Bytes from each tensor's offset to the next tensor's offset (or the data end).
+        // Bytes from each tensor's offset to the next larger tensor offset (or the data end), in one
+        // backward pass: linear even when many (empty) tensors share an offset.
         let mut span = vec![0u64; tensors.len()];
-        for (k, &i) in order.iter().enumerate() {
-            let next = order[k + 1..]
-                .iter()
-                .map(|&j| tensors[j].offset)
-                .find(|&o| o > tensors[i].offset)
-                .unwrap_or(data_len.max(tensors[i].offset));
-            span[i] = next - tensors[i].offset;
+        let mut next_start = data_len;
+        for k in (0..order.len()).rev() {
+            let off = tensors[order[k]].offset;
+            if let Some(&j) = order.get(k + 1) {
+                if tensors[j].offset > off {
+                    next_start = tensors[j].offset;
+                }
+            }
+            span[order[k]] = next_start.max(off) - off;
         }
 
         // Id 42: a variant fits when its size fills the span up to less than one alignment of padding.

@@ -466,3 +466,19 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn many_tensors_sharing_an_offset_open_in_linear_time() {
+    // 200k empty tensors at offset 0: a quadratic span search would take minutes.
+    let n = 200_000u64;
+    let mut h = header(3, n, 0);
+    for i in 0..n {
+        tensor_info(&mut h, &format!("t{i}"), &[0], 0, 0);
+    }
+    pad_to(&mut h, 32, 0);
+    let p = tmp("many-empty.gguf");
+    std::fs::write(&p, &h).unwrap();
+    let f = GgufFile::open(&p).unwrap();
+    assert_eq!(f.tensors().len(), n as usize);
+    assert!(f.tensors().iter().all(|t| t.nbytes == 0));
+}
