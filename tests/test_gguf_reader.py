@@ -256,3 +256,44 @@ def test_id_42_variants_and_prism_types_are_named(tmp_path):
             info = f.tensors[name]
             assert (info.type, info.type_id, info.nbytes, info.shape) == (tname, tid, nbytes, shape)
             np.testing.assert_array_equal(f.raw(name), payload[name])
+
+
+def test_version_2_files_read_like_version_3(tmp_path, ternary_weights):
+    """GGUF v2 has v3's layout (v3 only added big-endian support): patch the version of a gguf-py file."""
+    v3 = tmp_path / "v3.gguf"
+    build_gguf(v3, ternary_weights)
+    blob = bytearray(v3.read_bytes())
+    assert struct.unpack_from("<I", blob, 4)[0] == 3
+    struct.pack_into("<I", blob, 4, 2)
+    v2 = tmp_path / "v2.gguf"
+    v2.write_bytes(bytes(blob))
+    ref = gguf.GGUFReader(str(v2))
+    assert int(ref.fields["GGUF.version"].parts[0][0]) == 2
+    with ternary_rs.open(v2) as f2, ternary_rs.open(v3) as f3:
+        assert f2.gguf_version == 2
+        assert f2.metadata == f3.metadata
+        assert f2.tensors.keys() == f3.tensors.keys()
+        for t in ref.tensors:
+            assert f2.tensors[t.name].offset == t.data_offset
+            np.testing.assert_array_equal(f2.raw(t.name), np.asarray(t.data).view(np.uint8).reshape(-1))
+
+
+def test_type_table_matches_gguf_py_quant_sizes(tmp_path):
+    """Every type of gguf-py 0.19's GGML_QUANT_SIZES: one block per row, two rows. ternary_rs's writer
+    accepts exactly (block bytes × 2) and its reader reports the same size and name as GGUFReader."""
+    from ternary_rs.io import GGUFWriter
+
+    path = tmp_path / "all_types.gguf"
+    sizes = gguf.GGML_QUANT_SIZES
+    with GGUFWriter(path) as w:
+        for qt, (block, type_size) in sizes.items():
+            w.add_tensor_info(f"t.{qt.name}", (2, block), int(qt), 2 * type_size)
+        for qt, (_, type_size) in sizes.items():
+            w.write_tensor_data(f"t.{qt.name}", np.full(2 * type_size, int(qt), np.uint8))
+    ref = gguf.GGUFReader(str(path))
+    with ternary_rs.open(path) as f:
+        assert len(f.tensors) == len(sizes) == len(ref.tensors)
+        for t in ref.tensors:
+            info = f.tensors[t.name]
+            assert (info.type, info.type_id, info.nbytes) == (t.tensor_type.name, int(t.tensor_type), t.n_bytes)
+            assert info.offset == t.data_offset

@@ -228,3 +228,34 @@ def test_missing_tensor_name(tmp_path, rng):
     save_file(numpy_tensors(rng), str(path))
     with ternary_rs.open(path) as f, pytest.raises(KeyError, match="nope"):
         f.raw("nope")
+
+
+# Every dtype of safetensors 0.8 with its size in bits (the Rust crate's Dtype::bitsize).
+ALL_DTYPE_BITS = {
+    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
+    "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+}
+
+
+def test_every_safetensors_dtype_is_listed(tmp_path):
+    """A hand-written header with one 4x8 tensor of each dtype (sub-byte ones packed)."""
+    header, offset, blobs = {}, 0, []
+    for i, (dtype, bits) in enumerate(ALL_DTYPE_BITS.items()):
+        n = 4 * 8 * bits // 8
+        header[f"t{i:02d}.{dtype}"] = {"dtype": dtype, "shape": [4, 8], "data_offsets": [offset, offset + n]}
+        blobs.append(bytes([i]) * n)
+        offset += n
+    text = json.dumps(header).encode()
+    path = tmp_path / "all.safetensors"
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    with ternary_rs.open(path) as f:
+        assert [i.type for i in f.tensors.values()] == list(ALL_DTYPE_BITS)
+        for i, (name, info) in enumerate(f.tensors.items()):
+            assert info.shape == (4, 8) and info.nbytes == 4 * ALL_DTYPE_BITS[info.type]
+            assert (f.raw(name) == i).all()
+        np.testing.assert_array_equal(f.tensor("t17.F32"), np.frombuffer(bytes([17]) * 128, np.float32).reshape(4, 8))
+        with pytest.raises(ternary_rs.UnsupportedTypeError, match="F4"):
+            f.tensor("t01.F4")
+    with safe_open(str(path), framework="np") as ref:  # the reference accepts the same header
+        assert sorted(ref.keys()) == sorted(header)
