@@ -195,6 +195,21 @@ def test_transformers_reads_our_gguf_config_and_tokenizer(models):
     for s in SENTENCES:
         assert tok(s)["input_ids"] == tok_src(s)["input_ids"], s
     assert tok.eos_token == tok_src.eos_token and tok.pad_token == tok_src.pad_token
+    _assert_converter_tokenizer_is_autotokenizers(gguf_path)
+
+
+def _assert_converter_tokenizer_is_autotokenizers(gguf_path: Path) -> None:
+    """convert builds the tokenizer without AutoTokenizer's slow config step: same result."""
+    from ternary_rs.hf_gguf import _transformers_gguf_tokenizer
+
+    md = ternary_rs.open(gguf_path).metadata
+    ours = _transformers_gguf_tokenizer(gguf_path, md)
+    auto = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    assert type(ours) is type(auto)
+    assert ours.get_vocab() == auto.get_vocab()
+    assert ours.all_special_tokens == auto.all_special_tokens
+    for s in SENTENCES:
+        assert ours(s)["input_ids"] == auto(s)["input_ids"]
 
 
 def test_llama_permutation_round_trip(models):
@@ -214,6 +229,7 @@ def test_llama_permutation_round_trip(models):
     gk = gguf.quants.dequantize(by_name["blk.1.attn_k.weight"].data, gguf.GGMLQuantizationType.TQ2_0).reshape(k.shape)
     np.testing.assert_array_equal(gq, llama_cpp_permute(q, heads, heads))
     np.testing.assert_array_equal(gk, llama_cpp_permute(k, heads, kv))
+    _assert_converter_tokenizer_is_autotokenizers(gguf_path)
     md = {f.name: f for f in reader.fields.values()}
     assert "llama.rope.dimension_count" in md and "llama.vocab_size" in md
     direct, via = root / "llama-direct", root / "llama-via"

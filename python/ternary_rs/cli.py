@@ -39,6 +39,12 @@ def _print_inspect(r: dict) -> None:
         s = t["scales"]
         print(f"  scales: {s['count']} values, min {s['min']}, max {s['max']}, mean |s| {s['mean_abs']}, "
               f"NaN {s['nan']}, Inf {s['inf']}, zero {s['zero']}")
+    dense = [e for e in r.get("tensor_table", []) if e["kind"] == "dense-ternary"]
+    if dense:
+        sampled = f" (first {t['sampled_rows']} rows checked)" if t.get("sampled_rows") else ""
+        g = min(e["group_size"] for e in dense)
+        print(f"  {len(dense)} float tensors hold exactly ternary values{sampled}: `convert` stores them at "
+              f"{2 + 16 / g:.3f} bits/weight (group {g})")
     print(f"  really ternary: {'yes' if r['is_ternary'] else 'NO'}")
     for p in r.get("problems", []):
         print(f"  problem: {p}")

@@ -38,8 +38,8 @@ GENERATION_CONFIG = "generation_config.json"
 
 
 # ------------------------------------------------------------------------------------------ GGUF -> HF
-def _gguf_metadata_end(blob: memoryview, path: str) -> tuple[int, int]:
-    """``(offset just past the key/value section, version)`` of a little-endian GGUF."""
+def _gguf_kv_spans(blob: memoryview, path: str) -> tuple[int, list[tuple[str, int, int]]]:
+    """``(version, [(key, start, end)])``: byte span of every key/value pair of a little-endian GGUF."""
     if bytes(blob[:4]) != _GGUF_MAGIC:
         raise FormatError(f"{path}: not a GGUF file (magic {bytes(blob[:4])!r} at byte 0)")
     version, _, kv_count = struct.unpack_from("<IQQ", blob, 4)
@@ -65,33 +65,42 @@ def _gguf_metadata_end(blob: memoryview, path: str) -> tuple[int, int]:
             return pos
         raise FormatError(f"{path}: unknown metadata value type {vtype} at byte {pos}")
 
+    spans = []
     for _ in range(kv_count):
+        start = pos
         (klen,) = struct.unpack_from("<Q", blob, pos)
+        key = bytes(blob[pos + 8:pos + 8 + klen]).decode("utf-8", "replace")
         pos += 8 + klen
         (vtype,) = struct.unpack_from("<I", blob, pos)
         pos = skip_value(vtype, pos + 4, 0)
         if pos > len(blob):
-            raise FormatError(f"{path}: metadata runs past the end of the file ({pos} > {len(blob)})")
-    return pos, version
+            raise FormatError(f"{path}: metadata key {key!r} runs past the end of the file ({pos} > {len(blob)})")
+        spans.append((key, start, pos))
+    return version, spans
 
 
-def write_metadata_only_gguf(src: str | Path, dst: str | Path) -> None:
-    """Copy ``src``'s header and key/value section byte for byte, with zero tensors."""
+def write_metadata_only_gguf(src: str | Path, dst: str | Path, drop_keys: tuple[str, ...] = ()) -> None:
+    """Copy ``src``'s header and key/value pairs byte for byte (minus ``drop_keys``), with zero tensors."""
     import mmap
 
     with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         blob = memoryview(mm)
         try:
-            end, version = _gguf_metadata_end(blob, str(src))
-            kv_count = struct.unpack_from("<Q", blob, 16)[0]
-            body = bytes(blob[24:end])
+            version, spans = _gguf_kv_spans(blob, str(src))
+            kept = [bytes(blob[a:b]) for key, a, b in spans if key not in drop_keys]
         except struct.error as e:
             raise FormatError(f"{src}: truncated GGUF metadata ({e})") from None
         finally:
             blob.release()
+    body = b"".join(kept)
     with open(dst, "wb") as out:
-        out.write(_GGUF_MAGIC + struct.pack("<IQQ", version, 0, kv_count) + body)
+        out.write(_GGUF_MAGIC + struct.pack("<IQQ", version, 0, len(kept)) + body)
         out.write(b"\0" * (-(24 + len(body)) % 32))
+
+
+# The big tokenizer arrays: transformers' config reader parses them slowly and the config needs none.
+TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+                    "tokenizer.ggml.scores")
 
 
 def _transformers_available() -> bool:
@@ -151,10 +160,18 @@ def config_from_gguf(gguf_path: Path, metadata: dict[str, Any], tensor_names, ar
 
         meta_copy = workdir / "metadata-only.gguf"
         write_metadata_only_gguf(gguf_path, meta_copy)
-        hf_config = AutoConfig.from_pretrained(str(workdir), gguf_file=meta_copy.name)
+        config_copy = workdir / "config-only.gguf"
+        write_metadata_only_gguf(gguf_path, config_copy, drop_keys=TOKENIZER_ARRAYS)
+        hf_config = AutoConfig.from_pretrained(str(workdir), gguf_file=config_copy.name)
         config = hf_config.to_dict()
         config.pop("_name_or_path", None)
         config.pop("transformers_version", None)
+        a = arch.gguf_arch
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if f"{a}.vocab_size" in metadata:
+            config["vocab_size"] = int(metadata[f"{a}.vocab_size"])
+        elif isinstance(tokens, list):  # what transformers does when the arch has no vocab_size key
+            config["vocab_size"] = len(tokens)
     else:
         config = builtin_config_from_gguf(metadata, arch)
     arch.config_fixups_from_gguf(config, metadata)
@@ -199,12 +216,29 @@ def tokenizer_from_gguf(meta_copy: Path | None, metadata: dict[str, Any], out_di
         log.warning("GGUF has no tokenizer.ggml.tokens: no tokenizer written")
         return
     if meta_copy is not None:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(meta_copy.parent), gguf_file=meta_copy.name)
+        tok = _transformers_gguf_tokenizer(meta_copy, metadata)
         tok.save_pretrained(str(out_dir))
     else:
         _builtin_tokenizer_from_gguf(metadata, out_dir)
+
+
+def _transformers_gguf_tokenizer(meta_copy: Path, metadata: dict[str, Any]):
+    """The tokenizer ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` builds, without its config
+    step (which re-parses the whole vocabulary with gguf-py's slow reader: ~20 s for 152k tokens).
+
+    Same class choice as ``AutoTokenizer`` for a directory with no tokenizer_config.json: the model
+    type's registered tokenizer class, else ``TokenizersBackend``; the class then builds the tokenizer
+    from the file with transformers' GGUF converters (``get_gguf_tokenizer`` / ``convert_gguf_tokenizer``).
+    """
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    architecture = metadata.get("general.architecture")
+    model_type = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}.get(architecture, architecture)
+    name = TOKENIZER_MAPPING_NAMES.get(model_type)
+    cls = tokenizer_class_from_name(name) if isinstance(name, str) else None
+    if cls is None:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend as cls
+    return cls.from_pretrained(str(meta_copy.parent), gguf_file=meta_copy.name)
 
 
 def generation_config_from_gguf(metadata: dict[str, Any]) -> dict[str, Any]:
