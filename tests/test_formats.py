@@ -110,6 +110,18 @@ def test_base3_arbitrary_bytes_decode_like_reference(fmt, seed, rows):
 
 # -- TQ1_0 / TQ2_0 against gguf-py ---------------------------------------------------------------
 
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 4))
+def test_tq1_0_arbitrary_bytes_decode_like_gguf_py(seed, rows):
+    """Any TQ1_0 bytes (also ones no encoder writes) dequantize exactly as gguf-py's dequantizer."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(rows, 2 * 54), dtype=np.uint8)
+    blocks = data.reshape(-1, 54)
+    blocks[:, 52:] = random_scales(rng, (blocks.shape[0], 1)).view(np.uint8)
+    want = gguf_dequantize(data, QT.TQ1_0)
+    np.testing.assert_array_equal(decode_bytes("TQ1_0", data, (rows, 512)).dequantize("float32"), want)
+
+
 @pytest.mark.parametrize("fmt", ["TQ1_0", "TQ2_0"])
 @SETTINGS
 @given(data=st.data())

@@ -118,7 +118,7 @@ def test_gguf_prism_and_bitnet_cpp_types(tmp_path):
     t = ternary_rs.decode(f, "i2s")
     np.testing.assert_array_equal(t.trits(), trits)
     assert (t.scales == np.float16(0.375)).all()
-    with pytest.raises(ternary_rs.UnsupportedTypeError):
+    with pytest.raises(ternary_rs.UnsupportedTypeError, match="TL2"):
         ternary_rs.decode(f, "tl2")
     with pytest.raises(ternary_rs.UnsupportedTypeError, match="TL2"):
         ternary_rs.decode(f, "tl2", format="TL2")

@@ -410,8 +410,12 @@ def decode(file_or_path: Any, name: str, *, group_size: int | None = None, forma
                                 name=name)
         dt = info.type.upper() if info.type.upper() in _DENSE_TYPES else None
         return decode_bytes("DENSE", f.raw(name), shape, group_size=group_size, dtype=dt, name=name)
+    hint = ""
+    if getattr(info, "type_id", None) in (38, 39):
+        hint = (f" (GGUF type {info.type_id} is also bitnet.cpp's {'TL1' if info.type_id == 38 else 'TL2'}, a "
+                "kernel-tiled LUT layout that cannot be decoded portably)")
     raise _core.UnsupportedTypeError(
-        f"tensor '{name}': type {info.type} is not a ternary format; supported: {', '.join(GGUF_FORMATS)}, "
+        f"tensor '{name}': type {info.type} is not a ternary format{hint}; supported: {', '.join(GGUF_FORMATS)}, "
         "U8 (+weight_scale, BitNet), U32 (+scales/biases, MLX), F16/BF16/F32 (dense ternary)")
 
 
