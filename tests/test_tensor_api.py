@@ -254,6 +254,16 @@ def test_dense_not_ternary_reports_first_index():
     np.testing.assert_array_equal(ok.trits()[0, :4], [1, -1, 0, 1])
 
 
+def test_dense_scale_must_be_exact_in_fp16():
+    w = np.zeros((1, 128), np.float32)
+    w[0, :3] = [1e-6, -1e-6, 0]  # 1e-6 is not an fp16 value: the scale could not be kept exactly
+    with pytest.raises(ternary_rs.ValidationError, match="not exactly representable in fp16"):
+        decode_bytes("F32", w, w.shape, group_size=128)
+    w[0, 3] = np.inf
+    with pytest.raises(ternary_rs.ValidationError, match="non-finite.*first at index 3"):
+        decode_bytes("F32", w, w.shape, group_size=128)
+
+
 def test_mlx_bias_not_minus_scale_is_refused():
     trits = np.zeros((2, 256), np.int8)
     scales = np.ones((2, 2), np.float16)
