@@ -20,7 +20,7 @@ from ._core import (
     set_num_threads,
 )
 from .io import TernaryFile, TensorInfo, open
-from .tensor import TernaryTensor, decode, encode, pack_codes, repack, ternarize, unpack_codes
+from .tensor import TernaryTensor, decode, decode_bytes, encode, pack_codes, repack, ternarize, unpack_codes
 from .convert import convert, dequantize_checkpoint, inspect, plan, verify
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "__version__",
     "convert",
     "decode",
+    "decode_bytes",
     "dequantize_checkpoint",
     "encode",
     "get_num_threads",
