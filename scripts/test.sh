@@ -7,6 +7,7 @@ bash scripts/setup_env.sh
 echo "== cargo fmt";    cargo fmt --all -- --check
 echo "== cargo clippy"; cargo clippy --workspace --all-targets -- -D warnings
 echo "== cargo test";   cargo test --workspace --release
+echo "== cuda (compile + spill checks + host tests, no GPU needed)"; bash scripts/check_cuda.sh
 echo "== build";        bash scripts/build.sh
 echo "== pytest"
 # pytest exits 5 when it collects no test: set -e turns that into a failure, as it must.
