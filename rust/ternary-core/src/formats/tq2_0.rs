@@ -19,11 +19,16 @@ const _: () = assert!(std::mem::size_of::<BlockTq2_0>() == 66);
 /// in the reverse order within a byte: `reversed`).
 #[inline(always)]
 pub(crate) fn unpack_chunk128(qs: &[u8], canon: &mut [u8], reversed: bool) {
-    for m in (0..32).step_by(4) {
-        let x = u32::from_le_bytes([qs[m], qs[m + 1], qs[m + 2], qs[m + 3]]);
-        let y = transpose_2bit_4x4(x).to_le_bytes();
-        for l in 0..4 {
-            canon[l * 8 + m / 4] = y[if reversed { 3 - l } else { l }];
+    // Transpose all eight words first, then write the canonical bytes plane by plane: both loops
+    // have fixed trip counts and no cross-iteration dependence, so they vectorize.
+    let mut words = [0u32; 8];
+    for (w, q) in words.iter_mut().zip(qs.chunks_exact(4)) {
+        *w = transpose_2bit_4x4(u32::from_le_bytes([q[0], q[1], q[2], q[3]]));
+    }
+    for l in 0..4 {
+        let shift = 8 * if reversed { 3 - l } else { l };
+        for (c, w) in canon[l * 8..l * 8 + 8].iter_mut().zip(&words) {
+            *c = (w >> shift) as u8;
         }
     }
 }
