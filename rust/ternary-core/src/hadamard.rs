@@ -111,10 +111,11 @@ impl<'a> Transform<'a> {
                     s.len()
                 )));
             }
-            let bad: Vec<usize> = (0..s.len())
-                .filter(|&i| s[i] != 1.0 && s[i] != -1.0)
-                .collect();
-            if let Some(&first) = bad.first() {
+            // Checked on every call (cheap, vectorizes); the offenders are only counted on failure.
+            let is_sign = |v: f32| v == 1.0 || v == -1.0;
+            if !s.iter().all(|&v| is_sign(v)) {
+                let bad: Vec<usize> = (0..s.len()).filter(|&i| !is_sign(s[i])).collect();
+                let first = bad[0];
                 return Err(Error::validation(
                     "hadamard signs",
                     format!("sign value {} is not +1 or -1", s[first]),
