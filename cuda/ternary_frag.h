@@ -77,6 +77,11 @@ TERNARY_HD int gemv_scale_n(int lane, int nt) { return 8 * nt + lane / 4; }
 // GEMM: in-strip n of accumulator element i of n-tile nt; the scale pair a lane needs starts at i = 0.
 TERNARY_HD int gemm_c_n(int lane, int nt, int i) { return 8 * nt + c_col(lane, i); }
 
+// Dequantize kernel: in-chunk (n, k) of the first element of fragment register r of word w of a lane (the
+// second is k + 1). Straight from the layout definition: r = 2 nt + j.
+TERNARY_HD int reg_n(int lane, int r) { return 8 * (r / 2) + lane / 4; }
+TERNARY_HD int reg_k(int lane, int w, int r) { return 16 * w + 8 * (r % 2) + 2 * (lane % 4); }
+
 // Shared-memory A tile: rows of 64 bf16/fp16 = 8 chunks of 16 bytes. The chunk index is XOR-swizzled with
 // the row so the 8 rows one ldmatrix 8x8 reads hit 8 different 16-byte bank groups.
 TERNARY_HD int a_smem_chunk(int row, int chunk) { return row * 8 + (chunk ^ (row & 7)); }
@@ -108,6 +113,7 @@ constexpr int kGemvMinChunksPerSplit = 8;
 constexpr int kGemmMinChunksPerSplit = 4;
 constexpr int kGemmBlocksPerSm = 2;
 constexpr int kMaxSplits = 64;
+constexpr int kDequantWarps = 4;      // chunks per dequantize block (one per warp)
 constexpr int64_t kMaxDim = int64_t(1) << 28;   // each of M, N, K (keeps every 32-bit grid/index sane)
 
 enum Kernel : int { kKernelGemv = 0, kKernelGemm16 = 1, kKernelGemm32 = 2, kKernelGemm64 = 3, kKernelGemm128 = 4 };

@@ -424,6 +424,40 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N) gemm_kernel(const Args
   }
 }
 
+// ---- dequantize (for the optional dequantize + cuBLAS path at large M) -------------------------------
+// W[n, k] = trit * scale, rounded once to T, written row-major [N, K]. One warp per chunk; each lane writes
+// its 32 pairs (k, k + 1) as 32-bit stores (4 lanes cover 16 contiguous bytes of a row per instruction).
+template <typename T>
+__global__ void __launch_bounds__(kDequantWarps * 32) dequant_kernel(const uint4* __restrict__ qweight,
+                                                                     const __half* __restrict__ scales,
+                                                                     T* __restrict__ w_out, int n, int k, int n_pad,
+                                                                     int k_chunks, int group_size,
+                                                                     int64_t total_chunks) {
+  const int lane = threadIdx.x % 32;
+  const int64_t chunk = (int64_t)blockIdx.x * kDequantWarps + threadIdx.x / 32;
+  if (chunk >= total_chunks) return;
+  const int strip = (int)(chunk / k_chunks), kb = (int)(chunk % k_chunks);
+  const uint4 q = load_stream(qweight + chunk * 32 + lane);
+  const uint32_t words[kKSteps] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int w = 0; w < kKSteps; ++w) {
+    const int k0 = kb * kChunkK + 16 * w;
+    if (k0 >= k) break;  // K is a multiple of 32: whole k-steps are in or out
+    const int64_t grp = k0 / group_size;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const int nn = strip * kChunkN + reg_n(lane, r);
+      if (nn >= n) continue;
+      const int kk = kb * kChunkK + reg_k(lane, w, r);
+      const float s = __half2float(__ldg(scales + grp * n_pad + nn));
+      uint32_t t = frag_rt<T>(words[w], r);
+      const T* tv = reinterpret_cast<const T*>(&t);
+      T pair[2] = {DType<T>::from_float(DType<T>::to_float(tv[0]) * s), DType<T>::from_float(DType<T>::to_float(tv[1]) * s)};
+      *reinterpret_cast<uint32_t*>(w_out + (int64_t)nn * k + kk) = *reinterpret_cast<const uint32_t*>(pair);
+    }
+  }
+}
+
 template <typename T, int WARPS_M, int WARPS_N, int MT>
 cudaError_t launch_gemm(const Args& a, const Plan& p, cudaStream_t stream) {
   using S = GemmShape<WARPS_M, WARPS_N, MT>;
@@ -453,6 +487,16 @@ cudaError_t launch(const Args& a, const Plan& p, cudaStream_t stream) {
     default:
       return launch_gemm<T, 2, 4, 4>(a, p, stream);
   }
+}
+
+template <typename T>
+cudaError_t launch_dequant(const void* qweight, const void* scales, void* w_out, int n, int k, int n_pad, int k_chunks,
+                           int group_size, int64_t total, cudaStream_t stream) {
+  const int64_t blocks = (total + kDequantWarps - 1) / kDequantWarps;
+  dequant_kernel<T><<<(unsigned)blocks, kDequantWarps * 32, 0, stream>>>(
+      static_cast<const uint4*>(qweight), static_cast<const __half*>(scales), static_cast<T*>(w_out), n, k, n_pad,
+      k_chunks, group_size, total);
+  return cudaGetLastError();
 }
 
 std::atomic<int> g_gemv_max_m{kGemvMaxM};
@@ -518,6 +562,28 @@ extern "C" int ternary_cuda_linear(const void* x, const void* qweight, const voi
   a.pair_stores = n % 2 == 0 && aligned(y, 4);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const cudaError_t e = dtype == TERNARY_DTYPE_BF16 ? launch<__nv_bfloat16>(a, p, s) : launch<__half>(a, p, s);
+  return static_cast<int>(e);
+}
+
+extern "C" int ternary_cuda_dequantize(const void* qweight, const void* scales, void* w_out, int64_t n, int64_t k,
+                                       int32_t group_size, int32_t dtype, void* stream) {
+  using namespace ternary;
+  const int rc = check_sizes(1, n, k, group_size);
+  if (rc != TERNARY_CUDA_OK) return rc;
+  if (dtype != TERNARY_DTYPE_BF16 && dtype != TERNARY_DTYPE_FP16) return TERNARY_CUDA_ERR_DTYPE;
+  if (qweight == nullptr || scales == nullptr || w_out == nullptr || !aligned(qweight, 16) || !aligned(scales, 2) ||
+      !aligned(w_out, 4))
+    return TERNARY_CUDA_ERR_POINTER;
+  const int n_pad = (int)((n + kChunkN - 1) / kChunkN * kChunkN);
+  const int k_chunks = (int)((k + kChunkK - 1) / kChunkK);
+  const int64_t total = (int64_t)(n_pad / kChunkN) * k_chunks;
+  const int64_t blocks = (total + kDequantWarps - 1) / kDequantWarps;
+  if (blocks > 0x7fffffff) return TERNARY_CUDA_ERR_SHAPE;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const cudaError_t e =
+      dtype == TERNARY_DTYPE_BF16
+          ? launch_dequant<__nv_bfloat16>(qweight, scales, w_out, (int)n, (int)k, n_pad, k_chunks, group_size, total, s)
+          : launch_dequant<__half>(qweight, scales, w_out, (int)n, (int)k, n_pad, k_chunks, group_size, total, s);
   return static_cast<int>(e);
 }
 

@@ -44,6 +44,11 @@ int ternary_cuda_linear(const void* x, const void* qweight, const void* scales, 
                         float* partials, int32_t* counters, int64_t m, int64_t n, int64_t k,
                         int32_t group_size, int32_t dtype, int32_t sm_count, void* stream);
 
+// Enqueue W[N, K] = trit * scale (rounded once to `dtype`, row-major, contiguous, 4-byte aligned) from the
+// GPU layout: the optional dequantize + cuBLAS path for large M (only worth it where measured faster).
+int ternary_cuda_dequantize(const void* qweight, const void* scales, void* w_out, int64_t n, int64_t k,
+                            int32_t group_size, int32_t dtype, void* stream);
+
 // Set the largest M that uses the decode GEMV (0..16; default 8; above it the mma GEMM runs). Returns the
 // previous value, or TERNARY_CUDA_ERR_SHAPE. Process-wide; meant for tuning and benchmarks.
 int ternary_cuda_set_gemv_max_m(int32_t m);

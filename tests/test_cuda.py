@@ -202,3 +202,22 @@ def test_prepared_tensor_shapes():
         qw, sc = make_layer(n, k, g, seed=1)
         q_k, s_k = _ops_cuda.prepare_weight(qw, sc, g)
         assert (tuple(q_k.shape), tuple(s_k.shape)) == _ops_cuda.gpu_shapes(n, k, g)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_dequantize_is_exact_and_dequant_cublas_path(dtype):
+    n, k, g = 333, 1024, 64
+    qw, sc = make_layer(n, k, g, seed=17)
+    w = dequantize(qw, sc, g)
+    q_k, s_k = ops.prepare_weight(qw, sc, g)
+    # trit * scale rounded once to dtype: exactly what rounding the float64 reference gives.
+    assert torch.equal(_ops_cuda.dequantize(q_k, s_k, n, k, g, dtype), w.to(dtype))
+    x = torch.randn(600, k, device="cuda").to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype)
+    prev = _ops_cuda.set_dequant_min_m(512)
+    try:
+        y = ops.ternary_linear(x, q_k, s_k, n, k, g, bias)
+    finally:
+        _ops_cuda.set_dequant_min_m(prev)
+    # cuBLAS on the rounded weights: compare with the reference on the same rounded weights.
+    assert_matches(y, reference(x, w.to(dtype).double(), bias), dtype, "dequant + cuBLAS")

@@ -164,6 +164,9 @@ def test_cuda_entry_points_do_not_crash_without_a_gpu():
             _ops_cuda.set_gemv_max_m(17)
     finally:
         assert _ops_cuda.set_gemv_max_m(8) == 16
+    with pytest.raises(ValueError, match="null or misaligned"):
+        _core.cuda_dequantize(0, 0, 0, 32, 64, 64, "float16", 0)
+    assert _ops_cuda.set_dequant_min_m(0) == 0
     # Argument checks run before anything touches a device.
     q_k, s_k = _ops_cuda.prepare_weight(torch.full((40, 24), 0x55, dtype=torch.uint8), torch.ones(40, 3, dtype=torch.float16), 32)
     with pytest.raises(ValueError, match="prepared CUDA layout"):

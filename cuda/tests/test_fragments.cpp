@@ -368,6 +368,35 @@ static std::vector<double> replay_gemm(const Problem& pr, bool bf16, bool with_b
   return y;
 }
 
+// ---- replay of dequant_kernel -------------------------------------------------------------------------
+static void test_dequant(const Problem& pr, bool bf16) {
+  std::vector<float> w((size_t)pr.n * pr.k, NAN);
+  for (int strip = 0; strip < pr.n_pad / 32; ++strip)
+    for (int kb = 0; kb < pr.k_chunks; ++kb)
+      for (int lane = 0; lane < 32; ++lane)
+        for (int wd = 0; wd < kKSteps; ++wd) {
+          const int k0 = kb * kChunkK + 16 * wd;
+          if (k0 >= pr.k) break;
+          const uint32_t word = pr.words[((size_t)strip * pr.k_chunks + kb) * kChunkWords + lane * 4 + wd];
+          for (int r = 0; r < 8; ++r) {
+            const int nn = strip * 32 + reg_n(lane, r);
+            if (nn >= pr.n) continue;
+            const int kk = kb * kChunkK + reg_k(lane, wd, r);
+            const float sc = pr.scales_t[(size_t)(k0 / pr.g) * pr.n_pad + nn];
+            const Pair t = decode_reg(word, r, bf16);
+            w[(size_t)nn * pr.k + kk] = t.lo * sc;
+            w[(size_t)nn * pr.k + kk + 1] = t.hi * sc;
+          }
+        }
+  size_t bad = 0;
+  for (int nn = 0; nn < pr.n; ++nn)
+    for (int kk = 0; kk < pr.k; ++kk) {
+      const float want = ((int)pr.codes[(size_t)nn * pr.k + kk] - 1) * pr.scales[(size_t)nn * (pr.k / pr.g) + kk / pr.g];
+      bad += !(w[(size_t)nn * pr.k + kk] == want);
+    }
+  CHECK(bad == 0, "dequant n=%d k=%d g=%d: %zu wrong", pr.n, pr.k, pr.g, bad);
+}
+
 static void compare(const char* what, const Problem& p, const std::vector<double>& got, const std::vector<double>& want) {
   size_t bad = 0, first = 0;
   for (size_t i = 0; i < want.size(); ++i)
@@ -438,6 +467,9 @@ int main() {
                           {129, 96, 256, 256, 1}, {9, 200, 1024, 128, 132}, {4, 40, 1024, 32, 132},
                           {2, 40, 2304, 256, 132}, {20, 64, 1280, 256, 1}, {16, 70, 2048, 64, 132}, {12, 33, 192, 32, 1},
                           {14, 300, 4096, 128, 132}};
+  for (auto& c : cases)
+    for (int bf = 0; bf < 2; ++bf) test_dequant(make_problem(1, c[1], c[2], c[3]), bf);
+  std::printf("dequantize replay: ok=%d\n", g_failures == 0);
   // Every case under the default GEMV cut-off (8) and the largest (16), so rows 9..16 run both kernels.
   for (const int cutoff : {kGemvMaxM, kGemvMaxRows})
     for (auto& c : cases)

@@ -31,6 +31,9 @@ _plans: dict[tuple[int, int, int, int, int], tuple[int, int, int]] = {}
 # captured earlier may still point at them.
 _counters: dict[tuple[int, int], torch.Tensor] = {}
 _retired: list[torch.Tensor] = []
+# From this M on, dequantize W to x.dtype and call cuBLAS instead of the fused GEMM (0 = never, the
+# default: enable only where benches/bench_gpu.py measured it faster).
+_dequant_min_m = 0
 
 
 def _ceil_to(v: int, m: int) -> int:
@@ -82,6 +85,34 @@ def set_gemv_max_m(m: int) -> int:
     prev = _core.cuda_set_gemv_max_m(int(m))
     _plans.clear()
     return prev
+
+
+def set_dequant_min_m(m: int) -> int:
+    """From this M on, ``ternary_linear`` dequantizes W into a temporary ``x.dtype`` tensor and runs
+    ``torch.nn.functional.linear`` (cuBLAS); 0 (the default) always uses the fused kernels. Returns the
+    previous value."""
+    global _dequant_min_m
+    if int(m) < 0:
+        raise ValueError("dequant_min_m must be >= 0")
+    prev, _dequant_min_m = _dequant_min_m, int(m)
+    return prev
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, out_features: int, in_features: int, group_size: int,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """W[N, K] = trit · scale in ``dtype`` (bf16/fp16), from the prepared CUDA layout, on its device."""
+    _require_kernels()
+    n, k, g = int(out_features), int(in_features), int(group_size)
+    if dtype not in _DTYPE_NAMES:
+        raise TypeError(f"dtype {dtype} is not supported; supported: bfloat16, float16")
+    if g not in _GROUP_SIZES or k % g != 0:
+        raise ValueError(f"in_features {k} and group_size {g}: g must be one of {_GROUP_SIZES} and divide K")
+    _check_weight(qweight, scales, qweight, n, k, g)
+    w = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    with torch.cuda.device(qweight.device):
+        stream = torch.cuda.current_stream(qweight.device).cuda_stream
+        _core.cuda_dequantize(qweight.data_ptr(), scales.data_ptr(), w.data_ptr(), n, k, g, _DTYPE_NAMES[dtype], stream)
+    return w
 
 
 def _plan(m: int, n: int, k: int, g: int, sm: int) -> tuple[int, int, int]:
@@ -159,6 +190,9 @@ def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bi
             raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
         b = bias.to(device=x2.device, dtype=x2.dtype).contiguous()
 
+    if _dequant_min_m and m >= _dequant_min_m:
+        w = dequantize(qweight, scales, n, k, g, x2.dtype)
+        return torch.nn.functional.linear(x2, w, b).reshape(*lead, n).to(out_dtype)
     device = x2.device
     if device.index is not None and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):  # the launcher enqueues on the current device

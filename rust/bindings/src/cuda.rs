@@ -24,6 +24,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_plan, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_ternary_linear, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_set_gemv_max_m, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_dequantize, m)?)?;
     m.add("GPU_CHUNK_N", layout::CHUNK_N)?;
     m.add("GPU_CHUNK_K", layout::CHUNK_K)?;
     m.add("GPU_CHUNK_BYTES", layout::CHUNK_BYTES)?;
@@ -137,6 +138,37 @@ fn cuda_set_gemv_max_m(m: i32) -> PyResult<i32> {
     ternary_cuda::set_gemv_max_m(m).map_err(cuda_err)
 }
 
+fn parse_dtype(dtype: &str) -> PyResult<DType> {
+    match dtype {
+        "bfloat16" => Ok(DType::Bf16),
+        "float16" => Ok(DType::Fp16),
+        other => Err(PyValueError::new_err(format!(
+            "dtype {other:?} is not supported by the CUDA kernels; supported: bfloat16, float16"
+        ))),
+    }
+}
+
+/// Enqueue `w_out[N, K] = trit · scale` (row-major, `dtype`) from the GPU layout on `stream` (device
+/// pointers as integers; the caller guarantees sizes as for `cuda_ternary_linear`).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn cuda_dequantize(
+    qweight: u64,
+    scales: u64,
+    w_out: u64,
+    n: i64,
+    k: i64,
+    group_size: i32,
+    dtype: &str,
+    stream: u64,
+) -> PyResult<()> {
+    let dtype = parse_dtype(dtype)?;
+    // SAFETY: the Python caller passes live device tensors of the right sizes; the launcher only enqueues
+    // work and validates sizes, null pointers and alignment itself.
+    unsafe { ternary_cuda::dequantize(qweight, scales, w_out, n, k, group_size, dtype, stream) }
+        .map_err(cuda_err)
+}
+
 /// Enqueue `y = x @ W^T (+ bias)` on `stream`. All pointers are device addresses (0 for an absent bias or
 /// workspace); `dtype` is "bfloat16" or "float16". Only enqueues work (safe inside CUDA graph capture).
 ///
@@ -161,15 +193,7 @@ fn cuda_ternary_linear(
     sm_count: i32,
     stream: u64,
 ) -> PyResult<()> {
-    let dtype = match dtype {
-        "bfloat16" => DType::Bf16,
-        "float16" => DType::Fp16,
-        other => {
-            return Err(PyValueError::new_err(format!(
-            "cuda_ternary_linear: dtype {other:?} is not supported; supported: bfloat16, float16"
-        )))
-        }
-    };
+    let dtype = parse_dtype(dtype)?;
     let args = LinearArgs {
         x,
         qweight,

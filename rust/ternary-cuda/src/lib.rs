@@ -107,6 +107,16 @@ mod ffi {
             stream: *mut c_void,
         ) -> c_int;
         pub fn ternary_cuda_set_gemv_max_m(m: i32) -> c_int;
+        pub fn ternary_cuda_dequantize(
+            qweight: *const c_void,
+            scales: *const c_void,
+            w_out: *mut c_void,
+            n: i64,
+            k: i64,
+            group_size: i32,
+            dtype: i32,
+            stream: *mut c_void,
+        ) -> c_int;
         pub fn ternary_cuda_device_count(count: *mut i32) -> c_int;
         pub fn ternary_cuda_error_string(code: c_int) -> *const c_char;
     }
@@ -175,6 +185,46 @@ pub unsafe fn linear(args: &LinearArgs) -> Result<(), CudaError> {
     #[cfg(not(feature = "nvcc"))]
     {
         let _ = args;
+        Err(CudaError::NotBuilt)
+    }
+}
+
+/// Enqueue the dequantization `w_out[N, K] = trit · scale` (dtype, row-major) from the GPU layout.
+///
+/// # Safety
+/// `qweight`/`scales` must be live device tensors in the GPU layout for (n, k, group_size), `w_out` a
+/// live device buffer of n·k elements of `dtype`, all on the current device, alive until the work has run.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn dequantize(
+    qweight: u64,
+    scales: u64,
+    w_out: u64,
+    n: i64,
+    k: i64,
+    group_size: i32,
+    dtype: DType,
+    stream: u64,
+) -> Result<(), CudaError> {
+    #[cfg(feature = "nvcc")]
+    {
+        use std::ffi::c_void;
+        // SAFETY: forwarded to the caller's contract above; the C side validates sizes and alignment.
+        check(unsafe {
+            ffi::ternary_cuda_dequantize(
+                qweight as *const c_void,
+                scales as *const c_void,
+                w_out as *mut c_void,
+                n,
+                k,
+                group_size,
+                dtype as i32,
+                stream as *mut c_void,
+            )
+        })
+    }
+    #[cfg(not(feature = "nvcc"))]
+    {
+        let _ = (qweight, scales, w_out, n, k, group_size, dtype, stream);
         Err(CudaError::NotBuilt)
     }
 }
@@ -281,5 +331,8 @@ mod tests {
         assert_eq!(plan(16, 4096, 4096, 128, 132).unwrap().kernel, 0);
         assert!(set_gemv_max_m(17).is_err());
         assert_eq!(set_gemv_max_m(8), Ok(16));
+        // SAFETY: null pointers are rejected before any CUDA call.
+        let r = unsafe { dequantize(0, 0, 0, 32, 64, 64, DType::Fp16, 0) };
+        assert!(matches!(r, Err(CudaError::Launch { code: -4, .. })));
     }
 }
