@@ -28,7 +28,14 @@ RTOL = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-9}
 def _kernels_built():
     if not _core.cuda_available():
         pytest.fail("this ternary_rs build has no CUDA kernels; install the wheel built with --features cuda")
-    torch.backends.cuda.matmul.allow_tf32 = False
+    # The dequantize + cuBLAS path and the references must not use reduced-precision reductions.
+    flags = torch.backends.cuda.matmul
+    saved = (flags.allow_tf32, flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction)
+    flags.allow_tf32 = False
+    flags.allow_bf16_reduced_precision_reduction = False
+    flags.allow_fp16_reduced_precision_reduction = False
+    yield
+    flags.allow_tf32, flags.allow_bf16_reduced_precision_reduction, flags.allow_fp16_reduced_precision_reduction = saved
 
 
 def make_layer(n: int, k: int, g: int, seed: int, device="cuda"):
@@ -62,7 +69,7 @@ def assert_matches(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what:
     )
 
 
-M_VALUES = [1, 2, 3, 8, 16, 33, 128, 512, 2048]
+M_VALUES = [1, 2, 3, 8, 16, 24, 33, 128, 512, 2048]  # 24: the 32-row GEMM tile
 SHAPES = [(45, 256, 64), (1000, 1024, 128), (333, 2048, 256), (4097, 512, 128)]
 
 
@@ -95,6 +102,24 @@ def test_group_32_and_half_chunk_k(dtype):
     for m in (1, 5, 9, 40, 300):
         x = torch.randn(m, k, device="cuda").to(dtype)
         assert_matches(ops.ternary_linear(x, q_k, s_k, n, k, g), reference(x, w, None), dtype, f"g32 m={m}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_gemv_cutoff_16_runs_rows_9_to_16_on_the_decode_kernel(dtype):
+    n, k, g = 200, 1536, 128
+    qw, sc = make_layer(n, k, g, seed=31)
+    w = dequantize(qw, sc, g)
+    q_k, s_k = ops.prepare_weight(qw, sc, g)
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    prev = _ops_cuda.set_gemv_max_m(16)
+    try:
+        for m in (9, 12, 16):
+            assert _core.cuda_plan(m, n, k, g, sm)["kernel"] == "gemv"
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            bias = torch.randn(n, device="cuda").to(dtype)
+            assert_matches(ops.ternary_linear(x, q_k, s_k, n, k, g, bias), reference(x, w, bias), dtype, f"gemv16 m={m}")
+    finally:
+        _ops_cuda.set_gemv_max_m(prev)
 
 
 def test_batched_noncontiguous_fp32_and_empty_inputs():
