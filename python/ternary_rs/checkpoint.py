@@ -245,8 +245,19 @@ def run_jobs(jobs: Sequence[Job], consume: Callable[[int, Job, Sequence[Any]], N
                 fut.cancel()
 
 
-def write_shards(out_dir: Path, jobs: Sequence[Job], shard_size: int, progress=None) -> dict[str, str]:
-    """Write all jobs' outputs as sharded safetensors + index into ``out_dir``; returns the weight map."""
+def write_shards(out_dir: Path, jobs: Sequence[Job], shard_size: int, progress=None,
+                 digests: dict[str, Future] | None = None) -> dict[str, str]:
+    """Write all jobs' outputs as sharded safetensors + index into ``out_dir``; returns the weight map.
+
+    With ``digests``, each finished shard's SHA-256 is computed on a background thread (while later
+    shards are written, from the page cache) and its future stored under the shard's file name.
+    """
+    hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ternary_rs-hash") if digests is not None else None
+
+    def finished(s: int) -> None:
+        if hash_pool is not None:
+            digests[files[s]] = hash_pool.submit(sha256_file, out_dir / files[s])
+
     from .io import SafetensorsWriter
 
     shards = plan_shards(jobs, shard_size)
@@ -278,6 +289,7 @@ def write_shards(out_dir: Path, jobs: Sequence[Job], shard_size: int, progress=N
         if s not in writers:
             for prev in list(writers):  # shards are filled in order: close the finished one
                 writers.pop(prev).close()
+                finished(prev)
             writers[s] = open_shard(s)
         if len(buffers) != len(job.outputs):
             raise ConversionError(f"{job.source}: produced {len(buffers)} buffers for {len(job.outputs)} outputs")
@@ -291,9 +303,15 @@ def write_shards(out_dir: Path, jobs: Sequence[Job], shard_size: int, progress=N
         run_jobs(jobs, consume, progress)
         for s in list(writers):
             writers.pop(s).close()
+            finished(s)
         for s in range(len(shards)):  # shards with no tensors (empty model) still get a file
             if not (out_dir / files[s]).exists():
                 open_shard(s).close()
+                finished(s)
+    except BaseException:
+        if hash_pool is not None:
+            hash_pool.shutdown(wait=False, cancel_futures=True)
+        raise
     finally:
         for w in writers.values():  # only left here on error: drop the partial shard
             try:
@@ -303,6 +321,8 @@ def write_shards(out_dir: Path, jobs: Sequence[Job], shard_size: int, progress=N
     total = sum(job.nbytes for job in jobs)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    if hash_pool is not None:
+        hash_pool.shutdown(wait=False)  # queued hashes still run; write_manifest waits for them
     return weight_map
 
 
@@ -338,12 +358,20 @@ class SourceHasher:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def write_manifest(out_dir: Path, sources: list[dict[str, Any]], details: dict[str, Any]) -> dict[str, Any]:
-    """Write ``ternary_rs.json``: tool version, sources (size + SHA-256) and every written file's SHA-256."""
+def write_manifest(out_dir: Path, sources: list[dict[str, Any]], details: dict[str, Any],
+                   digests: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write ``ternary_rs.json``: tool version, sources (size + SHA-256) and every written file's SHA-256.
+
+    ``digests`` may hold already computed (or pending: futures) SHA-256 values by relative path.
+    """
     files = {}
+    digests = digests or {}
     for p in sorted(out_dir.rglob("*")):
         if p.is_file() and p.name != MANIFEST_NAME:
-            files[p.relative_to(out_dir).as_posix()] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+            rel = p.relative_to(out_dir).as_posix()
+            known = digests.get(rel)
+            digest = known.result() if isinstance(known, Future) else known
+            files[rel] = {"size": p.stat().st_size, "sha256": digest or sha256_file(p)}
     manifest = {
         "manifest_version": MANIFEST_FORMAT_VERSION,
         "tool": "ternary_rs",

@@ -230,6 +230,7 @@ class ConvertOptions:
     progress: bool = True
     source_paths: list[Path] = field(default_factory=list)
     use_transformers: bool = True   # GGUF -> HF config/tokenizer via transformers (else built-in)
+    digests: dict[str, Any] = field(default_factory=dict)  # SHA-256 (futures) of files already written
 
 
 class Source:
@@ -471,7 +472,7 @@ def write_vllm_dir(source: Source, out_dir: Path, options: ConvertOptions) -> di
     total = sum(j.source_bytes for j in jobs)
     t1 = time.perf_counter()
     with _progress(total, f"convert {source.path.name}", options.progress) as bar:
-        write_shards(out_dir, jobs, options.shard_size, bar)
+        write_shards(out_dir, jobs, options.shard_size, bar, digests=options.digests)
     t2 = time.perf_counter()
     log.info("%s: classified %d tensors in %.1f s, wrote shards in %.1f s (%.2f GB/s of source)",
              source.path.name, len(jobs), t1 - t0, t2 - t1, total / max(t2 - t1, 1e-9) / 1e9)
@@ -677,6 +678,14 @@ def default_output_name(src: Path, to: str, gguf_type: str | None) -> str:
     return f"{stem}-{(gguf_type or 'ternary').upper()}.gguf" if to == "gguf" else stem
 
 
+def _may_be_rotated(meta: dict[str, Any]) -> bool:
+    """Cheap pre-check for ``hadamard.is_rotated`` (prism.hadamard.* keys, a Bonsai 2 MLX config, or a
+    converted checkpoint's ``quantization_config.hadamard``)."""
+    qc = meta.get("quantization_config")
+    return (any(str(k).startswith("prism.") for k in meta) or "hadamard" in str(meta.get("model_type", ""))
+            or (isinstance(qc, dict) and "hadamard" in qc))
+
+
 def _convert_one(src: Path, dst: Path, options: ConvertOptions) -> Path:
     if not src.exists():
         raise FileNotFoundError(f"{src}: no such file or directory")
@@ -686,8 +695,8 @@ def _convert_one(src: Path, dst: Path, options: ConvertOptions) -> Path:
     # Bonsai 2 rotation: only paths that keep it may run (a dropped rotation serves garbage, silently).
     keeps_rotation = (source.is_gguf and options.to == "gguf") or (
         options.to != "gguf" and getattr(source.arch, "write_vllm_checkpoint", None) is not None)
-    if not keeps_rotation:
-        from .hadamard import refuse_if_rotated
+    if not keeps_rotation and _may_be_rotated(source.metadata or source.config or {}):
+        from .hadamard import refuse_if_rotated  # imports torch: only when there is something to refuse
 
         refuse_if_rotated(source.metadata or source.config or {}, f"this conversion to {options.to}", str(src))
     options.source_paths = source.source_files()
@@ -714,7 +723,7 @@ def _convert_one(src: Path, dst: Path, options: ConvertOptions) -> Path:
                 "source_format": source.format,
                 "conversion": {"to": "vllm", **details},
                 "options": {"group_size": options.group_size, "shard_size": options.shard_size},
-            })
+            }, digests=options.digests)
             log.info("%s: waited %.1f s for source SHA-256, output SHA-256 + manifest in %.1f s",
                      src.name, t1 - t0, time.perf_counter() - t1)
             staging.commit()
@@ -758,7 +767,8 @@ def convert(src, dst, to: str = "vllm", gguf_type: str | None = None, group_size
     for s in sources:
         target = out_root / default_output_name(s, to, options.gguf_type)
         try:
-            results.append(_convert_one(s, target, ConvertOptions(**{**options.__dict__, "source_paths": []})))
+            results.append(_convert_one(s, target, ConvertOptions(**{**options.__dict__, "source_paths": [],
+                                                                     "digests": {}})))
         except (TernaryError, OSError, ValueError, KeyError) as e:
             log.error("%s: %s", s, e)
             failures.append((s, e))
