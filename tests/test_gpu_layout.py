@@ -173,3 +173,29 @@ def test_cuda_entry_points_do_not_crash_without_a_gpu():
         _ops_cuda.ternary_linear(torch.zeros(2, 96), q_k[:1], s_k, 40, 96, 32)
     with pytest.raises(ValueError, match="features"):
         _ops_cuda.ternary_linear(torch.zeros(2, 64), q_k, s_k, 40, 96, 32)
+
+
+@pytest.mark.skipif(not _core.cuda_available(), reason="this build has no CUDA kernels (built without the cuda feature)")
+@pytest.mark.parametrize("m", [1, 64])
+def test_launch_path_without_a_device_reports_the_cuda_error(monkeypatch, m):
+    """Python -> PyO3 -> C launcher with a real argument list, on a machine the runtime sees no device on:
+    the launch must fail cleanly with the CUDA error (no crash), after every host-side check passed."""
+    if _core.cuda_device_count() != 0 or torch.cuda.is_available():
+        pytest.skip("a GPU is present: tests/test_cuda.py covers the launch path for real")
+
+    class _Stream:
+        cuda_stream = 0
+
+    monkeypatch.setattr(_ops_cuda.torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(_ops_cuda.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_ops_cuda, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(_ops_cuda, "_counters", {})
+    rng = np.random.default_rng(5)
+    n, k, g = 64, 4096, 128  # long K, few strips: split-K, so partials and counters are passed too
+    qw, sc = random_canonical(rng, n, k, g)
+    q_k, s_k = _ops_cuda.prepare_weight(torch.from_numpy(qw), torch.from_numpy(sc), g)
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    assert _core.cuda_plan(m, n, k, g, 132)["splits"] > 1
+    with pytest.raises(RuntimeError, match="ternary CUDA kernel error"):
+        _ops_cuda.ternary_linear(x, q_k, s_k, n, k, g, torch.zeros(n, dtype=torch.bfloat16))
+    assert _ops_cuda._counters, "split-K counters were set up before the launch"
