@@ -149,8 +149,78 @@ pub struct SafetensorsFile {
     index: HashMap<String, usize>,
 }
 
-fn json_u64(v: &Value) -> Option<u64> {
-    v.as_u64()
+/// A serde error's message without the " at line L column C" serde_json appends (the outer error
+/// reports the position once).
+fn without_position(e: &impl std::fmt::Display) -> String {
+    let msg = e.to_string();
+    match msg.rfind(" at line ") {
+        Some(i) => msg[..i].to_string(),
+        None => msg,
+    }
+}
+
+/// A `*.safetensors.index.json` as the JSON gives it.
+#[derive(serde::Deserialize)]
+struct RawIndex {
+    weight_map: Option<HashMap<String, String>>,
+    metadata: Option<Value>,
+}
+
+/// One header entry as the JSON gives it (validated after parsing).
+#[derive(serde::Deserialize)]
+struct RawTensor {
+    dtype: String,
+    shape: Vec<u64>,
+    data_offsets: (u64, u64),
+}
+
+/// The whole JSON header: `__metadata__` plus tensors in the order the JSON lists them.
+struct RawHeader {
+    metadata: Option<BTreeMap<String, String>>,
+    tensors: Vec<(String, RawTensor)>,
+}
+
+impl<'de> serde::Deserialize<'de> for RawHeader {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct HeaderVisitor;
+        impl<'de> serde::de::Visitor<'de> for HeaderVisitor {
+            type Value = RawHeader;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object of tensor entries and an optional __metadata__")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<RawHeader, A::Error> {
+                use serde::de::Error as _;
+                let mut h = RawHeader {
+                    metadata: None,
+                    tensors: Vec::new(),
+                };
+                while let Some(key) = map.next_key::<String>()? {
+                    if key == "__metadata__" {
+                        let m = map.next_value().map_err(|e| {
+                            A::Error::custom(format!(
+                                "__metadata__ must be an object of strings: {}",
+                                without_position(&e)
+                            ))
+                        })?;
+                        h.metadata = Some(m);
+                    } else {
+                        let t: RawTensor = map.next_value().map_err(|e| {
+                            A::Error::custom(format!(
+                                "tensor '{key}': {} (an entry is {{\"dtype\": str, \"shape\": [int], \"data_offsets\": [int, int]}})",
+                                without_position(&e)
+                            ))
+                        })?;
+                        h.tensors.push((key, t));
+                    }
+                }
+                Ok(h)
+            }
+        }
+        d.deserialize_map(HeaderVisitor)
+    }
 }
 
 impl SafetensorsFile {
@@ -200,76 +270,42 @@ impl SafetensorsFile {
                 "header does not start with '{' (not a JSON object)".into(),
             ));
         }
-        let header: serde_json::Map<String, Value> = serde_json::from_str(text).map_err(|e| {
+        // Typed parse (no intermediate JSON tree): this is most of the cost of opening a shard.
+        let header: RawHeader = serde_json::from_str(text).map_err(|e| {
+            // Headers are one line in practice, so line 1's column is the byte offset in the JSON.
+            let at = if e.line() == 1 {
+                HEADER_LEN_BYTES + (e.column() as u64).saturating_sub(1)
+            } else {
+                HEADER_LEN_BYTES
+            };
             err(
-                8,
-                format!(
-                    "header is not valid JSON: {e} (line {}, column {})",
-                    e.line(),
-                    e.column()
-                ),
+                at,
+                format!("header is not a valid safetensors JSON header: {e}"),
             )
         })?;
 
-        let mut metadata = None;
-        let mut tensors = Vec::with_capacity(header.len());
-        for (name, entry) in &header {
-            if name == "__metadata__" {
-                let obj = entry
-                    .as_object()
-                    .ok_or_else(|| err(8, "__metadata__ must be an object of strings".into()))?;
-                let mut m = BTreeMap::new();
-                for (k, v) in obj {
-                    let s = v.as_str().ok_or_else(|| {
-                        err(
-                            8,
-                            format!("__metadata__['{k}'] must be a string, found {v}"),
-                        )
-                    })?;
-                    m.insert(k.clone(), s.to_owned());
-                }
-                metadata = Some(m);
-                continue;
-            }
+        let metadata = header.metadata;
+        let mut tensors = Vec::with_capacity(header.tensors.len());
+        for (name, entry) in header.tensors {
             let bad = |what: &str| err(8, format!("tensor '{name}': {what}"));
-            let obj = entry
-                .as_object()
-                .ok_or_else(|| bad("entry is not an object"))?;
-            let dtype_name = obj
-                .get("dtype")
-                .and_then(Value::as_str)
-                .ok_or_else(|| bad("missing or non-string 'dtype'"))?;
-            let dtype = Dtype::from_name(dtype_name).ok_or_else(|| Error::UnsupportedType {
+            let dtype = Dtype::from_name(&entry.dtype).ok_or_else(|| Error::UnsupportedType {
                 file: path.display().to_string(),
                 tensor: name.clone(),
-                what: format!("safetensors dtype '{dtype_name}'"),
+                what: format!("safetensors dtype '{}'", entry.dtype),
                 supported: ALL_DTYPES
                     .iter()
                     .map(|d| d.name())
                     .collect::<Vec<_>>()
                     .join(", "),
             })?;
-            let shape_v = obj
-                .get("shape")
-                .and_then(Value::as_array)
-                .ok_or_else(|| bad("missing or non-array 'shape'"))?;
-            if shape_v.len() > MAX_SAFETENSORS_DIMS {
+            let shape = entry.shape;
+            if shape.len() > MAX_SAFETENSORS_DIMS {
                 return Err(bad(&format!(
                     "{} dims exceed MAX_SAFETENSORS_DIMS = {MAX_SAFETENSORS_DIMS}",
-                    shape_v.len()
+                    shape.len()
                 )));
             }
-            let shape = shape_v
-                .iter()
-                .map(json_u64)
-                .collect::<Option<Vec<u64>>>()
-                .ok_or_else(|| bad("shape entries must be non-negative integers"))?;
-            let offs = obj
-                .get("data_offsets")
-                .and_then(Value::as_array)
-                .filter(|a| a.len() == 2)
-                .and_then(|a| Some((json_u64(&a[0])?, json_u64(&a[1])?)))
-                .ok_or_else(|| bad("'data_offsets' must be two non-negative integers"))?;
+            let offs = entry.data_offsets;
             let numel = shape
                 .iter()
                 .try_fold(1u64, |a, &d| {
@@ -278,17 +314,20 @@ impl SafetensorsFile {
                 .ok_or_else(|| bad("element count overflows"))?;
             let nbytes = dtype.bytes_for(numel).ok_or_else(|| {
                 bad(&format!(
-                    "{numel} {dtype_name} elements do not fill whole bytes"
+                    "{numel} {} elements do not fill whole bytes",
+                    dtype.name()
                 ))
             })?;
             if offs.1 < offs.0 || offs.1 - offs.0 != nbytes {
                 return Err(bad(&format!(
-                    "data_offsets [{}, {}] do not span the {nbytes} bytes of {dtype_name}{shape:?}",
-                    offs.0, offs.1
+                    "data_offsets [{}, {}] do not span the {nbytes} bytes of {}{shape:?}",
+                    offs.0,
+                    offs.1,
+                    dtype.name()
                 )));
             }
             tensors.push(SafetensorsTensorInfo {
-                name: name.clone(),
+                name,
                 dtype,
                 shape,
                 data_start: offs.0,
@@ -296,6 +335,15 @@ impl SafetensorsFile {
                 nbytes,
             });
         }
+
+        let mut seen = std::collections::HashSet::with_capacity(tensors.len());
+        if let Some(dup) = tensors.iter().find(|t| !seen.insert(t.name.as_str())) {
+            return Err(err(
+                8,
+                format!("duplicate tensor name '{}' in the header", dup.name),
+            ));
+        }
+        drop(seen);
 
         // Contiguous from 0, no gaps or overlaps, ending exactly at the end of the file.
         // By (start, end) like the safetensors crate, so an empty tensor sorts before one sharing its start.
@@ -410,27 +458,24 @@ impl SafetensorsCheckpoint {
             )));
         }
         let text = std::fs::read(&index_path).map_err(|e| Error::io(&index_path, e))?;
-        let json: Value = serde_json::from_slice(&text).map_err(|e| {
+        let index: RawIndex = serde_json::from_slice(&text).map_err(|e| {
             ferr(format!(
-                "not valid JSON: {e} (line {}, column {})",
+                "not a valid index (JSON with a 'weight_map' of tensor name -> shard file): {e} (line {}, column {})",
                 e.line(),
                 e.column()
             ))
         })?;
-        let weight_map = json
-            .get("weight_map")
-            .and_then(Value::as_object)
+        let weight_map = index
+            .weight_map
             .ok_or_else(|| ferr("missing 'weight_map' object".into()))?;
         let dir = index_path
             .parent()
             .map(Path::to_path_buf)
             .unwrap_or_default();
         let mut shard_names: Vec<String> = Vec::new();
+        let mut shard_ids: HashMap<String, usize> = HashMap::new();
         let mut expected: Vec<(String, usize)> = Vec::with_capacity(weight_map.len());
         for (tensor, shard) in weight_map {
-            let shard = shard
-                .as_str()
-                .ok_or_else(|| ferr(format!("weight_map['{tensor}'] is not a string")))?;
             if shard.is_empty()
                 || shard.contains('/')
                 || shard.contains('\\')
@@ -441,17 +486,18 @@ impl SafetensorsCheckpoint {
                     "weight_map['{tensor}'] = '{shard}' is not a plain file name next to the index"
                 )));
             }
-            let k = match shard_names.iter().position(|s| s == shard) {
-                Some(k) => k,
+            let k = match shard_ids.get(&shard) {
+                Some(&k) => k,
                 None => {
                     if shard_names.len() >= MAX_SHARDS {
                         return Err(ferr(format!("more than MAX_SHARDS = {MAX_SHARDS} shards")));
                     }
-                    shard_names.push(shard.to_owned());
+                    shard_ids.insert(shard.clone(), shard_names.len());
+                    shard_names.push(shard);
                     shard_names.len() - 1
                 }
             };
-            expected.push((tensor.clone(), k));
+            expected.push((tensor, k));
         }
         // Shards in name order (model-00001-of-…, model-00002-of-…).
         let mut sorted: Vec<usize> = (0..shard_names.len()).collect();
@@ -477,7 +523,7 @@ impl SafetensorsCheckpoint {
             }
             shards.push(SafetensorsFile::open(&p)?);
         }
-        let index_metadata = json.get("metadata").cloned();
+        let index_metadata = index.metadata;
         let ckpt = Self::from_shards(Some(index_path.clone()), index_metadata, shards)?;
         for (tensor, k) in &expected {
             let found = ckpt.by_name.get(tensor).map(|&(s, _)| s);
