@@ -254,3 +254,12 @@ def test_generic_paths_refuse_rotated_sources(tmp_path):
         with pytest.raises(ternary_rs.ValidationError, match="rotated"):
             ternary_rs.convert(hf, tmp_path / f"out-{to}", to=to, progress=False)
         assert not (tmp_path / f"out-{to}").exists()
+
+
+def test_mlx_pack_module_list_must_match_hadamard_json(tiny, tmp_path):
+    d = write_mlx_pack(tiny, tmp_path / "mlx")
+    had = json.loads((d / "hadamard.json").read_text())
+    had["weight_names"] = [n for n in had["weight_names"] if not n.endswith("layers.1.mlp.up_proj.weight")]
+    (d / "hadamard.json").write_text(json.dumps(had))
+    with pytest.raises(ternary_rs.ValidationError, match="layers.1.mlp.up_proj"):
+        ternary_rs.convert(d, tmp_path / "out", progress=False)

@@ -557,6 +557,16 @@ def _plan_from_mlx(src, options) -> _Plan:
     grouped = had.get("gdn_v_grouped", True)
     plan.spec = H.HadamardSpec.from_prism(had, resolve, _gdn_permute_for(plan.config, bool(grouped)),
                                           f"{where}/{had_name}")
+    # The pack's own module list must agree with hadamard.json (a rotated module it does not list would be
+    # served without its transform).
+    listed = set(plan.spec.layers) | set(plan.spec.inverse_embeddings)
+    for entry in cfg_all.get("modules") or []:
+        path, block = str(entry.get("path", "")), int(entry.get("block", 0) or 0)
+        if block and (block != plan.spec.block_size or path not in listed):
+            raise ValidationError(
+                f"{where}/config.json: module '{path}' is marked rotated (block {block}) but "
+                f"{had_name} does not list it with block {plan.spec.block_size}"
+            )
     # Each module's own sign vector must be the one of its width in hadamard.json.
     for module, sname in pack_signs.items():
         s = _float_array(src, tensors[sname]).ravel()
