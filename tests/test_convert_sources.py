@@ -142,3 +142,29 @@ def test_gguf_to_gguf_retype_and_lossy_refusal(tmp_path):
         ternary_rs.convert(src, tmp_path / "lossy.gguf", to="gguf", gguf_type="TQ2_0", progress=False)
     assert not (tmp_path / "lossy.gguf").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_ternary_rs_dir_via_index_regrouped(hf):
+    root, src = hf
+    first = ternary_rs.convert(src, root / "first", progress=False, shard_size="100KB")
+    index = first / "model.safetensors.index.json"
+    again = ternary_rs.convert(index, root / "again-g64", group_size=64, progress=False)
+    ref = cw.write_contract(src, root / "ref-g64", group_size=64)
+    qc, ours = cw.read_contract(again)
+    _, theirs = cw.read_contract(ref)
+    assert qc["group_size"] == 64 and set(ours) == set(theirs)
+    for name in theirs:
+        if name.endswith(".scales"):  # an all-zero group's scale is arbitrary (contract writer: 1.0)
+            prefix = name[: -len(".scales")]
+            np.testing.assert_array_equal(ours[prefix + ".qweight"], theirs[prefix + ".qweight"])
+            np.testing.assert_array_equal(cw.dequantize(ours[prefix + ".qweight"], ours[name], 64),
+                                          cw.dequantize(theirs[prefix + ".qweight"], theirs[name], 64), err_msg=name)
+            nonzero = (cw.unpack_codes_lsb_first(theirs[prefix + ".qweight"]) != 1).reshape(
+                ours[name].shape[0], ours[name].shape[1], 64).any(axis=-1)
+            np.testing.assert_array_equal(ours[name][nonzero], theirs[name][nonzero], err_msg=name)
+        else:
+            np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+    # a larger group than the source's would requantize: refused, naming the tensor
+    with pytest.raises(ternary_rs.TernaryError, match=r"proj|embed|lm_head"):
+        ternary_rs.convert(index, root / "again-g256", group_size=256, progress=False)
+    assert not (root / "again-g256").exists()
