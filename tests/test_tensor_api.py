@@ -303,3 +303,43 @@ def test_thread_count_is_respected_and_results_identical():
             np.testing.assert_array_equal(r, results[0])
     finally:
         ternary_rs.set_num_threads(before)
+
+
+def test_heavy_calls_release_the_gil():
+    """With a switch interval far longer than the test, the worker thread keeps the GIL unless a call
+    releases it: the main thread then runs before the worker's decoding ends only if the Rust calls
+    released the GIL (a call that held it would let the main thread in only when the worker exits)."""
+    import sys
+    import threading
+    import time
+
+    rng = np.random.default_rng(6)
+    trits = rng.integers(-1, 2, size=(4096, 4096)).astype(np.int8)
+    t = TernaryTensor(ternary_rs.pack_codes(trits), np.full((4096, 32), 0.5, np.float16))
+    raw = encode(t, "PTQ1_0")
+    started = threading.Event()
+    times: dict[str, float] = {}
+
+    core = ternary_rs._core
+    args = t._args()
+    out = np.empty(trits.shape, np.uint16)
+
+    def worker():  # only extension calls: NumPy code could release the GIL by itself
+        started.set()
+        for _ in range(3):
+            core.decode_gguf("PTQ1_0", raw, *trits.shape)
+            core.dequantize_into(*args, out, dtype="bfloat16")
+        times["end"] = time.perf_counter()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    try:
+        th = threading.Thread(target=worker)
+        th.start()
+        started.wait()
+        times["main"] = time.perf_counter()
+        th.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert times["main"] < times["end"]
+
