@@ -849,7 +849,13 @@ impl GgufFile {
     /// A tensor's bytes by index (validated in bounds at open).
     pub fn tensor_data(&self, index: usize) -> Option<&[u8]> {
         let t = self.tensors.get(index)?;
-        Some(&self.map.bytes()[t.abs_offset as usize..(t.abs_offset + t.nbytes) as usize])
+        if t.nbytes == 0 {
+            // An empty tensor may sit at the (padded) data start past the end of a header-only file.
+            return Some(&[]);
+        }
+        self.map
+            .bytes()
+            .get(t.abs_offset as usize..(t.abs_offset + t.nbytes) as usize)
     }
 
     /// A tensor's bytes by name.

@@ -482,3 +482,16 @@ fn many_tensors_sharing_an_offset_open_in_linear_time() {
     assert_eq!(f.tensors().len(), n as usize);
     assert!(f.tensors().iter().all(|t| t.nbytes == 0));
 }
+
+#[test]
+fn empty_tensor_past_an_unpadded_header_is_an_empty_slice() {
+    // A header with no padding after it: the data start lies past the end of the file.
+    let mut h = header(3, 1, 0);
+    tensor_info(&mut h, "e", &[0], 0, 0);
+    assert_ne!(h.len() % 32, 0);
+    let p = tmp("unpadded.gguf");
+    std::fs::write(&p, &h).unwrap();
+    let f = GgufFile::open(&p).unwrap();
+    assert!(f.data_offset > h.len() as u64);
+    assert_eq!(f.tensor_data(0), Some(&[][..]));
+}
