@@ -150,7 +150,11 @@ def test_our_encode_of_ternarized_tensor_equals_gguf_quantize(fmt, data):
     # And straight from the raw weights, wherever no value sits exactly on a rounding tie
     # (gguf-py rounds x·(1/d) half away from zero, ternary-qat rounds x/d half to even).
     direct = gguf_quantize(w, QT[fmt]).reshape(-1)
-    np.testing.assert_array_equal(encode(t, fmt), direct)
+    size = 66 if fmt == "TQ2_0" else 54
+    blocks = w.reshape(-1, 256).astype(np.float64)
+    ratio = np.abs(blocks) / np.abs(blocks).max(axis=1, keepdims=True)
+    clear = ~(np.abs(ratio - 0.5) < 1e-6).any(axis=1)  # blocks with no value within ~16 ulp of a tie
+    np.testing.assert_array_equal(encode(t, fmt).reshape(-1, size)[clear], direct.reshape(-1, size)[clear])
 
 
 def test_gguf_tie_convention_is_documented_difference():
