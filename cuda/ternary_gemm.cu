@@ -7,8 +7,8 @@
 //   (16 output features per tile), x^T its B operand (each 8 rows of x fill one n8), so tensor cores do
 //   the multiply-adds (fp32 accumulation) and the ALUs only unpack (one lop3 + one hsub2 per two weights,
 //   plus a shift shared by several registers; see Unpack in ternary_frag.h). Four warps per block
-//   interleave over one strip's K-chunks with four 16-byte loads in flight per lane; K is split across
-//   blocks until every SM holds several blocks.
+//   split one strip's K range into contiguous runs (scales flushed once per group) with four 16-byte
+//   loads in flight per lane; K is split across blocks until the grid is about one wave.
 // * GEMM (larger M): x tiles stream through a 4-stage cp.async pipeline into XOR-swizzled shared memory
 //   and are read with ldmatrix; each warp's weight chunk is one 16-byte shared load per lane per K-chunk.
 //   For very large M a dequantize-to-bf16 + cuBLAS path (Hopper cuBLAS uses wgmma, which mma.sync cannot
@@ -55,11 +55,17 @@ struct DType<__half> {
 };
 
 // Trits of fragment register r (a compile-time constant after unrolling) of a weight word, as one
-// bf16x2 / half2 register: shift (shared across registers), lop3, hsub2 — all exact.
+// bf16x2 / half2 register: shift (shared across registers), lop3, hsub2 — all exact. The lop3 is written
+// out so that the magic exponent sits in a register (hoisted out of the loops) and the mask is the one
+// immediate: (w & mask) | magic in one instruction instead of two.
 template <typename T>
 __device__ __forceinline__ uint32_t frag_rt(uint32_t word, int r) {
   using U = typename DType<T>::U;
-  return DType<T>::sub2(U::bits(word, r), U::offset_bits(r));
+  const uint32_t shifted = word >> U::shift(r);
+  const uint32_t magic = U::magic(r) * 0x00010001u;
+  uint32_t bits;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(bits) : "r"(shifted), "r"(0x00030003u << U::bit(r)), "r"(magic));
+  return DType<T>::sub2(bits, U::offset_bits(r));
 }
 
 template <typename T>
@@ -176,6 +182,7 @@ struct Args {
   float* partials;
   int32_t* counters;
   int m, n, k, n_pad, k_chunks, group_size, splits;
+  int group_shift;   // log2(group_size): group of element k is k >> group_shift
   bool pair_stores;  // N even and y 4-byte aligned: y may be written as bf16x2 / half2 pairs
 };
 
@@ -192,41 +199,50 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const Args a) {
   const int kb_end = split_begin(split + 1, a.splits, a.k_chunks);
   const T* x = static_cast<const T*>(a.x);
   bool x_row_ok[NT8];
-  const uint32_t* x_row[NT8];  // the x rows this lane feeds into the B fragments (bf16x2 / half2 pairs)
+  // The x pairs this lane feeds into the B fragments: row 8 t8 + lane / 4, elements 2 (lane % 4) + 8 j + 16 w
+  // of each chunk, i.e. u32 offsets 4 j + 8 w from x_lane (immediate offsets off one pointer per chunk).
+  const uint32_t* x_lane[NT8];
 #pragma unroll
   for (int t8 = 0; t8 < NT8; ++t8) {
     const int xm = 8 * t8 + lane / 4;
     x_row_ok[t8] = xm < a.m;
-    x_row[t8] = reinterpret_cast<const uint32_t*>(x + (int64_t)(x_row_ok[t8] ? xm : 0) * a.k);
+    x_lane[t8] = reinterpret_cast<const uint32_t*>(x + (int64_t)(x_row_ok[t8] ? xm : 0) * a.k) + lane % 4;
   }
   const uint4* w_strip = a.qweight + (int64_t)strip * a.k_chunks * 32 + lane;
-  const int64_t scale_col = (int64_t)strip * kChunkN;
+  // Scales of the rows this lane's A fragments cover: n = 32 strip + 8 nt + lane / 4 (gemv_scale_n).
+  const __half* s_lane = a.scales + (int64_t)strip * kChunkN + gemv_scale_n(lane, 0);
 
   float acc[2][NT8][4] = {};
   float part[2][NT8][4] = {};
-  for (int kb0 = kb_begin + warp; kb0 < kb_end; kb0 += kGemvWarps * kGemvUnroll) {
+  // Each warp streams a contiguous run of the split's chunks, so groups longer than a chunk are flushed
+  // once per group (not once per chunk).
+  const int kb_warp_begin = kb_begin + split_begin(warp, kGemvWarps, kb_end - kb_begin);
+  const int kb_warp_end = kb_begin + split_begin(warp + 1, kGemvWarps, kb_end - kb_begin);
+  const int kstep_end = kb_warp_end * kKSteps;
+  for (int kb0 = kb_warp_begin; kb0 < kb_warp_end; kb0 += kGemvUnroll) {
     uint4 wq[kGemvUnroll];
     uint32_t xb[kGemvUnroll][NT8][kKSteps][2];
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
-      const int kb = kb0 + u * kGemvWarps;
-      wq[u] = kb < kb_end ? load_stream(w_strip + (int64_t)kb * 32) : make_uint4(0, 0, 0, 0);
+      const int kb = kb0 + u;
+      wq[u] = kb < kb_warp_end ? load_stream(w_strip + (int64_t)kb * 32) : make_uint4(0, 0, 0, 0);
+      // K is a multiple of 32, so a k-step is entirely inside or outside [0, K); only the last chunk of
+      // a K that is not a multiple of 64 has an empty half.
+      const int steps = kb < kb_warp_end ? (a.k - kb * kChunkK) / 16 : 0;
 #pragma unroll
-      for (int t8 = 0; t8 < NT8; ++t8)
+      for (int t8 = 0; t8 < NT8; ++t8) {
+        const uint32_t* xc = x_lane[t8] + (int64_t)kb * (kChunkK / 2);
 #pragma unroll
         for (int w = 0; w < kKSteps; ++w)
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int k = kb * kChunkK + gemv_b_k(lane, w, j);
-            // K is a multiple of 32, so a k-step is entirely inside or outside [0, K).
-            const bool ok = x_row_ok[t8] && kb < kb_end && kb * kChunkK + 16 * w < a.k;
-            xb[u][t8][w][j] = ok ? __ldg(x_row[t8] + k / 2) : 0u;
-          }
+          for (int j = 0; j < 2; ++j)  // == x[xm][kb * 64 + gemv_b_k(lane, w, j)] and the element after it
+            xb[u][t8][w][j] = x_row_ok[t8] && w < steps ? __ldg(xc + 8 * w + 4 * j) : 0u;
+      }
     }
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
-      const int kb = kb0 + u * kGemvWarps;
-      if (kb >= kb_end) break;
+      const int kb = kb0 + u;
+      if (kb >= kb_warp_end) break;
       const uint32_t words[kKSteps] = {wq[u].x, wq[u].y, wq[u].z, wq[u].w};
 #pragma unroll
       for (int w = 0; w < kKSteps; ++w) {
@@ -237,14 +253,14 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gemv_kernel(const Args a) {
 #pragma unroll
           for (int t8 = 0; t8 < NT8; ++t8) mma16816<T>(part[p][t8], a0, a1, a2, a3, xb[u][t8][w][0], xb[u][t8][w][1]);
         }
-        // Chunks of one warp are not adjacent in K, so every chunk ends with a flush; g = 32 also mid-chunk.
-        if (w == kKSteps - 1 || (w == 1 && a.group_size == 32)) {
-          const int64_t grp = ((int64_t)kb * kChunkK + 16 * w) / a.group_size;
-          const __half* srow = a.scales + grp * a.n_pad + scale_col;
+        const int kstep = kb * kKSteps + w;
+        if (group_ends_after(kstep, a.group_size) || kstep + 1 == kstep_end) {
+          const int grp = (kb * kChunkK + 16 * w) >> a.group_shift;
+          const __half* srow = s_lane + (int64_t)grp * a.n_pad;  // + 8 nt: immediate offsets
 #pragma unroll
           for (int p = 0; p < 2; ++p) {
-            const float s_lo = scale_at(srow, gemv_scale_n(lane, 2 * p));
-            const float s_hi = scale_at(srow, gemv_scale_n(lane, 2 * p + 1));
+            const float s_lo = scale_at(srow, gemv_scale_n(0, 2 * p));
+            const float s_hi = scale_at(srow, gemv_scale_n(0, 2 * p + 1));
 #pragma unroll
             for (int t8 = 0; t8 < NT8; ++t8)
 #pragma unroll
@@ -375,8 +391,8 @@ __global__ void __launch_bounds__(32 * WARPS_M * WARPS_N) gemm_kernel(const Args
       }
       const int kstep = kb * kKSteps + ks;
       if (group_ends_after(kstep, a.group_size) || kstep + 1 == kstep_end) {
-        const int64_t grp = (int64_t)kstep * 16 / a.group_size;
-        const __half* srow = a.scales + grp * a.n_pad + (int64_t)(strip < strips ? strip : 0) * kChunkN;
+        const int grp = (kstep * 16) >> a.group_shift;
+        const __half* srow = a.scales + (int64_t)grp * a.n_pad + (int64_t)(strip < strips ? strip : 0) * kChunkN;
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           const __half2 s2 = __ldg(reinterpret_cast<const __half2*>(srow + gemm_c_n(lane, nt, 0)));
@@ -558,6 +574,7 @@ extern "C" int ternary_cuda_linear(const void* x, const void* qweight, const voi
   a.n_pad = (int)((n + kChunkN - 1) / kChunkN * kChunkN);
   a.k_chunks = (int)((k + kChunkK - 1) / kChunkK);
   a.group_size = group_size;
+  a.group_shift = group_size == 32 ? 5 : group_size == 64 ? 6 : group_size == 128 ? 7 : 8;
   a.splits = p.splits;
   a.pair_stores = n % 2 == 0 && aligned(y, 4);
   cudaStream_t s = static_cast<cudaStream_t>(stream);

@@ -183,7 +183,9 @@ static std::vector<double> replay_gemv(const Problem& pr, bool bf16, bool with_b
       float red[kGemvWarps][kGemvMaxRows][kChunkN];
       for (int warp = 0; warp < kGemvWarps; ++warp) {
         float acc[32][2][2][4] = {}, part[32][2][2][4] = {};  // [lane][p][t8][i]
-        for (int kb = kb_begin + warp; kb < kb_end; kb += kGemvWarps) {  // the unroll only reorders loads
+        const int kb_warp_begin = kb_begin + split_begin(warp, kGemvWarps, kb_end - kb_begin);
+        const int kb_warp_end = kb_begin + split_begin(warp + 1, kGemvWarps, kb_end - kb_begin);
+        for (int kb = kb_warp_begin; kb < kb_warp_end; ++kb) {  // the unroll only groups loads
           for (int w = 0; w < kKSteps; ++w) {
             for (int p = 0; p < 2; ++p)
               for (int t8 = 0; t8 < nt8_count; ++t8) {
@@ -194,8 +196,11 @@ static std::vector<double> replay_gemv(const Problem& pr, bool bf16, bool with_b
                   for (int i = 0; i < 4; ++i) a[lane][i] = decode_reg(word, gemv_a_reg(p, i), bf16);
                   const int xm = 8 * t8 + lane / 4;
                   for (int j = 0; j < 2; ++j) {
-                    const int k = kb * kChunkK + gemv_b_k(lane, w, j);
-                    const bool ok = xm < pr.m && kb * kChunkK + 16 * w < pr.k;
+                    // The kernel reads u32 (x pair) number kb * 32 + 8 w + 4 j + lane % 4 of the row.
+                    const int k = 2 * (kb * (kChunkK / 2) + 8 * w + 4 * j + lane % 4);
+                    CHECK(k == kb * kChunkK + gemv_b_k(lane, w, j), "x pair offset");
+                    const int steps = (pr.k - kb * kChunkK) / 16;
+                    const bool ok = xm < pr.m && w < steps;
                     b[lane][j] = ok ? Pair{pr.x[(size_t)xm * pr.k + k], pr.x[(size_t)xm * pr.k + k + 1]} : Pair{0, 0};
                   }
                   for (int i = 0; i < 4; ++i) c[lane][i] = part[lane][p][t8][i];
@@ -204,7 +209,8 @@ static std::vector<double> replay_gemv(const Problem& pr, bool bf16, bool with_b
                 for (int lane = 0; lane < 32; ++lane)
                   for (int i = 0; i < 4; ++i) part[lane][p][t8][i] = c[lane][i];
               }
-            if (w == kKSteps - 1 || (w == 1 && pr.g == 32)) {
+            const int kstep = kb * kKSteps + w;
+            if (group_ends_after(kstep, pr.g) || kstep + 1 == kb_warp_end * kKSteps) {
               const int grp = (kb * kChunkK + 16 * w) / pr.g;
               CHECK(grp < pr.groups_pad, "group %d out of padded scales", grp);
               for (int lane = 0; lane < 32; ++lane)
