@@ -9,8 +9,13 @@ The kernel (``rust/ternary-core/src/kernels/cpu``) never materialises the dense 
   ``_core.ternary_gemm_cpu``, which runs with the GIL released on the ternary-rs thread pool
   (``ternary_rs.set_num_threads``), multithreaded over N for large weights.
 
+Paths: M < 4 streams the bit-planes once per block of rows (GEMV: AVX-512 masked adds, or ``vdpbf16ps``
+for bf16 x on CPUs with AVX512_BF16); M ≥ 4 decodes 16 × 512 weight tiles to f32 once and runs an FMA
+micro-kernel over all rows of x (GEMM).
+
 Accuracy (default, "exact"): x is converted to f32 (lossless for bf16/fp16/fp32), products ``t·x`` are
-exact and sums are f32 accumulations (per group, then × scale); the result is rounded once to x's dtype.
+exact and sums are f32 accumulations (per group, then × scale); the result is rounded once to x's dtype
+(the bf16 dot-product path treats |x| < 2⁻¹²⁶ as 0).
 Versus a float64 reference: ``|err| ≤ K·2⁻²³·Σₖ|x_k·W[n,k]|`` before that final rounding (in practice
 ~1e-6 relative). Opt-in int8 mode (``set_int8_activations(True)`` or ``TERNARY_RS_CPU_INT8=1``): x is
 quantized per row to int8 (scale ``max|x|/127``) and summed with integer dot products (VNNI);

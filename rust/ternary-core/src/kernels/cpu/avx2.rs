@@ -16,6 +16,7 @@ use super::{Kernels, RowBlock, ACC_STRIDE, LANES, MICRO_M, ROWS};
 
 pub(crate) static KERNELS: Kernels = Kernels {
     gemv_exact,
+    gemv_bf16: None,
     gemv_int8,
     decode_row,
     micro,
@@ -162,25 +163,37 @@ unsafe fn decode_row(planes: &[u8], scales: &[f16], g: usize, k0: usize, out: &m
     let zero = _mm256_setzero_ps();
     let plus_shift = sign_shifts(0);
     let minus_shift = sign_shifts(8);
-    for j in (0..out.len()).step_by(8) {
-        let k = k0 + j;
-        let s = f16_to_f32(scales[(k / g).min(scales.len() - 1)]);
-        let off = plane_offset(k);
-        // Plus bits in byte 0, minus bits in byte 1 of one broadcast word.
-        let word = planes[off] as i32 | (planes[off + MINUS_OFFSET] as i32) << 8;
-        let w = _mm256_set1_epi32(word);
-        let v = _mm256_blendv_ps(
-            zero,
-            _mm256_set1_ps(s),
-            _mm256_castsi256_ps(_mm256_sllv_epi32(w, plus_shift)),
-        );
-        let v = _mm256_blendv_ps(
-            v,
-            _mm256_set1_ps(-s),
-            _mm256_castsi256_ps(_mm256_sllv_epi32(w, minus_shift)),
-        );
-        // SAFETY: j + 8 ≤ out.len().
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(j), v) };
+    let end = k0 + out.len();
+    // Walk group by group (no division in the loop); columns past K use the last scale (their masks are 0).
+    let mut k = k0;
+    while k < end {
+        let gi = (k / g).min(scales.len() - 1);
+        let group_end = if gi + 1 == scales.len() {
+            end
+        } else {
+            ((gi + 1) * g).min(end)
+        };
+        let s = f16_to_f32(scales[gi]);
+        let (plus_s, minus_s) = (_mm256_set1_ps(s), _mm256_set1_ps(-s));
+        while k < group_end {
+            let off = plane_offset(k);
+            // Plus bits in byte 0, minus bits in byte 1 of one broadcast word.
+            let word = planes[off] as i32 | (planes[off + MINUS_OFFSET] as i32) << 8;
+            let w = _mm256_set1_epi32(word);
+            let v = _mm256_blendv_ps(
+                zero,
+                plus_s,
+                _mm256_castsi256_ps(_mm256_sllv_epi32(w, plus_shift)),
+            );
+            let v = _mm256_blendv_ps(
+                v,
+                minus_s,
+                _mm256_castsi256_ps(_mm256_sllv_epi32(w, minus_shift)),
+            );
+            // SAFETY: k − k0 + 8 ≤ out.len().
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(k - k0), v) };
+            k += 8;
+        }
     }
 }
 

@@ -13,9 +13,12 @@
 //!   - `Int8` (opt-in): x is quantized per row (per token) to int8 with `xs = max|x| / 127`, integer
 //!     dot products per group (VNNI `vpdpbusd` on AVX-512), then `× scale × xs` in f32. Extra error vs
 //!     float64: `≤ xs / 2 · Σₖ |W[n,k]|` (each x moves by at most half a quantization step).
+//!   - bf16 activations on CPUs with AVX512_BF16 take a `vdpbf16ps` GEMV (exact products, f32 sums;
+//!     the instruction treats subnormal inputs/results as zero, i.e. |x| < 2⁻¹²⁶ counts as 0).
 //! * Shapes: M < [`GEMM_MIN_M`] streams the bit-planes once per block of [`ROWS`] rows and applies
-//!   them to every x row while they sit in L1 (the GEMV path, memory bound at M = 1); larger M decodes
-//!   a tile of [`TILE_ROWS`] × [`TILE_K`] weights to f32 once and runs an FMA micro-kernel over all x rows.
+//!   them to every x row while they sit in L1 (the GEMV path; at M = 1 its cost is the mask loads and
+//!   masked adds, two of each per 16 weights); larger M decodes a tile of [`TILE_ROWS`] × [`TILE_K`]
+//!   weights to f32 once and runs a 4 × 4 FMA micro-kernel over all x rows.
 //! * Threads: work is split over N on the ternary-rs pool (`crate::threads`), only when the weight is
 //!   large enough to amortise the fork ([`PARALLEL_MIN_WEIGHTS`]).
 
@@ -36,7 +39,10 @@ use crate::{Error, Result};
 /// Rows one GEMV call handles together (their x loads are shared).
 pub const ROWS: usize = 4;
 /// Below this many x rows the GEMV path is used; from here on weights are decoded once per tile.
-pub const GEMM_MIN_M: usize = 16;
+/// Measured crossover: the GEMM path costs a fixed decode plus a 4-row micro-kernel (so M = 2..4
+/// cost about the same), while the GEMV path costs one pass per x row; they meet near M = 3–4.
+/// The int8 mode always uses the GEMV path (its integer dot products need no decode).
+pub const GEMM_MIN_M: usize = 4;
 /// Rows of W per GEMM tile (a tile is decoded to f32 once and reused for all M rows).
 pub const TILE_ROWS: usize = 16;
 /// Columns of W per GEMM tile: 16 rows × 512 × 4 B = 32 KiB of decoded weights, which stays in L1.
@@ -128,6 +134,8 @@ impl Variant {
             #[cfg(target_arch = "x86_64")]
             Variant::Avx2 => &avx2::KERNELS,
             #[cfg(target_arch = "x86_64")]
+            Variant::Avx512 if avx512::has_bf16_dot() => &avx512::KERNELS_BF16,
+            #[cfg(target_arch = "x86_64")]
             Variant::Avx512 => &avx512::KERNELS,
             #[cfg(not(target_arch = "x86_64"))]
             _ => unreachable!("is_supported is false off x86-64"),
@@ -147,6 +155,10 @@ pub enum Precision {
 pub trait Activation: Copy + Send + Sync + 'static {
     fn to_f32_slice(src: &[Self], dst: &mut [f32]);
     fn from_f32_slice(src: &[f32], dst: &mut [Self]);
+    /// The raw bits when the type is bf16 (the kernels' bf16 dot-product path takes them as is).
+    fn bf16_bits(_src: &[Self]) -> Option<&[u16]> {
+        None
+    }
 }
 
 impl Activation for f32 {
@@ -173,6 +185,9 @@ impl Activation for bf16 {
     }
     fn from_f32_slice(src: &[f32], dst: &mut [bf16]) {
         dst.convert_from_f32_slice(src);
+    }
+    fn bf16_bits(src: &[bf16]) -> Option<&[u16]> {
+        Some(bytemuck::cast_slice(src))
     }
 }
 
@@ -238,6 +253,9 @@ pub(crate) struct RowBlock<'a> {
 pub(crate) struct Kernels {
     /// `Σ_g s_g · Σ_{k∈g} t·x` for the block's rows; `x.len() ≥ padded_cols(K)` (zero padded), `g` the group.
     pub gemv_exact: unsafe fn(&RowBlock<'_>, &[f32], usize) -> [f32; ROWS],
+    /// Same for bf16 activations given as raw bits (`x.len() ≥ padded_cols(K)`), where the variant has
+    /// a bf16 dot-product instruction; otherwise bf16 goes through `gemv_exact` after widening.
+    pub gemv_bf16: Option<GemvBf16>,
     /// `Σ_g s_g · Σ_{k∈g} t·q` (int sums, f32 combination); `q`, `neg_q` = −q, both `padded_cols(K)` long.
     pub gemv_int8: unsafe fn(&RowBlock<'_>, &[i8], &[i8], usize) -> [f32; ROWS],
     /// `out[j] = t[k0 + j] · s` for one row's planes/scales; `k0` and `out.len()` are multiples of 64.
@@ -247,6 +265,9 @@ pub(crate) struct Kernels {
     /// `acc` is [`ACC_WINDOW`] long.
     pub micro: MicroKernel,
 }
+
+/// See [`Kernels::gemv_bf16`].
+pub(crate) type GemvBf16 = unsafe fn(&RowBlock<'_>, &[u16], usize) -> [f32; ROWS];
 
 /// See [`Kernels::micro`].
 pub(crate) type MicroKernel = unsafe fn([&[f32]; MICRO_M], [&[f32]; ROWS], &mut [f32]);
@@ -312,14 +333,29 @@ pub fn gemm<T: Activation>(
         return Ok(());
     }
     let kpad = layout::padded_cols(k);
+    // yt[n][m]: rows of W are the unit of parallel work, so each task owns a contiguous slice.
+    let mut yt = vec![0f32; n * m];
+    let parallel = n.saturating_mul(k) >= PARALLEL_MIN_WEIGHTS;
+    let bf16_gemv = match (T::bf16_bits(x), kernels.gemv_bf16) {
+        (Some(bits), Some(f)) if precision == Precision::Exact && m < GEMM_MIN_M => Some((bits, f)),
+        _ => None,
+    };
+    if let Some((bits, gemv_bf16)) = bf16_gemv {
+        let mut xb = vec![0u16; m * kpad]; // zero padded like xf below
+        for (dst, src) in xb.chunks_exact_mut(kpad).zip(bits.chunks_exact(k)) {
+            dst[..k].copy_from_slice(src);
+        }
+        gemv_blocks(&w, m, &mut yt, parallel, |block, mi| {
+            // SAFETY: `kernels` comes from `Variant::kernels`, which checked the CPU features.
+            unsafe { gemv_bf16(block, &xb[mi * kpad..(mi + 1) * kpad], w.group_size) }
+        });
+        return finish(&yt, m, n, bias, y);
+    }
     // f32 copy of x, zero padded to whole chunks (the kernels read whole 64-column chunks).
     let mut xf = vec![0f32; m * kpad];
     for (dst, src) in xf.chunks_exact_mut(kpad).zip(x.chunks_exact(k)) {
         T::to_f32_slice(src, &mut dst[..k]);
     }
-    // yt[n][m]: rows of W are the unit of parallel work, so each task owns a contiguous slice.
-    let mut yt = vec![0f32; n * m];
-    let parallel = n.saturating_mul(k) >= PARALLEL_MIN_WEIGHTS;
     match precision {
         Precision::Exact if m >= GEMM_MIN_M => gemm_tiles(kernels, &w, &xf, m, &mut yt, parallel),
         Precision::Exact => gemv_blocks(&w, m, &mut yt, parallel, |block, mi| {
@@ -345,7 +381,17 @@ pub fn gemm<T: Activation>(
             })
         }
     }
-    // Transpose back to [M, N], add the bias in f32 and round once to the output type.
+    finish(&yt, m, n, bias, y)
+}
+
+/// Transpose `yt[n][m]` back to `y[M, N]`, add the bias in f32 and round once to the output type.
+fn finish<T: Activation>(
+    yt: &[f32],
+    m: usize,
+    n: usize,
+    bias: Option<&[T]>,
+    y: &mut [T],
+) -> Result<()> {
     let mut bias_f = vec![0f32; n];
     if let Some(b) = bias {
         T::to_f32_slice(b, &mut bias_f);

@@ -8,6 +8,7 @@ use super::{Kernels, RowBlock, ACC_STRIDE, LANES, MICRO_M, ROWS};
 
 pub(crate) static KERNELS: Kernels = Kernels {
     gemv_exact,
+    gemv_bf16: None,
     gemv_int8,
     decode_row,
     micro,

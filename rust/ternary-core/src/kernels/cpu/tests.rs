@@ -345,3 +345,52 @@ proptest! {
 }
 
 const GROUP_SIZES_FOR_TEST: [usize; 4] = crate::canonical::GROUP_SIZES;
+
+/// Throughput of the inner loops on cache-resident weights (run by hand:
+/// `cargo test --release -p ternary-core kernel_throughput -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn kernel_throughput() {
+    let (n, k, g) = (64, 4096, 128);
+    let c = case(1, n, k, g, 9);
+    let planes = layout::prepare(c.canonical(), "w").unwrap();
+    let w = PreparedRef {
+        rows: n,
+        cols: k,
+        group_size: g,
+        planes: &planes,
+        scales: &c.scales,
+    };
+    let kern = Variant::best().kernels().unwrap();
+    let xb: Vec<u16> = c.x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+    let mut q = vec![0i8; k];
+    let mut nq = vec![0i8; k];
+    quantize_row_int8(&c.x, &mut q, &mut nq);
+    let reps = 4000;
+    // On-CPU time of this thread (ns), so a loaded machine does not skew the numbers.
+    let cpu_ns = || -> f64 {
+        std::fs::read_to_string("/proc/thread-self/schedstat")
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse().ok())
+            .unwrap_or(f64::NAN)
+    };
+    let time = |name: &str, f: &dyn Fn(&RowBlock<'_>) -> f32| {
+        let t = cpu_ns();
+        let mut s = 0f32;
+        for _ in 0..reps {
+            for b in (0..n).step_by(ROWS) {
+                s += f(&w.block(b));
+            }
+        }
+        let dt = (cpu_ns() - t) / 1e9;
+        println!(
+            "{name:>10}: {:.1} G weights/s ({s})",
+            (reps * n * k) as f64 / dt / 1e9
+        );
+    };
+    time("f32 mask", &|b| unsafe { (kern.gemv_exact)(b, &c.x, g)[0] });
+    if let Some(f) = kern.gemv_bf16 {
+        time("bf16 dot", &|b| unsafe { f(b, &xb, g)[0] });
+    }
+    time("int8", &|b| unsafe { (kern.gemv_int8)(b, &q, &nq, g)[0] });
+}
