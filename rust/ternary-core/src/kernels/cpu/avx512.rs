@@ -176,7 +176,8 @@ unsafe fn gemv_int8(block: &RowBlock<'_>, q: &[i8], neg_q: &[i8], g: usize) -> [
     let mut total = [_mm512_setzero_ps(); ROWS];
     let mut acc = [_mm512_setzero_si512(); ROWS];
     let chunks_per_group = (g / CHUNK_K).max(1);
-    let mut chunks_left = chunks_per_group; // countdown to the group end (avoids a division per chunk)
+    // Countdown to the group end and the group index (no division per chunk).
+    let (mut chunks_left, mut group) = (chunks_per_group, 0);
     let scale = |r: usize, gi: usize| -> f32 {
         // A 32-group past the end (K an odd multiple of 32) covers only padding: weight 0.
         block.scales[r].get(gi).map_or(0.0, |&s| f16_to_f32(s))
@@ -204,16 +205,16 @@ unsafe fn gemv_int8(block: &RowBlock<'_>, q: &[i8], neg_q: &[i8], g: usize) -> [
                 total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), s, total[r]);
                 acc[r] = _mm512_setzero_si512();
             }
-        } else if {
+        } else {
             chunks_left -= 1;
-            chunks_left == 0
-        } {
-            chunks_left = chunks_per_group;
-            let gi = c / chunks_per_group;
-            for r in 0..ROWS {
-                let s = _mm512_set1_ps(scale(r, gi));
-                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), s, total[r]);
-                acc[r] = _mm512_setzero_si512();
+            if chunks_left == 0 {
+                chunks_left = chunks_per_group;
+                for r in 0..ROWS {
+                    let s = _mm512_set1_ps(scale(r, group));
+                    total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), s, total[r]);
+                    acc[r] = _mm512_setzero_si512();
+                }
+                group += 1;
             }
         }
     }
