@@ -384,3 +384,16 @@ def test_rotated_layer_served_dense_is_refused():
             VH.refuse_dense(cfg, prefix)
     VH.refuse_dense(cfg, "model.layers.0.linear_attn.in_proj_ba")  # not rotated: fine dense
     VH.refuse_dense(cfg, "model.layers.0.self_attn.qkv_proj")
+
+
+@pytest.mark.skipif(not hasattr(ternary_rs._core, "fwht_cuda"), reason="extension built without CUDA")
+def test_cuda_launcher_validates_arguments_without_a_gpu():
+    """The C launcher checks sizes and pointers before touching the device (cuda/fwht.h error codes)."""
+    with pytest.raises(ValueError, match="-14"):  # null input/output
+        ternary_rs._core.fwht_cuda(0, 0, 1, 1024, 1024, "bfloat16", False, 0, 0, 0)
+    with pytest.raises(ValueError, match="-11"):  # width not a multiple of the block
+        ternary_rs._core.fwht_cuda(8, 8, 1, 1000, 1024, "bfloat16", False, 0, 0, 0)
+    with pytest.raises(ValueError, match="-12"):  # block not a power of two
+        ternary_rs._core.fwht_cuda(8, 8, 1, 96, 96, "float32", False, 0, 0, 0)
+    with pytest.raises(ValueError, match="dtype"):
+        ternary_rs._core.fwht_cuda(8, 8, 1, 64, 64, "int8", False, 0, 0, 0)

@@ -22,6 +22,8 @@ import pytest
 import ternary_rs
 from bonsai2_model import build_bonsai2_tiny, write_prism_gguf
 
+pytestmark = pytest.mark.vllm
+
 PROMPTS = [
     "The quick brown fox",
     "Ternary weights take",
@@ -160,3 +162,38 @@ def test_vllm_config_refuses_a_malformed_rotation():
             cfg.get_input_transform("model.layers.0.mlp.down_proj", layer)
         with pytest.raises(ternary_rs.ValidationError, match=match):
             cfg.get_embedding_transform("model.embed_tokens")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_with_unaligned_row_shards(tmp_path):
+    """TP=2 with block 256: o_proj (K 256 → 128 per rank) and down_proj (768 → 384) shards are not whole
+    Hadamard blocks, so their input is all-gathered and transformed whole; out_proj (512 → 256) uses the
+    sliced transform. vLLM runs in its own processes (tests/vllm_runner.py, as test_vllm.py does)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    pytest.importorskip("vllm")
+    tiny = build_bonsai2_tiny(tmp_path / "hf", block_size=256)
+    ckpt = ternary_rs.convert(write_prism_gguf(tiny, tmp_path / "t.gguf", "PQ2_0"), tmp_path / "vllm",
+                              progress=False)
+    (tmp_path / "prompts.json").write_text(json.dumps(PROMPTS))
+    runner = Path(__file__).with_name("vllm_runner.py")
+    proc = subprocess.run(
+        [sys.executable, str(runner), "--model", str(ckpt), "--out", str(tmp_path / "out.json"), "--tp", "2",
+         "--eager", "--dtype", "bfloat16", "--prompts-json", str(tmp_path / "prompts.json"),
+         "--max-tokens", str(MAX_TOKENS)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    outs = json.loads((tmp_path / "out.json").read_text())["outputs"]
+    ref = AutoModelForCausalLM.from_pretrained(tiny.hf_dir, dtype=torch.float32).eval()
+    worst, exact, report = check_sequences(
+        ref, [o["prompt_token_ids"] + o["token_ids"] for o in outs], [len(o["prompt_token_ids"]) for o in outs])
+    print(f"TP=2: exact {exact:.2%}, worst gap {worst:.3f} std")
+    assert worst <= NEAR_TIE, report
+    assert exact >= MIN_EXACT, report

@@ -262,9 +262,11 @@ def float_of(f, name: str, typ: str) -> np.ndarray:
 def _consistency(entries: list[dict], cfg: dict[str, Any], problems: list[str], is_gguf: bool) -> None:
     hidden, heads, kv = cfg.get("hidden_size"), cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     head_dim, inter, vocab = cfg.get("head_dim"), cfg.get("intermediate_size"), cfg.get("vocab_size")
+    # Qwen3.5 / Qwen3-Next gated attention: q_proj holds the queries and their output gate (2x rows).
+    q_mult = 2 if cfg.get("architecture") in ("qwen35", "qwen3_5_text", "qwen3_next") else 1
     expect = {  # role -> (rows, cols) in PyTorch order
         "embed": (vocab, hidden), "lm_head": (vocab, hidden),
-        "q": (heads * head_dim if heads and head_dim else None, hidden),
+        "q": (heads * head_dim * q_mult if heads and head_dim else None, hidden),
         "k": (kv * head_dim if kv and head_dim else None, hidden),
         "v": (kv * head_dim if kv and head_dim else None, hidden),
         "o": (hidden, heads * head_dim if heads and head_dim else None),
