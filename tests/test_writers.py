@@ -261,3 +261,27 @@ def test_torch_tensors_are_accepted(tmp_path):
         w.write("t", t)
     with safe_open(str(path), framework="pt") as ref:
         assert torch.equal(ref.get_tensor("t"), t)
+
+
+def test_copying_read_only_views_between_files(tmp_path, ternary_weights):
+    """The converter's pattern: stream read-only mapped views from one file into a new one."""
+    src = tmp_path / "src.gguf"
+    tensors = ternary_tensors(ternary_weights)
+    with GGUFWriter(src) as w:
+        for name, (data, qt, shape) in tensors.items():
+            w.add_tensor_info(name, shape, int(qt), data.nbytes)
+        for name, (data, _, _) in tensors.items():
+            w.write_tensor_data(name, data)
+    dst = tmp_path / "dst.gguf"
+    with ternary_rs.open(src) as f, GGUFWriter(dst, alignment=128) as w:
+        for info in f.tensors.values():
+            w.add_tensor_info(info.name, info.shape, info.type_id, info.nbytes)
+        for name in f.tensors:
+            view = f.raw(name)
+            assert not view.flags.writeable
+            w.write_tensor_data(name, view)
+    ref = gguf.GGUFReader(str(dst))
+    assert ref.alignment == 128
+    for t in ref.tensors:
+        np.testing.assert_array_equal(np.asarray(t.data).view(np.uint8).reshape(-1),
+                                      tensors[t.name][0].reshape(-1).view(np.uint8))
