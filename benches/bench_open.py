@@ -19,10 +19,9 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import ternary_rs
 from safetensors import safe_open
 from safetensors.numpy import save_file
-
-import ternary_rs
 
 
 def build_gguf(path: Path, n_tensors: int, cols: int, vocab: int) -> None:
@@ -86,7 +85,7 @@ def safe_open_list(d: Path):
         index = json.loads((d / "model.safetensors.index.json").read_text())
         for shard in sorted(set(index["weight_map"].values())):
             with safe_open(str(d / shard), framework="np") as f:
-                for k in f.keys():
+                for k in f.keys():  # noqa: SIM118 - safe_open has keys(), no iteration
                     s = f.get_slice(k)
                     out.append((k, tuple(s.get_shape()), s.get_dtype()))
         return out
@@ -112,7 +111,7 @@ def main() -> None:
         assert sorted(ternary_list(st_small)()) == sorted(
             (n, s, t) for n, s, t in safe_open_list(st_small)())
 
-        size = lambda p: sum(f.stat().st_size for f in ([p] if p.is_file() else p.iterdir()))  # noqa: E731
+        size = lambda p: sum(f.stat().st_size for f in ([p] if p.is_file() else p.iterdir()))
         print(f"{args.tensors} tensors, GGUF vocab {args.vocab}, best of {args.repeats} runs (open + list every tensor)")
         print(f"{'case':44s} {'data':>9s} {'ternary_rs':>11s} {'reference':>11s} {'ratio':>8s}")
         rows = []

@@ -11,11 +11,10 @@ import time
 import gguf
 import numpy as np
 import pytest
+import ternary_rs
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as VT
 from gguf.quants import quantize
-
-import ternary_rs
 
 # gguf-py value type -> the type name ternary_rs reports.
 TYPE_NAMES = {
@@ -144,7 +143,7 @@ def test_metadata_matches_gguf_py(sample):
 
 
 def test_tensors_match_gguf_py(sample):
-    path, arrays, alignment, _ = sample
+    path, _, alignment, _ = sample
     ref = gguf.GGUFReader(str(path))
     with ternary_rs.open(path) as f:
         assert list(f.tensors) == [t.name for t in ref.tensors]

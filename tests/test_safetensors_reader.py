@@ -11,12 +11,11 @@ import struct
 import ml_dtypes
 import numpy as np
 import pytest
+import ternary_rs
 import torch
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from safetensors.torch import save_file as save_file_torch
-
-import ternary_rs
 
 
 def header_offsets(path):
@@ -51,7 +50,7 @@ def numpy_tensors(rng):
 def check_against_safe_open(f, path, want=None):
     offsets = header_offsets(path)
     with safe_open(str(path), framework="pt") as ref:
-        for name in ref.keys():
+        for name in ref.keys():  # noqa: SIM118 - safe_open has keys(), no iteration
             info = f.tensors[name]
             sl = ref.get_slice(name)
             assert info.type == sl.get_dtype()
@@ -132,7 +131,7 @@ def test_sharded_checkpoint_matches_safe_open(tmp_path, rng):
                 assert info.file == str(tmp_path / weight_map[name])
             for shard in set(weight_map.values()):
                 with safe_open(str(tmp_path / shard), framework="pt") as ref:
-                    for name in ref.keys():
+                    for name in ref.keys():  # noqa: SIM118 - safe_open has keys(), no iteration
                         np.testing.assert_array_equal(f.tensor(name), want[name])
                 check_against_safe_open(_OneShard(f, tmp_path / shard), tmp_path / shard, want)
 

@@ -30,16 +30,17 @@ from __future__ import annotations
 import builtins
 import json
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Self
 
 import numpy as np
 
 from . import _core
 from ._core import FormatError, UnsupportedTypeError
 
-__all__ = ["GGUFWriter", "SafetensorsWriter", "TensorInfo", "TernaryFile", "open", "GGML_TYPE_IDS"]
+__all__ = ["GGML_TYPE_IDS", "GGUFWriter", "SafetensorsWriter", "TensorInfo", "TernaryFile", "open"]
 
 # ggml type name -> id for the types ternary_rs knows (Q2_0_G128 shares id 42 with upstream Q2_0).
 GGML_TYPE_IDS: dict[str, int] = {
@@ -111,7 +112,7 @@ _new_object = object.__new__
 )
 
 
-def _tensor_info(name, shape, type_, type_id, nbytes, offset, file, ggml_ne) -> TensorInfo:  # noqa: ANN001
+def _tensor_info(name, shape, type_, type_id, nbytes, offset, file, ggml_ne) -> TensorInfo:
     """Build a TensorInfo without the frozen dataclass __init__, which is ~10x slower and would
     dominate opening a file with thousands of tensors. Sets exactly the dataclass's fields."""
     info = _new_object(TensorInfo)
@@ -336,7 +337,7 @@ class TernaryFile:
     def closed(self) -> bool:
         return self._closed
 
-    def __enter__(self) -> TernaryFile:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -358,7 +359,7 @@ class TernaryFile:
         return f"<{state}TernaryFile {self.format}{extra} {str(self._target)!r}, {n} tensors>"
 
 
-def open(path: str | os.PathLike[str]) -> TernaryFile:  # noqa: A001 - mirrors builtins.open on purpose
+def open(path: str | os.PathLike[str]) -> TernaryFile:
     """Open a ``.gguf``, a ``.safetensors``, an ``*.index.json`` or a model directory (which must hold
     ``model.safetensors.index.json``, a single ``*.safetensors``, or a single ``*.gguf``)."""
     return TernaryFile(path)
@@ -454,7 +455,7 @@ class GGUFWriter:
         self.path = str(path)
         self._w = _core._GgufWriter(self.path, alignment)
 
-    def add_metadata(self, key: str, value: Any, type: str | None = None) -> None:  # noqa: A002
+    def add_metadata(self, key: str, value: Any, type: str | None = None) -> None:
         """Add a key. ``type`` is one of "u8","i8","u16","i16","u32","i32","u64","i64","f32","f64",
         "bool","string" or "array[<elem>]" (nestable, e.g. "array[array[u8]]"); without it the type is
         inferred like gguf-py (int -> i32, float -> f32, bool -> bool, str -> string, list -> array of
@@ -485,7 +486,7 @@ class GGUFWriter:
         """Stop and delete the partial file."""
         self._w.abort()
 
-    def __enter__(self) -> GGUFWriter:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
@@ -535,7 +536,7 @@ class SafetensorsWriter:
     def abort(self) -> None:
         self._w.abort()
 
-    def __enter__(self) -> SafetensorsWriter:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
