@@ -548,7 +548,8 @@ extern "C" int ternary_cuda_plan(int64_t m, int64_t n, int64_t k, int32_t group_
 }
 
 extern "C" int ternary_cuda_linear(const void* x, const void* qweight, const void* scales, const void* bias,
-                                   void* y, float* partials, int32_t* counters, int64_t m, int64_t n, int64_t k,
+                                   void* y, float* partials, int64_t partials_len, int32_t* counters,
+                                   int64_t counters_len, int64_t m, int64_t n, int64_t k,
                                    int32_t group_size, int32_t dtype, int32_t sm_count, void* stream) {
   using namespace ternary;
   int rc = check_sizes(m, n, k, group_size);
@@ -559,7 +560,9 @@ extern "C" int ternary_cuda_linear(const void* x, const void* qweight, const voi
     return TERNARY_CUDA_ERR_POINTER;
   Plan p;
   if (!make_plan(m, n, k, sm_count, g_gemv_max_m.load(std::memory_order_relaxed), &p)) return TERNARY_CUDA_ERR_SHAPE;
-  if (p.splits > 1 && (partials == nullptr || counters == nullptr)) return TERNARY_CUDA_ERR_WORKSPACE;
+  if (p.splits > 1 && (partials == nullptr || counters == nullptr || partials_len < p.partial_floats ||
+                       counters_len < p.counters || !aligned(partials, 8) || !aligned(counters, 4)))
+    return TERNARY_CUDA_ERR_WORKSPACE;
   Args a;
   a.x = x;
   a.qweight = static_cast<const uint4*>(qweight);
@@ -634,7 +637,7 @@ extern "C" const char* ternary_cuda_error_string(int code) {
     case TERNARY_CUDA_ERR_POINTER:
       return "a required pointer is null or misaligned (x and qweight need 16 bytes, scales 4, y and bias 2)";
     case TERNARY_CUDA_ERR_WORKSPACE:
-      return "split-K needs the fp32 partials workspace and the zeroed int32 counters";
+      return "split-K needs an fp32 partials workspace and zeroed int32 counters of at least the planned sizes";
     default:
       return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown ternary_cuda error";
   }

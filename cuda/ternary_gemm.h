@@ -38,11 +38,12 @@ int ternary_cuda_plan(int64_t m, int64_t n, int64_t k, int32_t group_size, int32
                       TernaryCudaPlan* plan);
 
 // Enqueue y = x @ W^T (+ bias) on `stream` (a cudaStream_t; null = legacy default stream). `bias`,
-// `partials` and `counters` may be null when not needed. Returns TERNARY_CUDA_OK, a negative
+// `partials` and `counters` may be null when not needed; `partials_len` / `counters_len` are their sizes
+// in elements, checked against the plan (TERNARY_CUDA_ERR_WORKSPACE when too small). Returns TERNARY_CUDA_OK, a negative
 // TERNARY_CUDA_ERR_* or a positive cudaError_t from the launch.
 int ternary_cuda_linear(const void* x, const void* qweight, const void* scales, const void* bias, void* y,
-                        float* partials, int32_t* counters, int64_t m, int64_t n, int64_t k,
-                        int32_t group_size, int32_t dtype, int32_t sm_count, void* stream);
+                        float* partials, int64_t partials_len, int32_t* counters, int64_t counters_len, int64_t m,
+                        int64_t n, int64_t k, int32_t group_size, int32_t dtype, int32_t sm_count, void* stream);
 
 // Enqueue W[N, K] = trit * scale (rounded once to `dtype`, row-major, contiguous, 4-byte aligned) from the
 // GPU layout: the optional dequantize + cuBLAS path for large M (only worth it where measured faster).

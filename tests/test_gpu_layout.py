@@ -152,9 +152,16 @@ def test_cuda_entry_points_do_not_crash_without_a_gpu():
     with pytest.raises(ValueError, match="multiple of the group size"):
         _core.cuda_plan(1, 32, 100, 64, 132)
     with pytest.raises(ValueError, match="null or misaligned"):
-        _core.cuda_ternary_linear(0, 0, 0, 0, 0, 0, 0, 1, 32, 64, 64, "bfloat16", 1, 0)
+        _core.cuda_ternary_linear(0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 32, 64, 64, "bfloat16", 1, 0)
     with pytest.raises(ValueError, match="dtype"):
-        _core.cuda_ternary_linear(0, 0, 0, 0, 0, 0, 0, 1, 32, 64, 64, "float32", 1, 0)
+        _core.cuda_ternary_linear(0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 32, 64, 64, "float32", 1, 0)
+    # Split-K with a workspace smaller than planned is refused before launching (addresses never touched).
+    need = _core.cuda_plan(1, 64, 4096, 128, 132)
+    assert need["splits"] > 1
+    fake = 1 << 20
+    with pytest.raises(ValueError, match="split-K needs"):
+        _core.cuda_ternary_linear(fake, fake, fake, 0, fake, fake, need["partial_floats"] - 1, fake, need["counters"],
+                                  1, 64, 4096, 128, "bfloat16", 132, 0)
     # The GEMV cut-off moves M = 16 between the 16-row mma tile and the decode kernel.
     assert _core.cuda_plan(16, 4096, 4096, 128, 132)["kernel"] == "gemm16"
     assert _ops_cuda.set_gemv_max_m(16) == 8

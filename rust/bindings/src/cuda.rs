@@ -170,13 +170,13 @@ fn cuda_dequantize(
 }
 
 /// Enqueue `y = x @ W^T (+ bias)` on `stream`. All pointers are device addresses (0 for an absent bias or
-/// workspace); `dtype` is "bfloat16" or "float16". Only enqueues work (safe inside CUDA graph capture).
+/// workspace; `partials_len` / `counters_len` are the workspace sizes in elements, checked against the plan); `dtype` is "bfloat16" or "float16". Only enqueues work (safe inside CUDA graph capture).
 ///
 /// The caller (``ternary_rs._ops_cuda``) guarantees that the pointers are live tensors of the current
 /// device with the sizes `cuda_plan` and the layout require; sizes and alignment are re-checked in C.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (x, qweight, scales, bias, y, partials, counters, m, n, k, group_size, dtype, sm_count, stream))]
+#[pyo3(signature = (x, qweight, scales, bias, y, partials, partials_len, counters, counters_len, m, n, k, group_size, dtype, sm_count, stream))]
 fn cuda_ternary_linear(
     x: u64,
     qweight: u64,
@@ -184,7 +184,9 @@ fn cuda_ternary_linear(
     bias: u64,
     y: u64,
     partials: u64,
+    partials_len: i64,
     counters: u64,
+    counters_len: i64,
     m: i64,
     n: i64,
     k: i64,
@@ -201,7 +203,9 @@ fn cuda_ternary_linear(
         bias,
         y,
         partials,
+        partials_len,
         counters,
+        counters_len,
         m,
         n,
         k,
