@@ -71,8 +71,8 @@ def test_existing_destination_needs_force(ggufs):
 def _wait_for_temporary(root: Path, name: str, proc, timeout=120.0) -> Path:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        tmps = [p for p in root.iterdir() if p.name.startswith(f".{name}{TMP_MARK}")]
-        if tmps and any(tmps[0].glob("*.safetensors")):
+        tmps = [p for p in root.iterdir() if p.name.startswith(f".{name}{TMP_MARK}") and any(p.glob("*.safetensors"))]
+        if tmps:
             return tmps[0]
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.05)
@@ -97,6 +97,7 @@ def test_interrupted_conversion_leaves_no_valid_destination(ggufs, sig):
     r = run("convert", a, dst, "--no-progress", "--no-transformers")
     assert r.returncode == 0, r.stderr
     assert not tmp.exists()  # a dead run's temporary is removed by the next one
+    assert [p.name for p in root.iterdir() if p.name.startswith(f".{name}")] == []  # scratch folders too
     assert run("verify", dst).returncode == 0
 
 

@@ -22,7 +22,10 @@ import glob
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +56,6 @@ from .hf_gguf import (
     copy_hf_side_files,
     generation_config_from_gguf,
     gguf_metadata_from_hf,
-    scratch_dir,
     tokenizer_from_gguf,
 )
 
@@ -463,6 +465,29 @@ def _config_dtype(source: Source) -> str:
     return "bfloat16" if "BF16" in float_types else "float16"
 
 
+def _gguf_side_files(source: Source, dtype: str, options: ConvertOptions,
+                     out_dir: Path) -> tuple[dict[str, Any], Path]:
+    """config.json dict and tokenizer files rebuilt from GGUF metadata, in a private scratch folder
+    (``<scratch>/tokenizer``); runs on a worker thread while the tensors stream. The scratch folder is a
+    sibling named after the staging folder, so a killed run's leftovers are swept with it."""
+    scratch = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}-meta-", dir=out_dir.parent))
+    try:
+        config, meta_copy = config_from_gguf(
+            source.path, source.metadata, list(source.file.tensors), source.arch, dtype, scratch,
+            use_transformers=options.use_transformers)
+        (scratch / "tokenizer").mkdir()
+        tokenizer_from_gguf(meta_copy, source.metadata, scratch / "tokenizer")
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return config, scratch
+
+
+def _drop_side_files(future) -> None:
+    if not future.cancelled() and future.exception() is None:
+        shutil.rmtree(future.result()[1], ignore_errors=True)
+
+
 def write_vllm_dir(source: Source, out_dir: Path, options: ConvertOptions) -> dict[str, Any]:
     """The generic dense-decoder writer: shards, config.json, tokenizer, generation config."""
     t0 = time.perf_counter()
@@ -471,8 +496,19 @@ def write_vllm_dir(source: Source, out_dir: Path, options: ConvertOptions) -> di
     jobs, not_converted = _vllm_jobs(source, group_size)
     total = sum(j.source_bytes for j in jobs)
     t1 = time.perf_counter()
-    with _progress(total, f"convert {source.path.name}", options.progress) as bar:
-        write_shards(out_dir, jobs, options.shard_size, bar, digests=options.digests)
+    dtype = _config_dtype(source)
+    side_pool = side = None
+    if source.is_gguf:  # config + tokenizer (transformers import and all) overlap the tensor streaming
+        side_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ternary_rs-meta")
+        side = side_pool.submit(_gguf_side_files, source, dtype, options, out_dir)
+    try:
+        with _progress(total, f"convert {source.path.name}", options.progress) as bar:
+            write_shards(out_dir, jobs, options.shard_size, bar, digests=options.digests)
+    except BaseException:
+        if side is not None:
+            side.add_done_callback(_drop_side_files)
+            side_pool.shutdown(wait=False)
+        raise
     t2 = time.perf_counter()
     log.info("%s: classified %d tensors in %.1f s, wrote shards in %.1f s (%.2f GB/s of source)",
              source.path.name, len(jobs), t1 - t0, t2 - t1, total / max(t2 - t1, 1e-9) / 1e9)
@@ -480,13 +516,16 @@ def write_vllm_dir(source: Source, out_dir: Path, options: ConvertOptions) -> di
     if n_ternary == 0:
         log.warning("%s: no ternary weights found; the output holds only float tensors", source.path)
 
-    dtype = _config_dtype(source)
     if source.is_gguf:
-        with scratch_dir() as tmp:
-            config, meta_copy = config_from_gguf(
-                source.path, source.metadata, list(source.file.tensors), source.arch, dtype, Path(tmp),
-                use_transformers=options.use_transformers)
-            tokenizer_from_gguf(meta_copy, source.metadata, out_dir)
+        try:
+            config, scratch = side.result()
+        finally:
+            side_pool.shutdown(wait=False)
+        try:
+            for f in sorted((scratch / "tokenizer").iterdir()):
+                shutil.copyfile(f, out_dir / f.name)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         gen = generation_config_from_gguf(source.metadata)
         if gen:
             (out_dir / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2) + "\n")
@@ -497,7 +536,7 @@ def write_vllm_dir(source: Source, out_dir: Path, options: ConvertOptions) -> di
         copy_hf_side_files(source.hf_dir, out_dir)
     config["quantization_config"] = quantization_config(group_size, not_converted)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    log.info("%s: config and tokenizer in %.1f s", source.path.name, time.perf_counter() - t2)
+    log.info("%s: config and tokenizer done %.1f s after the tensors", source.path.name, time.perf_counter() - t2)
     return {
         "group_size": group_size,
         "ternary_tensors": n_ternary,
