@@ -42,6 +42,7 @@ PRISM_PREFIX = "prism.hadamard."
 # Version of the ``quantization_config["hadamard"]`` entry written by ternary_rs.
 CHECKPOINT_VERSION = 1
 MAX_BLOCK_SIZE = int(getattr(_core, "HADAMARD_MAX_BLOCK_SIZE", 1 << 16))
+CUDA_MAX_BLOCK_SIZE = 8192  # cuda/fwht.h TERNARY_FWHT_MAX_BLOCK (one block in shared memory)
 
 _KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -119,7 +120,7 @@ def fwht_cpu_numpy(x: torch.Tensor, block_size: int, signs: np.ndarray | None, i
 def _fwht_cuda(x, block_size, signs, inverse, gather):
     launch = getattr(_core, "fwht_cuda", None)
     kind = _KERNEL_DTYPES.get(x.dtype)
-    if launch is None or kind is None or x.numel() == 0:
+    if launch is None or kind is None or x.numel() == 0 or block_size > CUDA_MAX_BLOCK_SIZE:
         return fwht_torch(x, block_size, signs, inverse, gather)
     _check_args(x.shape[-1], block_size, signs, gather)
     src = x.contiguous()
