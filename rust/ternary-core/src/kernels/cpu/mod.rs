@@ -47,6 +47,8 @@ pub const GEMM_MIN_M: usize = 4;
 pub const TILE_ROWS: usize = 16;
 /// Columns of W per GEMM tile: 16 rows × 512 × 4 B = 32 KiB of decoded weights, which stays in L1.
 pub const TILE_K: usize = 512;
+/// GEMM tiles per task: they share each K-slice of x while it is in L2.
+pub const TILES_PER_TASK: usize = 8;
 /// x rows per GEMM micro-kernel call.
 pub(crate) const MICRO_M: usize = 4;
 /// f32 lanes per GEMM accumulator (one AVX-512 register; narrower variants use a prefix).
@@ -396,12 +398,25 @@ fn finish<T: Activation>(
     if let Some(b) = bias {
         T::to_f32_slice(b, &mut bias_f);
     }
-    let mut row = vec![0f32; n];
-    for (mi, y_row) in y.chunks_exact_mut(n).enumerate() {
-        for (j, v) in row.iter_mut().enumerate() {
-            *v = yt[j * m + mi] + bias_f[j];
+    if m == 1 {
+        for (v, b) in bias_f.iter_mut().zip(yt) {
+            *v += b;
         }
-        T::from_f32_slice(&row, y_row);
+        T::from_f32_slice(&bias_f, y);
+        return Ok(());
+    }
+    // Transpose in blocks of TRANSPOSE_BLOCK x rows, so the strided reads of yt stay in cache.
+    const TRANSPOSE_BLOCK: usize = 16;
+    let mut rows = vec![0f32; TRANSPOSE_BLOCK * n];
+    for (bi, y_block) in y.chunks_mut(TRANSPOSE_BLOCK * n).enumerate() {
+        let (m0, mb) = (bi * TRANSPOSE_BLOCK, y_block.len() / n);
+        for j in 0..n {
+            let src = &yt[j * m + m0..j * m + m0 + mb];
+            for (i, &v) in src.iter().enumerate() {
+                rows[i * n + j] = v + bias_f[j];
+            }
+        }
+        T::from_f32_slice(&rows[..mb * n], y_block);
     }
     Ok(())
 }
@@ -444,62 +459,76 @@ fn gemm_tiles(
     parallel: bool,
 ) {
     let kpad = layout::padded_cols(w.cols);
-    let run_tile = |(ti, out): (usize, &mut [f32]), wbuf: &mut Vec<f32>, acc: &mut Vec<f32>| {
-        let n0 = ti * TILE_ROWS;
-        let rows_here = out.len() / m;
+    // Accumulators of one tile: m rounded up to whole micro-kernel blocks (repeated tail rows
+    // accumulate into slots never read).
+    let tile_acc = m.div_ceil(MICRO_M) * MICRO_M * ACC_STRIDE;
+    let task_rows = TILE_ROWS * TILES_PER_TASK;
+    let run_task = |(ti, out): (usize, &mut [f32]), wbuf: &mut Vec<f32>, acc: &mut Vec<f32>| {
+        let n0 = ti * task_rows;
+        let rows_task = out.len() / m;
+        let tiles = rows_task.div_ceil(TILE_ROWS);
         wbuf.clear();
-        wbuf.resize(TILE_ROWS * TILE_K, 0.0); // rows past the end stay zero
+        wbuf.resize(TILE_ROWS * TILE_K, 0.0);
         acc.clear();
-        // m rounded up to whole micro-kernel blocks: repeated tail rows accumulate into slots never read.
-        acc.resize(m.div_ceil(MICRO_M) * MICRO_M * TILE_ROWS * LANES, 0.0);
+        acc.resize(tiles * tile_acc, 0.0);
+        // K outermost: the x columns k0..k0+kc of all M rows stay in L2 while every tile of the
+        // task uses them (with x re-read per tile, large M streams x from L3 once per 16 rows).
         for k0 in (0..kpad).step_by(TILE_K) {
             let kc = TILE_K.min(kpad - k0);
-            for r in 0..rows_here {
-                let (planes, scales) = w.row(n0 + r);
-                // SAFETY: CPU features checked by `Variant::kernels`; lengths are multiples of 64.
-                unsafe {
-                    (kernels.decode_row)(
-                        planes,
-                        scales,
-                        w.group_size,
-                        k0,
-                        &mut wbuf[r * TILE_K..r * TILE_K + kc],
-                    )
-                };
-            }
-            for mi in (0..m).step_by(MICRO_M) {
-                let xs: [&[f32]; MICRO_M] = std::array::from_fn(|i| {
-                    let row = (mi + i).min(m - 1);
-                    &xf[row * kpad + k0..row * kpad + k0 + kc]
-                });
-                for r0 in (0..rows_here).step_by(ROWS) {
-                    let ws: [&[f32]; ROWS] =
-                        std::array::from_fn(|r| &wbuf[(r0 + r) * TILE_K..(r0 + r) * TILE_K + kc]);
-                    let start = (mi * TILE_ROWS + r0) * LANES;
-                    let window = &mut acc[start..start + ACC_WINDOW];
-                    // SAFETY: as above; every slice is kc long and the window spans MICRO_M strides.
-                    unsafe { (kernels.micro)(xs, ws, window) };
+            for t in 0..tiles {
+                let rows_here = TILE_ROWS.min(rows_task - t * TILE_ROWS);
+                for r in 0..rows_here {
+                    let (planes, scales) = w.row(n0 + t * TILE_ROWS + r);
+                    // SAFETY: CPU features checked by `Variant::kernels`; lengths are multiples of 64.
+                    unsafe {
+                        (kernels.decode_row)(
+                            planes,
+                            scales,
+                            w.group_size,
+                            k0,
+                            &mut wbuf[r * TILE_K..r * TILE_K + kc],
+                        )
+                    };
+                }
+                // Rows past the end of a short tile feed accumulators nobody reads; keep them zero.
+                wbuf[rows_here * TILE_K..].fill(0.0);
+                let tacc = &mut acc[t * tile_acc..(t + 1) * tile_acc];
+                for mi in (0..m).step_by(MICRO_M) {
+                    let xs: [&[f32]; MICRO_M] = std::array::from_fn(|i| {
+                        let row = (mi + i).min(m - 1);
+                        &xf[row * kpad + k0..row * kpad + k0 + kc]
+                    });
+                    for r0 in (0..rows_here).step_by(ROWS) {
+                        let ws: [&[f32]; ROWS] = std::array::from_fn(|r| {
+                            &wbuf[(r0 + r) * TILE_K..(r0 + r) * TILE_K + kc]
+                        });
+                        let start = (mi * TILE_ROWS + r0) * LANES;
+                        let window = &mut tacc[start..start + ACC_WINDOW];
+                        // SAFETY: as above; every slice is kc long and the window spans MICRO_M strides.
+                        unsafe { (kernels.micro)(xs, ws, window) };
+                    }
                 }
             }
         }
-        for r in 0..rows_here {
+        for r in 0..rows_task {
+            let (t, rt) = (r / TILE_ROWS, r % TILE_ROWS);
             for mi in 0..m {
-                let lanes = &acc[(mi * TILE_ROWS + r) * LANES..][..LANES];
+                let lanes = &acc[t * tile_acc + (mi * TILE_ROWS + rt) * LANES..][..LANES];
                 out[r * m + mi] = sum_lanes(lanes);
             }
         }
     };
     if parallel {
         crate::threads::install(|| {
-            yt.par_chunks_mut(TILE_ROWS * m).enumerate().for_each_init(
+            yt.par_chunks_mut(task_rows * m).enumerate().for_each_init(
                 || (Vec::new(), Vec::new()),
-                |(wbuf, acc), item| run_tile(item, wbuf, acc),
+                |(wbuf, acc), item| run_task(item, wbuf, acc),
             )
         });
     } else {
         let (mut wbuf, mut acc) = (Vec::new(), Vec::new());
-        for item in yt.chunks_mut(TILE_ROWS * m).enumerate() {
-            run_tile(item, &mut wbuf, &mut acc);
+        for item in yt.chunks_mut(task_rows * m).enumerate() {
+            run_task(item, &mut wbuf, &mut acc);
         }
     }
 }

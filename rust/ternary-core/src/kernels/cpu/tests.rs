@@ -393,4 +393,30 @@ fn kernel_throughput() {
         time("bf16 dot", &|b| unsafe { f(b, &xb, g)[0] });
     }
     time("int8", &|b| unsafe { (kern.gemv_int8)(b, &q, &nq, g)[0] });
+    // GEMM micro-kernel alone on L1-resident operands (MACs/s), and the tile decode (weights/s).
+    let xs = vec![1.0f32; MICRO_M * TILE_K];
+    let ws = vec![0.5f32; ROWS * TILE_K];
+    let mut acc = vec![0f32; ACC_WINDOW];
+    let t = cpu_ns();
+    let calls = 200_000;
+    for _ in 0..calls {
+        let xa: [&[f32]; MICRO_M] = std::array::from_fn(|i| &xs[i * TILE_K..(i + 1) * TILE_K]);
+        let wa: [&[f32]; ROWS] = std::array::from_fn(|r| &ws[r * TILE_K..(r + 1) * TILE_K]);
+        unsafe { (kern.micro)(xa, wa, &mut acc) };
+    }
+    let dt = (cpu_ns() - t) / 1e9;
+    let macs = (calls * MICRO_M * ROWS * TILE_K) as f64;
+    println!("     micro: {:.1} GMAC/s ({})", macs / dt / 1e9, acc[0]);
+    let mut out = vec![0f32; TILE_K];
+    let t = cpu_ns();
+    let (planes0, scales0) = w.row(0);
+    for i in 0..calls {
+        unsafe { (kern.decode_row)(planes0, scales0, g, (i % 8) * TILE_K, &mut out) };
+    }
+    let dt = (cpu_ns() - t) / 1e9;
+    println!(
+        "    decode: {:.1} G weights/s ({})",
+        (calls * TILE_K) as f64 / dt / 1e9,
+        out[3]
+    );
 }
