@@ -348,7 +348,12 @@ def test_hadamard_hook_delegates(vllm_world, monkeypatch):
 
     fake.make_input_transform = make_input_transform
     fake.make_embedding_transform = make_embedding_transform
+    fake.refuse_dense = lambda hadamard, prefix: None
+    # `from . import hadamard` finds the package attribute before sys.modules: replace both.
+    import ternary_rs.vllm as pkg
+
     monkeypatch.setitem(sys.modules, "ternary_rs.vllm.hadamard", fake)
+    monkeypatch.setattr(pkg, "hadamard", fake, raising=False)
     cfg = quant_config(32, hadamard={"block_size": 32})
     lin = ReplicatedLinear(32, 4, bias=False, quant_config=cfg, prefix="model.layers.0.mlp.down_proj")
     w = random_ternary(np.random.default_rng(2), 4, 32, 32)
@@ -362,6 +367,7 @@ def test_hadamard_hook_delegates(vllm_world, monkeypatch):
     assert cfg.get_embedding_transform("model.embed_tokens")(torch.zeros(1)).item() == 1
     # A hadamard checkpoint without the module: a clear error, not an AttributeError later.
     monkeypatch.setitem(sys.modules, "ternary_rs.vllm.hadamard", None)
+    monkeypatch.delattr(pkg, "hadamard", raising=False)
     with pytest.raises(ValueError, match="hadamard"):
         cfg.get_input_transform("p", lin)
 
