@@ -419,4 +419,25 @@ fn kernel_throughput() {
         (calls * TILE_K) as f64 / dt / 1e9,
         out[3]
     );
+    // Whole GEMM path, single-threaded (N·K below PARALLEL_MIN_WEIGHTS), M = 128.
+    let (m, n, k) = (128, 128, 5120);
+    let c = case(m, n, k, g, 10);
+    let planes = layout::prepare(c.canonical(), "w").unwrap();
+    let w = PreparedRef {
+        rows: n,
+        cols: k,
+        group_size: g,
+        planes: &planes,
+        scales: &c.scales,
+    };
+    let mut y = vec![0f32; m * n];
+    let t = cpu_ns();
+    for _ in 0..20 {
+        gemm(w, &c.x, m, None, &mut y, Variant::best(), Precision::Exact).unwrap();
+    }
+    let dt = (cpu_ns() - t) / 1e9;
+    println!(
+        "  gemm 128: {:.1} GMAC/s",
+        (20 * m * n * k) as f64 / dt / 1e9
+    );
 }
