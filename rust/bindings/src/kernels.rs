@@ -47,7 +47,7 @@ unsafe fn slice_at_mut<'a, T>(addr: usize, len: usize, what: &str) -> PyResult<&
 }
 
 fn check_pointer<T>(addr: usize, what: &str) -> PyResult<()> {
-    if addr == 0 || addr % std::mem::align_of::<T>() != 0 {
+    if addr == 0 || !addr.is_multiple_of(std::mem::align_of::<T>()) {
         return Err(PyValueError::new_err(format!(
             "{what}: data pointer {addr:#x} is null or not aligned to {} bytes",
             std::mem::align_of::<T>()

@@ -46,7 +46,7 @@ pub fn check_shape(rows: usize, cols: usize, group_size: usize) -> Result<()> {
             "group size {group_size} is not one of {GROUP_SIZES:?}"
         )));
     }
-    if cols == 0 || cols % group_size != 0 {
+    if cols == 0 || !cols.is_multiple_of(group_size) {
         return Err(Error::invalid(format!(
             "K = {cols} (in_features) is not a positive multiple of the group size {group_size}"
         )));
@@ -450,7 +450,7 @@ pub fn unpack_trits(qweight: &[u8]) -> Vec<i8> {
 
 /// Pack trits `[rows, cols]` (int8 in {−1, 0, 1}) into canonical code bytes `[rows, cols/4]`.
 pub fn pack_trits(tensor: &str, trits: &[i8], cols: usize) -> Result<Vec<u8>> {
-    if cols == 0 || cols % 4 != 0 || trits.len() % cols != 0 {
+    if cols == 0 || !cols.is_multiple_of(4) || !trits.len().is_multiple_of(cols) {
         return Err(Error::invalid(format!(
             "trits of {} values cannot be [N, K] with K = {cols} a positive multiple of 4",
             trits.len()
@@ -513,7 +513,7 @@ mod dequant_simd {
     /// `out[i] = lut[code i]` for a group (`q.len()` a multiple of 8, `out.len() == 4·q.len()`).
     #[inline]
     pub fn group_u16(q: &[u8], out: &mut [u16], lut: [u16; 4]) {
-        assert!(q.len() % 8 == 0 && out.len() == 4 * q.len());
+        assert!(q.len().is_multiple_of(8) && out.len() == 4 * q.len());
         #[cfg(target_arch = "x86_64")]
         // SAFETY: callers use this path only when `available()` saw avx512f and avx512bw.
         unsafe {
@@ -525,7 +525,7 @@ mod dequant_simd {
 
     #[inline]
     pub fn group_f32(q: &[u8], out: &mut [f32], lut: [f32; 4]) {
-        assert!(q.len() % 8 == 0 && out.len() == 4 * q.len());
+        assert!(q.len().is_multiple_of(8) && out.len() == 4 * q.len());
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         unsafe {
@@ -537,7 +537,6 @@ mod dequant_simd {
 
     #[cfg(target_arch = "x86_64")]
     // AVX-512 intrinsics are stable from Rust 1.89; the workspace `rust-version` (1.85) predates them.
-    #[allow(clippy::incompatible_msrv)]
     mod x86 {
         use std::arch::x86_64::*;
 

@@ -99,7 +99,7 @@ impl<'a> Transform<'a> {
                 "hadamard block size {block_size} must be a power of two in 1..={MAX_BLOCK_SIZE}"
             )));
         }
-        if width == 0 || width % block_size != 0 {
+        if width == 0 || !width.is_multiple_of(block_size) {
             return Err(Error::invalid(format!(
                 "hadamard row width {width} is not a positive multiple of the block size {block_size}"
             )));
@@ -166,7 +166,7 @@ impl<'a> Transform<'a> {
 
     /// Transform every row of `input` (row-major, `rows × width`) into `output` (same shape).
     pub fn apply<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
-        if input.len() != output.len() || input.len() % self.width != 0 {
+        if input.len() != output.len() || !input.len().is_multiple_of(self.width) {
             return Err(Error::invalid(format!(
                 "hadamard input has {} values and output {}; both must be the same multiple of the row width {}",
                 input.len(),
@@ -354,7 +354,7 @@ pub fn gdn_tiled_to_grouped(
     num_k_heads: usize,
     unit: usize,
 ) -> Result<Vec<u32>> {
-    if num_k_heads == 0 || num_v_heads % num_k_heads != 0 || unit == 0 {
+    if num_k_heads == 0 || !num_v_heads.is_multiple_of(num_k_heads) || unit == 0 {
         return Err(Error::invalid(format!(
             "GDN permutation needs value heads ({num_v_heads}) to be a multiple of key heads ({num_k_heads}) and a head dim > 0"
         )));

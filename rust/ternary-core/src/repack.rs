@@ -27,7 +27,7 @@ fn rows_per_task(row_bytes: usize) -> usize {
 }
 
 fn block_layout<C: BlockCodec>(tensor: &str, rows: usize, cols: usize) -> Result<(usize, usize)> {
-    if cols == 0 || cols % C::BLOCK_VALUES != 0 {
+    if cols == 0 || !cols.is_multiple_of(C::BLOCK_VALUES) {
         return Err(Error::validation(
             tensor,
             format!(
@@ -248,7 +248,7 @@ pub fn default_group_for(cols: usize) -> Result<usize> {
         .iter()
         .rev()
         .copied()
-        .find(|g| cols % g == 0)
+        .find(|g| cols.is_multiple_of(*g))
         .ok_or_else(|| {
             Error::invalid(format!(
                 "K = {cols} is not a multiple of any group size {GROUP_SIZES:?}"

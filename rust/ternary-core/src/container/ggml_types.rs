@@ -186,7 +186,7 @@ impl GgmlType {
     /// Bytes a tensor of `n_elements` values takes, or `None` when `n_elements` is not a whole number
     /// of blocks or the size overflows.
     pub fn tensor_bytes(self, n_elements: u64) -> Option<u64> {
-        if n_elements % self.block_size() != 0 {
+        if !n_elements.is_multiple_of(self.block_size()) {
             return None;
         }
         let body = (n_elements / self.block_size()).checked_mul(self.type_size())?;

@@ -225,7 +225,7 @@ fn tensor_info(h: &mut Vec<u8>, name: &str, ne: &[u64], ty: u32, offset: u64) {
 }
 
 fn pad_to(h: &mut Vec<u8>, a: usize, extra: usize) {
-    while h.len() % a != 0 {
+    while !h.len().is_multiple_of(a) {
         h.push(0);
     }
     h.extend(std::iter::repeat_n(0u8, extra));

@@ -70,7 +70,7 @@ impl ScaleConvention {
 }
 
 fn check_rows(tensor: &str, rows: usize) -> Result<()> {
-    if rows == 0 || rows % 4 != 0 {
+    if rows == 0 || !rows.is_multiple_of(4) {
         return Err(Error::validation(
             tensor,
             format!(

@@ -25,7 +25,7 @@ pub fn validate(
     cols: usize,
 ) -> Result<usize> {
     let groups_per_row = scales.len().checked_div(rows).unwrap_or(0);
-    if rows == 0 || groups_per_row == 0 || cols % groups_per_row != 0 {
+    if rows == 0 || groups_per_row == 0 || !cols.is_multiple_of(groups_per_row) {
         return Err(Error::validation(
             tensor,
             format!(
@@ -137,7 +137,7 @@ pub fn decode(
 /// Encode: (`weight` bytes of uint32 `[N, K/16]`, `scales`, `biases = −scales`).
 pub fn encode(tensor: &str, canon: CanonicalRef<'_>) -> Result<(Vec<u8>, Vec<f16>, Vec<f16>)> {
     canon.validate(tensor)?;
-    if canon.cols % 16 != 0 {
+    if !canon.cols.is_multiple_of(16) {
         return Err(Error::validation(
             tensor,
             format!(

@@ -158,7 +158,7 @@ unsafe fn gemv_int8(block: &RowBlock<'_>, q: &[i8], neg_q: &[i8], g: usize) -> [
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn decode_row(planes: &[u8], scales: &[f16], g: usize, k0: usize, out: &mut [f32]) {
-    assert!(k0 % CHUNK_K == 0 && out.len() % CHUNK_K == 0);
+    assert!(k0.is_multiple_of(CHUNK_K) && out.len().is_multiple_of(CHUNK_K));
     assert!((k0 + out.len()) / CHUNK_K * CHUNK_BYTES <= planes.len() && !scales.is_empty());
     let zero = _mm256_setzero_ps();
     let plus_shift = sign_shifts(0);
@@ -200,7 +200,7 @@ unsafe fn decode_row(planes: &[u8], scales: &[f16], g: usize, k0: usize, out: &m
 #[target_feature(enable = "avx2,fma")]
 unsafe fn micro(x: [&[f32]; MICRO_M], w: [&[f32]; ROWS], acc: &mut [f32]) {
     let kc = x[0].len();
-    assert!(kc % 8 == 0 && x.iter().chain(w.iter()).all(|s| s.len() == kc));
+    assert!(kc.is_multiple_of(8) && x.iter().chain(w.iter()).all(|s| s.len() == kc));
     assert!(acc.len() >= (MICRO_M - 1) * ACC_STRIDE + ROWS * LANES);
     // 16 ymm registers: do the rows in two halves (8 accumulators + 2 weights + 1 activation each).
     for r0 in (0..ROWS).step_by(2) {

@@ -9,7 +9,6 @@
 // Register arrays (per row, per x row) are indexed in lockstep; index loops say that most plainly.
 #![allow(clippy::needless_range_loop)]
 // AVX-512 intrinsics are stable from Rust 1.89; the workspace `rust-version` (1.85) predates them.
-#![allow(clippy::incompatible_msrv)]
 
 use std::arch::x86_64::*;
 
@@ -223,7 +222,7 @@ unsafe fn gemv_int8(block: &RowBlock<'_>, q: &[i8], neg_q: &[i8], g: usize) -> [
 
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")]
 unsafe fn decode_row(planes: &[u8], scales: &[f16], g: usize, k0: usize, out: &mut [f32]) {
-    assert!(k0 % CHUNK_K == 0 && out.len() % CHUNK_K == 0);
+    assert!(k0.is_multiple_of(CHUNK_K) && out.len().is_multiple_of(CHUNK_K));
     assert!((k0 + out.len()) / CHUNK_K * CHUNK_BYTES <= planes.len() && !scales.is_empty());
     let p = planes.as_ptr();
     let end = k0 + out.len();
@@ -255,7 +254,7 @@ unsafe fn decode_row(planes: &[u8], scales: &[f16], g: usize, k0: usize, out: &m
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,fma")]
 unsafe fn micro(x: [&[f32]; MICRO_M], w: [&[f32]; ROWS], acc: &mut [f32]) {
     let kc = x[0].len();
-    assert!(kc % 16 == 0 && x.iter().chain(w.iter()).all(|s| s.len() == kc));
+    assert!(kc.is_multiple_of(16) && x.iter().chain(w.iter()).all(|s| s.len() == kc));
     assert!(acc.len() >= (MICRO_M - 1) * ACC_STRIDE + ROWS * LANES);
     let zero = _mm512_setzero_ps();
     let mut a = [[zero; ROWS]; MICRO_M];
