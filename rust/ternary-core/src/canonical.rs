@@ -536,7 +536,6 @@ mod dequant_simd {
     }
 
     #[cfg(target_arch = "x86_64")]
-    // AVX-512 intrinsics are stable from Rust 1.89; the workspace `rust-version` (1.85) predates them.
     mod x86 {
         use std::arch::x86_64::*;
 
