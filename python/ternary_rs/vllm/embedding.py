@@ -19,8 +19,8 @@ from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBa
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from .. import ops as ternary_ops
-from .config import CODES_PER_BYTE, TernaryConfig
-from .linear import check_partition, create_ternary_parameters, validate_loaded
+from .config import CODES_PER_BYTE
+from .linear import TernaryMethodBase, validate_loaded
 
 # Attribute cached on a canonical qweight Parameter shared by embed_tokens and a tied lm_head.
 _KERNEL_CACHE_ATTR = "_ternary_kernel_tensors"
@@ -38,32 +38,15 @@ def unpack_rows(qweight_rows: torch.Tensor, scale_rows: torch.Tensor, group_size
     return rows.reshape(*lead, k).to(dtype)
 
 
-class TernaryEmbeddingMethod(QuantizeMethodBase):
+class TernaryEmbeddingMethod(TernaryMethodBase, QuantizeMethodBase):
     """Quant method of ``VocabParallelEmbedding`` and ``ParallelLMHead`` with ternary weights."""
 
-    def __init__(self, quant_config: TernaryConfig, prefix: str = "") -> None:
-        self.quant_config = quant_config
-        self.prefix = prefix
+    def _tp_size(self, layer: torch.nn.Module) -> int:
+        return 1  # the vocabulary is sharded, never K
 
-    def create_weights(
-        self,
-        layer: torch.nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-        **extra_weight_attrs,
-    ) -> None:
-        g = self.quant_config.group_size
-        vocab_rows = sum(output_partition_sizes)
-        check_partition(self.prefix, input_size_per_partition, vocab_rows, input_size, g, 1)
-        create_ternary_parameters(layer, vocab_rows, input_size_per_partition, g, extra_weight_attrs.get("weight_loader"))
-        layer.ternary_out_features = vocab_rows
-        layer.ternary_in_features = input_size_per_partition
-        layer.ternary_group_size = g
+    def create_weights(self, layer: torch.nn.Module, *weight_args, **extra_weight_attrs) -> None:
+        super().create_weights(layer, *weight_args, **extra_weight_attrs)
         layer.ternary_tied = False
-        layer.ternary_input_transform = None
         layer.ternary_embedding_transform = None
 
     def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module):
@@ -101,18 +84,7 @@ class TernaryEmbeddingMethod(QuantizeMethodBase):
             layer.ternary_embedding_transform = self.quant_config.get_embedding_transform(self.prefix)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        transform = layer.ternary_input_transform
-        if transform is not None:
-            x = transform(x)
-        return torch.ops.ternary_rs.ternary_linear(
-            x,
-            layer.qweight_k,
-            layer.scales_k,
-            layer.ternary_out_features,
-            layer.ternary_in_features,
-            layer.ternary_group_size,
-            bias,
-        )
+        return self._ternary_linear(layer, x, layer.qweight_k, layer.scales_k, bias)
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         rows = unpack_rows(layer.qweight[input_], layer.scales[input_], layer.ternary_group_size, layer.params_dtype)

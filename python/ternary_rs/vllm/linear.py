@@ -80,13 +80,17 @@ def validate_loaded(prefix: str, qweight: torch.Tensor, scales: torch.Tensor) ->
         )
 
 
-@register_weight_loader_v2_supported_method
-class TernaryLinearMethod(LinearMethodBase):
-    """Linear method: ``y = transform(x) @ W.T (+ bias)`` with ternary ``W``."""
+class TernaryMethodBase:
+    """What ``TernaryLinearMethod`` and ``TernaryEmbeddingMethod`` share: the canonical parameters, the
+    layer attributes and the kernel call (mixed in ahead of vLLM's method base class)."""
 
     def __init__(self, quant_config: TernaryConfig, prefix: str = "") -> None:
         self.quant_config = quant_config
         self.prefix = prefix
+
+    def _tp_size(self, layer: torch.nn.Module) -> int:
+        """Tensor-parallel size named in a refused K shard."""
+        return int(getattr(layer, "tp_size", 1))
 
     def create_weights(
         self,
@@ -100,8 +104,7 @@ class TernaryLinearMethod(LinearMethodBase):
     ) -> None:
         g = self.quant_config.group_size
         out_features = sum(output_partition_sizes)
-        tp_size = int(getattr(layer, "tp_size", 1))
-        check_partition(self.prefix, input_size_per_partition, out_features, input_size, g, tp_size)
+        check_partition(self.prefix, input_size_per_partition, out_features, input_size, g, self._tp_size(layer))
         create_ternary_parameters(
             layer, out_features, input_size_per_partition, g, extra_weight_attrs.get("weight_loader")
         )
@@ -109,6 +112,28 @@ class TernaryLinearMethod(LinearMethodBase):
         layer.ternary_in_features = input_size_per_partition
         layer.ternary_group_size = g
         layer.ternary_input_transform = None
+
+    def _ternary_linear(
+        self, layer: torch.nn.Module, x: torch.Tensor, qweight_k: torch.Tensor, scales_k: torch.Tensor, bias
+    ) -> torch.Tensor:
+        """``transform(x) @ W.T (+ bias)`` with ``W`` in the kernel layout ``qweight_k``/``scales_k``."""
+        transform = layer.ternary_input_transform
+        if transform is not None:
+            x = transform(x)
+        return torch.ops.ternary_rs.ternary_linear(
+            x,
+            qweight_k,
+            scales_k,
+            layer.ternary_out_features,
+            layer.ternary_in_features,
+            layer.ternary_group_size,
+            bias,
+        )
+
+
+@register_weight_loader_v2_supported_method
+class TernaryLinearMethod(TernaryMethodBase, LinearMethodBase):
+    """Linear method: ``y = transform(x) @ W.T (+ bias)`` with ternary ``W``."""
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         validate_loaded(self.prefix, layer.qweight.data, layer.scales.data)
@@ -119,15 +144,4 @@ class TernaryLinearMethod(LinearMethodBase):
         layer.ternary_input_transform = self.quant_config.get_input_transform(self.prefix, layer)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        transform = layer.ternary_input_transform
-        if transform is not None:
-            x = transform(x)
-        return torch.ops.ternary_rs.ternary_linear(
-            x,
-            layer.qweight,
-            layer.scales,
-            layer.ternary_out_features,
-            layer.ternary_in_features,
-            layer.ternary_group_size,
-            bias,
-        )
+        return self._ternary_linear(layer, x, layer.qweight, layer.scales, bias)
