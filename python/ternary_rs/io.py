@@ -440,7 +440,30 @@ def _as_bytes_buffer(data: Any) -> Any:
     return data
 
 
-class GGUFWriter:
+class _StreamingWriter:
+    """Finishing of the streaming writers (``self._w``, a Rust writer): :meth:`close` checks completeness,
+    :meth:`abort` deletes the partial file, and as a context manager an exception aborts."""
+
+    _w: Any
+
+    def close(self) -> None:
+        self._w.finish()
+
+    def abort(self) -> None:
+        """Stop and delete the partial file."""
+        self._w.abort()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class GGUFWriter(_StreamingWriter):
     """Streaming GGUF v3 writer (llama.cpp's byte layout), constant memory.
 
     Call order: :meth:`add_metadata` and :meth:`add_tensor_info` for everything, then
@@ -479,22 +502,6 @@ class GGUFWriter:
         """Append bytes (any buffer, NumPy array or CPU torch tensor) to tensor ``name``."""
         self._w.write_tensor_data(name, _as_bytes_buffer(data))
 
-    def close(self) -> None:
-        self._w.finish()
-
-    def abort(self) -> None:
-        """Stop and delete the partial file."""
-        self._w.abort()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
 
 def _safetensors_dtype(dtype: Any) -> str:
     if isinstance(dtype, str):
@@ -506,7 +513,7 @@ def _safetensors_dtype(dtype: Any) -> str:
     raise TypeError(f"no safetensors dtype for {dt}")
 
 
-class SafetensorsWriter:
+class SafetensorsWriter(_StreamingWriter):
     """Streaming safetensors writer, constant memory.
 
     ``tensors`` lists every (name, dtype, shape) up front (dtype a safetensors name such as "F16",
@@ -529,18 +536,3 @@ class SafetensorsWriter:
     def write(self, name: str, data: Any) -> None:
         """Append bytes (any buffer, NumPy array or CPU torch tensor) to tensor ``name``."""
         self._w.write(name, _as_bytes_buffer(data))
-
-    def close(self) -> None:
-        self._w.finish()
-
-    def abort(self) -> None:
-        self._w.abort()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
