@@ -28,7 +28,6 @@ import numpy as np
 
 SHAPE = dict(hidden=5120, intermediate=17408, vocab=151936, heads=40, kv_heads=8, head_dim=128)
 PQ2_0_ID, PQ2_0_BLOCK, PQ2_0_BYTES = 142, 128, 34
-GGUF_UINT32, GGUF_FLOAT32, GGUF_STRING = "u32", "f32", "string"
 # Pool of random valid blocks reused across tensors (content does not matter to the converter).
 POOL_BLOCKS = 1 << 20
 
@@ -72,7 +71,7 @@ def tensor_list(layers: int) -> list[tuple[str, tuple[int, ...], int]]:
 def write_gguf(path: Path, layers: int) -> int:
     from ternary_rs.io import GGUFWriter
 
-    from ternary_rs.demo import demo_tokenizer
+    from ternary_rs.demo import demo_tokenizer, qwen3_metadata
 
     s = SHAPE
     rng = np.random.default_rng(0)
@@ -82,26 +81,7 @@ def write_gguf(path: Path, layers: int) -> int:
     tokens = tokens + [f"tok{i}" for i in range(s["vocab"] - len(tokens))]
     types = types + [1] * (s["vocab"] - len(types))
     w = GGUFWriter(path)
-    for key, value, vtype in [
-        ("general.architecture", "qwen3", GGUF_STRING),
-        ("general.name", "bench 27B-shaped", GGUF_STRING),
-        ("qwen3.block_count", layers, GGUF_UINT32),
-        ("qwen3.context_length", 40960, GGUF_UINT32),
-        ("qwen3.embedding_length", s["hidden"], GGUF_UINT32),
-        ("qwen3.feed_forward_length", s["intermediate"], GGUF_UINT32),
-        ("qwen3.attention.head_count", s["heads"], GGUF_UINT32),
-        ("qwen3.attention.head_count_kv", s["kv_heads"], GGUF_UINT32),
-        ("qwen3.attention.key_length", s["head_dim"], GGUF_UINT32),
-        ("qwen3.attention.value_length", s["head_dim"], GGUF_UINT32),
-        ("qwen3.rope.freq_base", 1000000.0, GGUF_FLOAT32),
-        ("qwen3.attention.layer_norm_rms_epsilon", 1e-6, GGUF_FLOAT32),
-        ("tokenizer.ggml.model", "gpt2", GGUF_STRING),
-        ("tokenizer.ggml.pre", "qwen2", GGUF_STRING),
-        ("tokenizer.ggml.tokens", tokens, "array[string]"),
-        ("tokenizer.ggml.token_type", types, "array[i32]"),
-        ("tokenizer.ggml.merges", merges, "array[string]"),
-        ("tokenizer.ggml.eos_token_id", tokens.index("<|im_end|>"), GGUF_UINT32),
-    ]:
+    for key, value, vtype in qwen3_metadata("bench 27B-shaped", s, layers, 40960, tokens, types, merges):
         w.add_metadata(key, value, vtype)
     tensors = tensor_list(layers)
     sizes = {}

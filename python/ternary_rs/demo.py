@@ -41,6 +41,34 @@ def demo_tokenizer() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, list(DEMO_MERGES)
 
 
+def qwen3_metadata(
+    name: str, shape: dict, layers: int, context: int, tokens: list[str], types: list[int], merges: list[str]
+) -> list[tuple[str, object, str]]:
+    """``(key, value, type)`` GGUF metadata of a qwen3 model of ``shape`` (``DEMO_SHAPE``'s keys) with a
+    byte-level BPE vocabulary; the EOS token is ``<|im_end|>``."""
+    s = shape
+    return [
+        ("general.architecture", "qwen3", GGUF_STRING),
+        ("general.name", name, GGUF_STRING),
+        ("qwen3.block_count", layers, GGUF_UINT32),
+        ("qwen3.context_length", context, GGUF_UINT32),
+        ("qwen3.embedding_length", s["hidden"], GGUF_UINT32),
+        ("qwen3.feed_forward_length", s["intermediate"], GGUF_UINT32),
+        ("qwen3.attention.head_count", s["heads"], GGUF_UINT32),
+        ("qwen3.attention.head_count_kv", s["kv_heads"], GGUF_UINT32),
+        ("qwen3.attention.key_length", s["head_dim"], GGUF_UINT32),
+        ("qwen3.attention.value_length", s["head_dim"], GGUF_UINT32),
+        ("qwen3.rope.freq_base", 1000000.0, GGUF_FLOAT32),
+        ("qwen3.attention.layer_norm_rms_epsilon", 1e-6, GGUF_FLOAT32),
+        ("tokenizer.ggml.model", "gpt2", GGUF_STRING),
+        ("tokenizer.ggml.pre", "qwen2", GGUF_STRING),
+        ("tokenizer.ggml.tokens", tokens, "array[string]"),
+        ("tokenizer.ggml.token_type", types, "array[i32]"),
+        ("tokenizer.ggml.merges", merges, "array[string]"),
+        ("tokenizer.ggml.eos_token_id", tokens.index("<|im_end|>"), GGUF_UINT32),
+    ]
+
+
 def write_demo_gguf(path: Path, gguf_type: str = "PQ2_0", seed: int = 0) -> dict:
     """A small random ternary qwen3 GGUF; returns the HF-order canonical tensors written (for checks)."""
     from .io import GGUFWriter
@@ -67,25 +95,7 @@ def write_demo_gguf(path: Path, gguf_type: str = "PQ2_0", seed: int = 0) -> dict
     for b in range(s["layers"]):
         norms.update({f"blk.{b}.attn_norm.weight": s["hidden"], f"blk.{b}.ffn_norm.weight": s["hidden"],
                       f"blk.{b}.attn_q_norm.weight": s["head_dim"], f"blk.{b}.attn_k_norm.weight": s["head_dim"]})
-    meta = [
-        ("general.architecture", "qwen3", GGUF_STRING),
-        ("general.name", "ternary_rs demo", GGUF_STRING),
-        ("qwen3.block_count", s["layers"], GGUF_UINT32),
-        ("qwen3.context_length", s["context"], GGUF_UINT32),
-        ("qwen3.embedding_length", s["hidden"], GGUF_UINT32),
-        ("qwen3.feed_forward_length", s["intermediate"], GGUF_UINT32),
-        ("qwen3.attention.head_count", s["heads"], GGUF_UINT32),
-        ("qwen3.attention.head_count_kv", s["kv_heads"], GGUF_UINT32),
-        ("qwen3.attention.key_length", s["head_dim"], GGUF_UINT32),
-        ("qwen3.attention.value_length", s["head_dim"], GGUF_UINT32),
-        ("qwen3.rope.freq_base", 1000000.0, GGUF_FLOAT32),
-        ("qwen3.attention.layer_norm_rms_epsilon", 1e-6, GGUF_FLOAT32),
-        ("tokenizer.ggml.model", "gpt2", GGUF_STRING),
-        ("tokenizer.ggml.pre", "qwen2", GGUF_STRING),
-        ("tokenizer.ggml.tokens", tokens, "array[string]"),
-        ("tokenizer.ggml.token_type", types, "array[i32]"),
-        ("tokenizer.ggml.merges", merges, "array[string]"),
-        ("tokenizer.ggml.eos_token_id", tokens.index("<|im_end|>"), GGUF_UINT32),
+    meta = qwen3_metadata("ternary_rs demo", s, s["layers"], s["context"], tokens, types, merges) + [
         ("tokenizer.ggml.padding_token_id", tokens.index("<|endoftext|>"), GGUF_UINT32),
     ]
     writer = GGUFWriter(path)
