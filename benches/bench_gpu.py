@@ -44,6 +44,13 @@ def dequantize_bf16(packed: torch.Tensor, scales: torch.Tensor, g: int) -> torch
     return (codes * scales.to(torch.bfloat16).repeat_interleave(g, dim=1)).contiguous()
 
 
+def relative_error(x, q_k, s_k, w_bf16, n: int, k: int, g: int) -> float:
+    """Relative error of ``ops.ternary_linear`` on the prepared weight against fp32 ``x @ W.T``."""
+    y = ops.ternary_linear(x, q_k, s_k, n, k, g)
+    ref = torch.nn.functional.linear(x.float(), w_bf16.float())
+    return float((y.float() - ref).norm() / ref.norm())
+
+
 def time_graph(fn, copies: int, calls: int, replays: int, device: str = "cuda") -> float:
     """Median µs per call of `calls` invocations fn(i % copies) captured in one CUDA graph (on the CPU, for
     the --device cpu dry run of this script's logic: plain wall-clock timing)."""
@@ -126,9 +133,7 @@ def main() -> int:
         # Correctness spot check of both kernels' paths on this shape.
         for m in (1, 64):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            y = ops.ternary_linear(x, q_k, s_k, n, k, g)
-            ref = torch.nn.functional.linear(x.float(), w_bf16.float())
-            rel = float((y.float() - ref).norm() / ref.norm())
+            rel = relative_error(x, q_k, s_k, w_bf16, n, k, g)
             if not rel < 1e-2:
                 print(f"bench_gpu: WRONG RESULT for K={k} N={n} M={m}: relative error {rel:.3g}", file=sys.stderr)
                 return 1
@@ -161,9 +166,7 @@ def main() -> int:
                     prev = _ops_cuda.set_gemv_max_m(alt)
                 try:
                     if alt is not None:  # the other kernel must agree with the reference too
-                        y = ops.ternary_linear(x, q_k, s_k, n, k, g)
-                        ref = torch.nn.functional.linear(x.float(), w_bf16.float())
-                        rel = float((y.float() - ref).norm() / ref.norm())
+                        rel = relative_error(x, q_k, s_k, w_bf16, n, k, g)
                         if not rel < 1e-2:
                             print(f"bench_gpu: WRONG RESULT ({alt}) K={k} N={n} M={m}: {rel:.3g}", file=sys.stderr)
                             return 1
