@@ -21,6 +21,15 @@ LINEAR = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
           "gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
 
+def assert_same_tensors(conv, ref) -> None:
+    """``conv`` holds exactly the tensors of the reference directory ``ref``, bit for bit."""
+    _, ours = cw.read_contract(conv)
+    _, theirs = cw.read_contract(ref)
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+
+
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
     root = tmp_path_factory.mktemp("sources")
@@ -62,11 +71,7 @@ def test_mlx_2bit_pack(hf):
     assert r["is_ternary"] and r["by_type"]["MLX"]["tensors"] == 16
     conv = ternary_rs.convert(d, root / "mlx-vllm", progress=False)
     ref = cw.write_contract(src, root / "mlx-ref", group_size=128)
-    qc, ours = cw.read_contract(conv)
-    _, theirs = cw.read_contract(ref)
-    assert set(ours) == set(theirs)
-    for name in theirs:
-        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+    assert_same_tensors(conv, ref)
     assert "quantization" not in json.loads((conv / "config.json").read_text())
     assert ternary_rs.verify(conv).ok
 
@@ -106,11 +111,7 @@ def test_bitnet_pack_autobitlinear(hf):
     save_file(expected_dense, str(dense_dir / "model.safetensors"))
     shutil.copy(src / "config.json", dense_dir / "config.json")
     ref = cw.write_contract(dense_dir, root / "bitnet-ref", group_size=128)
-    _, ours = cw.read_contract(conv)
-    _, theirs = cw.read_contract(ref)
-    assert set(ours) == set(theirs)
-    for name in theirs:
-        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+    assert_same_tensors(conv, ref)
     qc = json.loads((conv / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "ternary" and qc["group_size"] == 128
 
