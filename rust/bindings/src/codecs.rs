@@ -35,10 +35,19 @@ fn to_canon<'py>(py: Python<'py>, t: CanonicalTernary) -> PyResult<Canon<'py>> {
     Ok((q, s, g))
 }
 
-/// Borrow (qweight, scales) as a canonical tensor of `[rows, cols]`, checked.
+/// Run `f` with the GIL released and hand its tensor back as NumPy (qweight, scale bits, group).
+fn detached_canon<'py>(
+    py: Python<'py>,
+    f: impl FnOnce() -> ternary_core::Result<CanonicalTernary> + Send,
+) -> PyResult<Canon<'py>> {
+    let t = py.detach(f).map_err(to_py)?;
+    to_canon(py, t)
+}
+
+/// Borrow the (qweight, scales) arrays as a canonical tensor of `[rows, cols]`, checked.
 fn canon_ref<'a>(
-    q: &'a [u8],
-    s: &'a [u16],
+    qweight: &'a PyReadonlyArrayDyn<'_, u8>,
+    scales: &'a PyReadonlyArrayDyn<'_, u16>,
     rows: usize,
     cols: usize,
     group_size: usize,
@@ -47,8 +56,8 @@ fn canon_ref<'a>(
         rows,
         cols,
         group_size,
-        qweight: q,
-        scales: s.reinterpret_cast::<f16>(),
+        qweight: slice(qweight, "qweight")?,
+        scales: slice(scales, "scales")?.reinterpret_cast::<f16>(),
     };
     c.check().map_err(to_py)?;
     Ok(c)
@@ -70,10 +79,9 @@ fn decode_gguf<'py>(
 ) -> PyResult<Canon<'py>> {
     let f = Format::from_name(format).map_err(to_py)?;
     let d = slice(&data, "data")?;
-    let t = py
-        .detach(|| repack::decode_gguf(f, tensor, d, rows, cols, group_size, requantize))
-        .map_err(to_py)?;
-    to_canon(py, t)
+    detached_canon(py, || {
+        repack::decode_gguf(f, tensor, d, rows, cols, group_size, requantize)
+    })
 }
 
 /// Encode a canonical tensor as GGUF tensor data of `format` (regrouping losslessly or refusing).
@@ -92,13 +100,7 @@ fn encode_gguf<'py>(
     tensor: &str,
 ) -> PyResult<Bound<'py, PyArray1<u8>>> {
     let f = Format::from_name(format).map_err(to_py)?;
-    let c = canon_ref(
-        slice(&qweight, "qweight")?,
-        slice(&scales, "scales")?,
-        rows,
-        cols,
-        group_size,
-    )?;
+    let c = canon_ref(&qweight, &scales, rows, cols, group_size)?;
     let out = py
         .detach(|| repack::encode_gguf(f, tensor, c, requantize))
         .map_err(to_py)?;
@@ -132,10 +134,9 @@ fn decode_bitnet<'py>(
         None => repack::default_group_for(cols).map_err(to_py)?,
     };
     let p = slice(&packed, "packed")?;
-    let t = py
-        .detach(|| bitnet::decode(tensor, p, rows, cols, weight_scale, conv, g))
-        .map_err(to_py)?;
-    to_canon(py, t)
+    detached_canon(py, || {
+        bitnet::decode(tensor, p, rows, cols, weight_scale, conv, g)
+    })
 }
 
 /// Encode to transformers BitNet packing: (uint8 `[rows/4, cols]`, weight_scale as f32).
@@ -153,13 +154,7 @@ fn encode_bitnet<'py>(
     tensor: &str,
 ) -> PyResult<(Bound<'py, PyArray2<u8>>, f32)> {
     let conv = ScaleConvention::from_linear_class(linear_class).map_err(to_py)?;
-    let c = canon_ref(
-        slice(&qweight, "qweight")?,
-        slice(&scales, "scales")?,
-        rows,
-        cols,
-        group_size,
-    )?;
+    let c = canon_ref(&qweight, &scales, rows, cols, group_size)?;
     let (packed, ws) = py
         .detach(|| bitnet::encode(tensor, c, conv))
         .map_err(to_py)?;
@@ -204,10 +199,7 @@ fn recover_dense<'py>(
 ) -> PyResult<Canon<'py>> {
     let dt = DenseDtype::from_name(dtype).map_err(to_py)?;
     let d = slice(&data, "data")?;
-    let t = py
-        .detach(|| dense::recover(tensor, d, dt, rows, cols, group_size))
-        .map_err(to_py)?;
-    to_canon(py, t)
+    detached_canon(py, || dense::recover(tensor, d, dt, rows, cols, group_size))
 }
 
 /// Ternarize dense f32 weights `[rows, cols]` (absmax / absmean, per group or per tensor).
@@ -226,10 +218,9 @@ fn ternarize<'py>(
 ) -> PyResult<Canon<'py>> {
     let m = Method::from_name(method, per_tensor).map_err(to_py)?;
     let d = slice(&w, "w")?;
-    let t = py
-        .detach(|| dense::ternarize(tensor, d, rows, cols, group_size, m))
-        .map_err(to_py)?;
-    to_canon(py, t)
+    detached_canon(py, || {
+        dense::ternarize(tensor, d, rows, cols, group_size, m)
+    })
 }
 
 /// Dequantize into `out` (C-contiguous, `rows·cols` elements): float32 for `dtype` "float32", uint16
@@ -249,13 +240,7 @@ fn dequantize_into<'py>(
     out: Bound<'py, PyAny>,
     dtype: &str,
 ) -> PyResult<()> {
-    let c = canon_ref(
-        slice(&qweight, "qweight")?,
-        slice(&scales, "scales")?,
-        rows,
-        cols,
-        group_size,
-    )?;
+    let c = canon_ref(&qweight, &scales, rows, cols, group_size)?;
     let not_contiguous = || PyValueError::new_err("out must be a writable C-contiguous array");
     match dtype {
         "float32" => {
@@ -297,13 +282,7 @@ fn validate<'py>(
     group_size: usize,
     tensor: &str,
 ) -> PyResult<()> {
-    let c = canon_ref(
-        slice(&qweight, "qweight")?,
-        slice(&scales, "scales")?,
-        rows,
-        cols,
-        group_size,
-    )?;
+    let c = canon_ref(&qweight, &scales, rows, cols, group_size)?;
     py.detach(|| c.validate(tensor)).map_err(to_py)
 }
 
@@ -322,17 +301,8 @@ fn regroup<'py>(
     requantize: bool,
     tensor: &str,
 ) -> PyResult<Canon<'py>> {
-    let c = canon_ref(
-        slice(&qweight, "qweight")?,
-        slice(&scales, "scales")?,
-        rows,
-        cols,
-        group_size,
-    )?;
-    let t = py
-        .detach(|| c.regroup(tensor, new_group_size, requantize))
-        .map_err(to_py)?;
-    to_canon(py, t)
+    let c = canon_ref(&qweight, &scales, rows, cols, group_size)?;
+    detached_canon(py, || c.regroup(tensor, new_group_size, requantize))
 }
 
 /// Trits int8 `[rows, 4·bytes]` of canonical code bytes `[rows, bytes]`.

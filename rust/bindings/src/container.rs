@@ -377,20 +377,69 @@ fn meta_from_py(key: &str, ty: &str, value: &Bound<'_, PyAny>) -> PyResult<MetaV
     })
 }
 
-/// Streaming GGUF v3 writer (backend of `ternary_rs.io.GGUFWriter`).
-#[pyclass(module = "ternary_rs._core", name = "_GgufWriter")]
-pub struct PyGgufWriter {
-    inner: Option<GgufWriter>,
+/// A streaming writer until `finish`/`abort` closes it, with the path its errors and `abort` use.
+struct OpenWriter<W> {
+    inner: Option<W>,
     path: PathBuf,
 }
 
-impl PyGgufWriter {
-    fn w(&mut self) -> PyResult<&mut GgufWriter> {
+impl<W: Send> OpenWriter<W> {
+    fn new(inner: W, path: PathBuf) -> Self {
+        OpenWriter {
+            inner: Some(inner),
+            path,
+        }
+    }
+
+    fn get(&mut self) -> PyResult<&mut W> {
         self.inner.as_mut().ok_or_else(|| {
             PyValueError::new_err(format!("{}: writer is closed", self.path.display()))
         })
     }
+
+    /// Run `write` on the bytes of the C-contiguous buffer `data` with the GIL released.
+    fn write_buffer(
+        &mut self,
+        py: Python<'_>,
+        data: &Bound<'_, PyAny>,
+        write: impl FnOnce(&mut W, &[u8]) -> ternary_core::Result<()> + Send,
+    ) -> PyResult<()> {
+        let buf = PyUntypedBuffer::get(data)?;
+        let bytes = contiguous_bytes(&buf)?;
+        let s = SendSlice(bytes.as_ptr(), bytes.len());
+        let w = self.get()?;
+        py.detach(move || {
+            let s = s;
+            // SAFETY: `buf` keeps the exporter's memory alive until this call returns.
+            let bytes = unsafe { std::slice::from_raw_parts(s.0, s.1) };
+            write(w, bytes)
+        })
+        .map_err(to_py)
+    }
+
+    /// Run the writer's `finish` (checks, flush) with the GIL released, then close.
+    fn finish(
+        &mut self,
+        py: Python<'_>,
+        finish: impl FnOnce(&mut W) -> ternary_core::Result<()> + Send,
+    ) -> PyResult<()> {
+        let w = self.get()?;
+        py.detach(|| finish(w)).map_err(to_py)?;
+        self.inner = None;
+        Ok(())
+    }
+
+    /// Close without checks and delete the partial file.
+    fn abort(&mut self) {
+        if self.inner.take().is_some() {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
 }
+
+/// Streaming GGUF v3 writer (backend of `ternary_rs.io.GGUFWriter`).
+#[pyclass(module = "ternary_rs._core", name = "_GgufWriter")]
+pub struct PyGgufWriter(OpenWriter<GgufWriter>);
 
 #[pymethods]
 impl PyGgufWriter {
@@ -398,16 +447,13 @@ impl PyGgufWriter {
     #[pyo3(signature = (path, alignment=32))]
     fn new(path: PathBuf, alignment: u64) -> PyResult<Self> {
         let inner = GgufWriter::create(&path, alignment).map_err(to_py)?;
-        Ok(PyGgufWriter {
-            inner: Some(inner),
-            path,
-        })
+        Ok(PyGgufWriter(OpenWriter::new(inner, path)))
     }
 
     /// `type` is a scalar type name, "string", or "array" with `value = (elem type, items)`.
     fn add_metadata(&mut self, key: &str, r#type: &str, value: &Bound<'_, PyAny>) -> PyResult<()> {
         let v = meta_from_py(key, r#type, value)?;
-        self.w()?.add_metadata(key, v).map_err(to_py)
+        self.0.get()?.add_metadata(key, v).map_err(to_py)
     }
 
     fn add_tensor_info(
@@ -417,7 +463,8 @@ impl PyGgufWriter {
         type_id: u32,
         nbytes: u64,
     ) -> PyResult<()> {
-        self.w()?
+        self.0
+            .get()?
             .add_tensor_info(name, &ne, type_id, nbytes)
             .map_err(to_py)
     }
@@ -428,42 +475,24 @@ impl PyGgufWriter {
         name: &str,
         data: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let buf = PyUntypedBuffer::get(data)?;
-        let bytes = contiguous_bytes(&buf)?;
-        let s = SendSlice(bytes.as_ptr(), bytes.len());
-        let w = self.w()?;
-        py.detach(move || {
-            let s = s;
-            // SAFETY: `buf` keeps the exporter's memory alive until this call returns.
-            let bytes = unsafe { std::slice::from_raw_parts(s.0, s.1) };
-            w.write_tensor_data(name, bytes)
-        })
-        .map_err(to_py)
+        self.0
+            .write_buffer(py, data, |w, bytes| w.write_tensor_data(name, bytes))
     }
 
     /// Check completeness, flush and close.
     fn finish(&mut self, py: Python<'_>) -> PyResult<()> {
-        let w = self.w()?;
-        py.detach(|| w.finish()).map_err(to_py)?;
-        self.inner = None;
-        Ok(())
+        self.0.finish(py, |w| w.finish())
     }
 
     /// Close without checks and delete the partial file.
-    fn abort(&mut self) -> PyResult<()> {
-        if self.inner.take().is_some() {
-            let _ = std::fs::remove_file(&self.path);
-        }
-        Ok(())
+    fn abort(&mut self) {
+        self.0.abort()
     }
 }
 
 /// Streaming safetensors writer (backend of `ternary_rs.io.SafetensorsWriter`).
 #[pyclass(module = "ternary_rs._core", name = "_SafetensorsWriter")]
-pub struct PySafetensorsWriter {
-    inner: Option<SafetensorsWriter>,
-    path: PathBuf,
-}
+pub struct PySafetensorsWriter(OpenWriter<SafetensorsWriter>);
 
 #[pymethods]
 impl PySafetensorsWriter {
@@ -484,44 +513,20 @@ impl PySafetensorsWriter {
             spec.push((name, d, shape));
         }
         let inner = SafetensorsWriter::create(&path, &spec, metadata.as_ref()).map_err(to_py)?;
-        Ok(PySafetensorsWriter {
-            inner: Some(inner),
-            path,
-        })
+        Ok(PySafetensorsWriter(OpenWriter::new(inner, path)))
     }
 
     fn write(&mut self, py: Python<'_>, name: &str, data: &Bound<'_, PyAny>) -> PyResult<()> {
-        let buf = PyUntypedBuffer::get(data)?;
-        let bytes = contiguous_bytes(&buf)?;
-        let s = SendSlice(bytes.as_ptr(), bytes.len());
-        let path = self.path.clone();
-        let w = self.inner.as_mut().ok_or_else(|| {
-            PyValueError::new_err(format!("{}: writer is closed", path.display()))
-        })?;
-        py.detach(move || {
-            let s = s;
-            // SAFETY: `buf` keeps the exporter's memory alive until this call returns.
-            let bytes = unsafe { std::slice::from_raw_parts(s.0, s.1) };
-            w.write(name, bytes)
-        })
-        .map_err(to_py)
+        self.0
+            .write_buffer(py, data, |w, bytes| w.write(name, bytes))
     }
 
     fn finish(&mut self, py: Python<'_>) -> PyResult<()> {
-        let path = self.path.clone();
-        let w = self.inner.as_mut().ok_or_else(|| {
-            PyValueError::new_err(format!("{}: writer is closed", path.display()))
-        })?;
-        py.detach(|| w.finish()).map_err(to_py)?;
-        self.inner = None;
-        Ok(())
+        self.0.finish(py, |w| w.finish())
     }
 
-    fn abort(&mut self) -> PyResult<()> {
-        if self.inner.take().is_some() {
-            let _ = std::fs::remove_file(&self.path);
-        }
-        Ok(())
+    fn abort(&mut self) {
+        self.0.abort()
     }
 }
 

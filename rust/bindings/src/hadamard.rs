@@ -5,7 +5,9 @@
 //! while the transform runs.
 
 use half::{bf16, f16, slice::HalfBitsSliceExt};
-use numpy::{PyReadonlyArray1, PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArrayMethods};
+use numpy::{
+    Element, PyReadonlyArray1, PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArrayMethods,
+};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use ternary_core::hadamard::{self, Direction, Transform};
@@ -26,6 +28,31 @@ fn row_width(shape: &[usize]) -> PyResult<usize> {
         .last()
         .copied()
         .ok_or_else(|| PyValueError::new_err("fwht: input must have at least one dimension"))
+}
+
+/// Extract `input`/`output` as same-shape arrays of `T`, build the transform for their row width, and
+/// run `run(transform, input data, output data)` on their C-contiguous data.
+fn with_rows<'t, T: Element>(
+    input: &Bound<'_, PyAny>,
+    output: &Bound<'_, PyAny>,
+    transform: impl FnOnce(usize) -> PyResult<Transform<'t>>,
+    run: impl FnOnce(Transform<'t>, &[T], &mut [T]) -> PyResult<()>,
+) -> PyResult<()> {
+    let src: PyReadonlyArrayDyn<'_, T> = input.extract()?;
+    let mut dst: PyReadwriteArrayDyn<'_, T> = output.extract()?;
+    if src.shape() != dst.shape() {
+        return Err(PyValueError::new_err(
+            "fwht: input and output shapes differ",
+        ));
+    }
+    let t = transform(row_width(src.shape())?)?;
+    let s = src
+        .as_slice()
+        .map_err(|e| PyValueError::new_err(format!("fwht input: {e}")))?;
+    let d = dst
+        .as_slice_mut()
+        .map_err(|e| PyValueError::new_err(format!("fwht output: {e}")))?;
+    run(t, s, d)
 }
 
 /// Transform every row (last axis) of `input` into `output` (same shape, C-contiguous).
@@ -64,60 +91,21 @@ fn fwht(
         ),
         None => None,
     };
+    let transform = |width| {
+        Transform::new(width, block_size, direction, signs_slice, gather_slice).map_err(to_py)
+    };
     match dtype {
-        "float32" => {
-            let src: PyReadonlyArrayDyn<'_, f32> = input.extract()?;
-            let mut dst: PyReadwriteArrayDyn<'_, f32> = output.extract()?;
-            if src.shape() != dst.shape() {
-                return Err(PyValueError::new_err(
-                    "fwht: input and output shapes differ",
-                ));
-            }
-            let t = Transform::new(
-                row_width(src.shape())?,
-                block_size,
-                direction,
-                signs_slice,
-                gather_slice,
-            )
-            .map_err(to_py)?;
-            let s = src
-                .as_slice()
-                .map_err(|e| PyValueError::new_err(format!("fwht input: {e}")))?;
-            let d = dst
-                .as_slice_mut()
-                .map_err(|e| PyValueError::new_err(format!("fwht output: {e}")))?;
+        "float32" => with_rows::<f32>(input, output, transform, |t, s, d| {
             py.detach(|| t.apply(s, d)).map_err(to_py)
-        }
-        "bfloat16" | "float16" => {
-            let src: PyReadonlyArrayDyn<'_, u16> = input.extract()?;
-            let mut dst: PyReadwriteArrayDyn<'_, u16> = output.extract()?;
-            if src.shape() != dst.shape() {
-                return Err(PyValueError::new_err(
-                    "fwht: input and output shapes differ",
-                ));
-            }
-            let t = Transform::new(
-                row_width(src.shape())?,
-                block_size,
-                direction,
-                signs_slice,
-                gather_slice,
-            )
-            .map_err(to_py)?;
-            let s = src
-                .as_slice()
-                .map_err(|e| PyValueError::new_err(format!("fwht input: {e}")))?;
-            let d = dst
-                .as_slice_mut()
-                .map_err(|e| PyValueError::new_err(format!("fwht output: {e}")))?;
+        }),
+        "bfloat16" | "float16" => with_rows::<u16>(input, output, transform, |t, s, d| {
             if dtype == "bfloat16" {
                 py.detach(|| t.apply::<bf16>(s.reinterpret_cast(), d.reinterpret_cast_mut()))
             } else {
                 py.detach(|| t.apply::<f16>(s.reinterpret_cast(), d.reinterpret_cast_mut()))
             }
             .map_err(to_py)
-        }
+        }),
         other => Err(PyValueError::new_err(format!(
             "fwht: unsupported dtype {other:?}; supported: float32, bfloat16, float16"
         ))),

@@ -508,61 +508,21 @@ mod tests {
         assert!(fwht_rows(&x, &mut y, 24, 3, Direction::Forward, None, None).is_err());
         assert!(fwht_rows(&x, &mut y, 24, 0, Direction::Forward, None, None).is_err());
         assert!(fwht_rows(&x, &mut y[..8], 8, 8, Direction::Forward, None, None).is_err());
+        // One 8-wide row: signs that are not ±1 or too short, a gather that is no permutation, and a
+        // gather on the inverse.
+        let mut rejects = |direction, signs: Option<&[f32]>, gather: Option<&[u32]>| {
+            fwht_rows(&x[..8], &mut y[..8], 8, 8, direction, signs, gather).is_err()
+        };
         let bad_signs = vec![0.5f32; 8];
-        assert!(fwht_rows(
-            &x[..8],
-            &mut y[..8],
-            8,
-            8,
-            Direction::Forward,
-            Some(&bad_signs),
-            None
-        )
-        .is_err());
+        assert!(rejects(Direction::Forward, Some(&bad_signs), None));
         let short = vec![1.0f32; 4];
-        assert!(fwht_rows(
-            &x[..8],
-            &mut y[..8],
-            8,
-            8,
-            Direction::Forward,
-            Some(&short),
-            None
-        )
-        .is_err());
+        assert!(rejects(Direction::Forward, Some(&short), None));
         let dup: Vec<u32> = vec![0, 0, 1, 2, 3, 4, 5, 6];
-        assert!(fwht_rows(
-            &x[..8],
-            &mut y[..8],
-            8,
-            8,
-            Direction::Forward,
-            None,
-            Some(&dup)
-        )
-        .is_err());
+        assert!(rejects(Direction::Forward, None, Some(&dup)));
         let oob: Vec<u32> = vec![8, 1, 2, 3, 4, 5, 6, 7];
-        assert!(fwht_rows(
-            &x[..8],
-            &mut y[..8],
-            8,
-            8,
-            Direction::Forward,
-            None,
-            Some(&oob)
-        )
-        .is_err());
+        assert!(rejects(Direction::Forward, None, Some(&oob)));
         let id: Vec<u32> = (0..8).collect();
-        assert!(fwht_rows(
-            &x[..8],
-            &mut y[..8],
-            8,
-            8,
-            Direction::Inverse,
-            None,
-            Some(&id)
-        )
-        .is_err());
+        assert!(rejects(Direction::Inverse, None, Some(&id)));
     }
 
     #[test]

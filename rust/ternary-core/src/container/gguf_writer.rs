@@ -406,24 +406,42 @@ impl GgufWriter {
         if !self.header_written {
             self.write_header()?;
         }
-        if let Some(t) = self.tensors.get(self.current) {
-            return Err(Error::invalid(format!(
-                "{}: tensor '{}' received {} of its {} bytes ({} of {} tensors complete)",
-                self.path.display(),
-                t.name,
-                self.current_written,
-                t.nbytes,
-                self.current,
-                self.tensors.len()
-            )));
-        }
-        let out = self.out.take().ok_or_else(|| {
-            Error::invalid(format!("{}: writer already finished", self.path.display()))
-        })?;
-        let file = out
-            .into_inner()
-            .map_err(|e| Error::io(&self.path, e.into_error()))?;
-        drop(file);
-        Ok(())
+        let pending = self
+            .tensors
+            .get(self.current)
+            .map(|t| (t.name.as_str(), t.nbytes));
+        finish_stream(
+            &self.path,
+            &mut self.out,
+            pending,
+            self.current_written,
+            self.current,
+            self.tensors.len(),
+        )
     }
+}
+
+/// The end of a streaming writer's `finish` (GGUF and safetensors): refuse while a declared tensor is
+/// incomplete (`pending`: its name and declared bytes, of which `written` arrived; `complete` of `total`
+/// tensors are done), else flush and close `out`.
+pub(super) fn finish_stream(
+    path: &Path,
+    out: &mut Option<BufWriter<File>>,
+    pending: Option<(&str, u64)>,
+    written: u64,
+    complete: usize,
+    total: usize,
+) -> Result<()> {
+    if let Some((name, nbytes)) = pending {
+        return Err(Error::invalid(format!(
+            "{}: tensor '{name}' received {written} of its {nbytes} bytes ({complete} of {total} tensors complete)",
+            path.display(),
+        )));
+    }
+    let out = out
+        .take()
+        .ok_or_else(|| Error::invalid(format!("{}: writer already finished", path.display())))?;
+    out.into_inner()
+        .map_err(|e| Error::io(path, e.into_error()))?;
+    Ok(())
 }

@@ -11,6 +11,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use super::gguf_writer::finish_stream;
 use super::limits::*;
 use super::safetensors::Dtype;
 use crate::{Error, Result};
@@ -169,22 +170,17 @@ impl SafetensorsWriter {
 
     /// Flush and close; errors if any tensor is incomplete.
     pub fn finish(&mut self) -> Result<()> {
-        if let Some(t) = self.tensors.get(self.current) {
-            return Err(Error::invalid(format!(
-                "{}: tensor '{}' received {} of its {} bytes ({} of {} tensors complete)",
-                self.path.display(),
-                t.name,
-                self.current_written,
-                t.nbytes,
-                self.current,
-                self.tensors.len()
-            )));
-        }
-        let out = self.out.take().ok_or_else(|| {
-            Error::invalid(format!("{}: writer already finished", self.path.display()))
-        })?;
-        out.into_inner()
-            .map_err(|e| Error::io(&self.path, e.into_error()))?;
-        Ok(())
+        let pending = self
+            .tensors
+            .get(self.current)
+            .map(|t| (t.name.as_str(), t.nbytes));
+        finish_stream(
+            &self.path,
+            &mut self.out,
+            pending,
+            self.current_written,
+            self.current,
+            self.tensors.len(),
+        )
     }
 }

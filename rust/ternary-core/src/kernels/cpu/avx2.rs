@@ -28,15 +28,17 @@ pub(crate) fn is_supported() -> bool {
         && is_x86_feature_detected!("f16c")
 }
 
+/// One fp16 → f32 conversion (`vcvtph2ps`); the AVX-512 kernels share it.
 #[inline]
 #[target_feature(enable = "f16c")]
-fn f16_to_f32(h: f16) -> f32 {
+pub(super) fn f16_to_f32(h: f16) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h.to_bits() as i32)))
 }
 
 /// Byte offset, inside a prepared row, of the plus-plane bits of column `k` (k a multiple of 8).
+/// Shared with the AVX-512 kernels.
 #[inline(always)]
-fn plane_offset(k: usize) -> usize {
+pub(super) fn plane_offset(k: usize) -> usize {
     (k / CHUNK_K) * CHUNK_BYTES + (k % CHUNK_K) / 8
 }
 

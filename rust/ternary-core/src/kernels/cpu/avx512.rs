@@ -8,12 +8,12 @@
 
 // Register arrays (per row, per x row) are indexed in lockstep; index loops say that most plainly.
 #![allow(clippy::needless_range_loop)]
-// AVX-512 intrinsics are stable from Rust 1.89; the workspace `rust-version` (1.85) predates them.
 
 use std::arch::x86_64::*;
 
 use half::f16;
 
+use super::avx2::{f16_to_f32, plane_offset};
 use super::layout::{CHUNK_BYTES, CHUNK_K, MINUS_OFFSET};
 use super::{Kernels, RowBlock, ACC_STRIDE, LANES, MICRO_M, ROWS};
 
@@ -43,18 +43,6 @@ pub(crate) fn is_supported() -> bool {
         && is_x86_feature_detected!("avx512vnni")
         && is_x86_feature_detected!("fma")
         && is_x86_feature_detected!("f16c")
-}
-
-#[inline]
-#[target_feature(enable = "f16c")]
-fn f16_to_f32(h: f16) -> f32 {
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h.to_bits() as i32)))
-}
-
-/// Byte offset, inside a prepared row, of the plus-plane bits of column `k` (k a multiple of 8).
-#[inline(always)]
-fn plane_offset(k: usize) -> usize {
-    (k / CHUNK_K) * CHUNK_BYTES + (k % CHUNK_K) / 8
 }
 
 /// Read a little-endian mask of `T` bits at `p + off`.
