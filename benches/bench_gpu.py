@@ -114,7 +114,7 @@ def main() -> int:
         _ops_cuda.set_gemv_max_m(args.gemv_max_m)
     if dev == "cuda":
         props = torch.cuda.get_device_properties(0)
-        name, sm_count = props.name, sm_count
+        name, sm_count = props.name, props.multi_processor_count
     else:
         name, sm_count = "CPU (dry run)", 132
     g = args.group_size

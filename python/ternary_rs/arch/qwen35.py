@@ -30,7 +30,6 @@ A ``qwen35`` GGUF without ``prism.hadamard.*`` is taken as an ordinary (unrotate
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any
