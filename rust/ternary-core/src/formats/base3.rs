@@ -21,6 +21,62 @@ pub(crate) struct Base3Layout {
     pub d_offset: usize,
 }
 
+/// A base-3 block format: its `#[repr(C)]` struct `{ qs, qh, d: f16 }` (size checked against
+/// `bytes`) and a [`BlockCodec`](super::BlockCodec) impl that runs its [`Base3Layout`]. TQ1_0 and
+/// PTQ1_0 differ only in these parameters.
+macro_rules! base3_block {
+    ($(#[$attr:meta])* $name:ident, $format:expr, values: $values:literal, bytes: $bytes:literal,
+     qs: $qs:literal, qh: $qh:literal, stages: $stages:expr) => {
+        $(#[$attr])*
+        #[repr(C)]
+        #[derive(Clone, Copy, Debug)]
+        pub struct $name {
+            pub qs: [u8; $qs],
+            pub qh: [u8; $qh],
+            pub d: [u8; 2],
+        }
+        const _: () = assert!(std::mem::size_of::<$name>() == $bytes);
+
+        impl $name {
+            const LAYOUT: $crate::formats::base3::Base3Layout =
+                $crate::formats::base3::Base3Layout {
+                    values: $values,
+                    stages: &$stages,
+                    qs_bytes: $qs,
+                    qh_bytes: $qh,
+                    d_offset: $qs + $qh,
+                };
+        }
+
+        impl $crate::formats::BlockCodec for $name {
+            const FORMAT: $crate::formats::Format = $format;
+            const BLOCK_VALUES: usize = $values;
+            const BLOCK_BYTES: usize = $bytes;
+            const CAN_HOLD_CODE3: bool = false;
+
+            #[inline(always)]
+            fn scale(block: &[u8]) -> half::f16 {
+                $crate::formats::read_f16(block, Self::LAYOUT.d_offset)
+            }
+            #[inline(always)]
+            fn unpack_block(block: &[u8], canon: &mut [u8]) {
+                Self::LAYOUT.unpack(block, canon)
+            }
+            #[inline(always)]
+            fn pack_block(canon: &[u8], d: half::f16, block: &mut [u8]) {
+                Self::LAYOUT.pack(canon, d, block)
+            }
+            fn decode_block_ref(block: &[u8], codes: &mut [u8]) -> half::f16 {
+                Self::LAYOUT.decode_ref(block, codes)
+            }
+            fn encode_block_ref(codes: &[u8], d: half::f16, block: &mut [u8]) {
+                Self::LAYOUT.encode_ref(codes, d, block)
+            }
+        }
+    };
+}
+pub(crate) use base3_block;
+
 /// Digit `n` (0 = most significant) of a packed byte — the reference formula.
 #[inline(always)]
 pub(crate) const fn digit(b: u8, n: u32) -> u8 {

@@ -6,15 +6,51 @@
 
 use half::f16;
 
-use super::{read_f16, BlockCodec, Format};
+use super::{read_f16, Format};
 
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct BlockQ2_0 {
-    pub d: [u8; 2],
-    pub qs: [u8; 16],
+/// A consecutive 2-bit block format `{ d: f16, qs }` (size checked against `bytes`) and its
+/// [`BlockCodec`](super::BlockCodec) impl: decoding is a copy of `qs` plus the scale. Q2_0 and PQ2_0 differ only in
+/// these parameters.
+macro_rules! consecutive_2bit_block {
+    ($(#[$attr:meta])* $name:ident, $format:expr, values: $values:literal, bytes: $bytes:literal) => {
+        $(#[$attr])*
+        #[repr(C)]
+        #[derive(Clone, Copy, Debug)]
+        pub struct $name {
+            pub d: [u8; 2],
+            pub qs: [u8; $values / 4],
+        }
+        const _: () = assert!(std::mem::size_of::<$name>() == $bytes);
+
+        impl $crate::formats::BlockCodec for $name {
+            const FORMAT: $crate::formats::Format = $format;
+            const BLOCK_VALUES: usize = $values;
+            const BLOCK_BYTES: usize = $bytes;
+            const CAN_HOLD_CODE3: bool = true;
+
+            #[inline(always)]
+            fn scale(block: &[u8]) -> half::f16 {
+                $crate::formats::read_f16(block, 0)
+            }
+            #[inline(always)]
+            fn unpack_block(block: &[u8], canon: &mut [u8]) {
+                canon.copy_from_slice(&block[2..Self::BLOCK_BYTES]);
+            }
+            #[inline(always)]
+            fn pack_block(canon: &[u8], d: half::f16, block: &mut [u8]) {
+                block[..2].copy_from_slice(&d.to_le_bytes());
+                block[2..Self::BLOCK_BYTES].copy_from_slice(canon);
+            }
+            fn decode_block_ref(block: &[u8], codes: &mut [u8]) -> half::f16 {
+                $crate::formats::q2_0::decode_consecutive_ref(block, codes)
+            }
+            fn encode_block_ref(codes: &[u8], d: half::f16, block: &mut [u8]) {
+                $crate::formats::q2_0::encode_consecutive_ref(codes, d, block)
+            }
+        }
+    };
 }
-const _: () = assert!(std::mem::size_of::<BlockQ2_0>() == 18);
+pub(crate) use consecutive_2bit_block;
 
 /// Scalar reference of the consecutive 2-bit codec (`d` first, then `values/4` code bytes).
 pub(crate) fn decode_consecutive_ref(block: &[u8], codes: &mut [u8]) -> f16 {
@@ -35,29 +71,4 @@ pub(crate) fn encode_consecutive_ref(codes: &[u8], d: f16, block: &mut [u8]) {
     }
 }
 
-impl BlockCodec for BlockQ2_0 {
-    const FORMAT: Format = Format::Q2_0;
-    const BLOCK_VALUES: usize = 64;
-    const BLOCK_BYTES: usize = 18;
-    const CAN_HOLD_CODE3: bool = true;
-
-    #[inline(always)]
-    fn scale(block: &[u8]) -> f16 {
-        read_f16(block, 0)
-    }
-    #[inline(always)]
-    fn unpack_block(block: &[u8], canon: &mut [u8]) {
-        canon.copy_from_slice(&block[2..Self::BLOCK_BYTES]);
-    }
-    #[inline(always)]
-    fn pack_block(canon: &[u8], d: f16, block: &mut [u8]) {
-        block[..2].copy_from_slice(&d.to_le_bytes());
-        block[2..Self::BLOCK_BYTES].copy_from_slice(canon);
-    }
-    fn decode_block_ref(block: &[u8], codes: &mut [u8]) -> f16 {
-        decode_consecutive_ref(block, codes)
-    }
-    fn encode_block_ref(codes: &[u8], d: f16, block: &mut [u8]) {
-        encode_consecutive_ref(codes, d, block)
-    }
-}
+consecutive_2bit_block!(BlockQ2_0, Format::Q2_0, values: 64, bytes: 18);
