@@ -498,16 +498,7 @@ mod dequant_simd {
     /// Whether the AVX-512 path can run here (checked once per call, cached by std).
     #[inline]
     pub fn available() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512bw")
-                && !cfg!(miri)
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
+        crate::formats::avx512bw_available()
     }
 
     /// `out[i] = lut[code i]` for a group (`q.len()` a multiple of 8, `out.len() == 4·q.len()`).

@@ -172,9 +172,38 @@ pub const fn transpose_2bit_4x4(x: u32) -> u32 {
     x ^ t ^ (t << 12)
 }
 
+/// Whether the AVX-512 (F + BW) fast paths can run here (std caches the CPU check).
+#[inline]
+pub(crate) fn avx512bw_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && !cfg!(miri)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Number of code-3 fields in a canonical byte slice, and the element index (within the slice) of
 /// the first one.
 pub(crate) fn count_code3(bytes: &[u8]) -> (u64, Option<u64>) {
+    // Valid data has no code 3: a branch-free OR over whole words (vectorized) settles that case;
+    // only data that holds one takes the exact count below.
+    let words = bytes.chunks_exact(8);
+    let tail = words
+        .remainder()
+        .iter()
+        .fold(0u8, |a, &b| a | (b & (b >> 1)));
+    let any = words.fold(0u64, |a, w| {
+        let x = u64::from_le_bytes(w.try_into().expect("chunk of 8"));
+        a | (x & (x >> 1))
+    });
+    if any & 0x5555_5555_5555_5555 == 0 && tail & 0x55 == 0 {
+        return (0, None);
+    }
     let mut count = 0u64;
     let mut first = None;
     // Whole words first: a code is 3 exactly when both of its bits are set.
