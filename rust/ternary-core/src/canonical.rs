@@ -223,6 +223,28 @@ impl<'a> CanonicalRef<'a> {
 
     /// `simd = false` forces the scalar reference loop (tests compare the two).
     pub(crate) fn dequantize_f32_impl(&self, out: &mut [f32], simd: bool) -> Result<()> {
+        self.for_each_group(out, |grp, qg, sc| {
+            let sc = sc.to_f32();
+            let lut = [-sc, 0.0 * sc, sc, 2.0 * sc];
+            if simd {
+                dequant_simd::group_f32(qg, grp, lut);
+                return;
+            }
+            for (o, &b) in grp.chunks_exact_mut(4).zip(qg) {
+                for (j, v) in o.iter_mut().enumerate() {
+                    *v = lut[((b >> (2 * j)) & 3) as usize];
+                }
+            }
+        })
+    }
+
+    /// Check shape and `out` (`rows · cols` values), then run `f(out group, its code bytes, its
+    /// scale)` on every group, rows in parallel: the loop both dequantizers share.
+    fn for_each_group<T: Send>(
+        &self,
+        out: &mut [T],
+        f: impl Fn(&mut [T], &[u8], f16) + Sync,
+    ) -> Result<()> {
         self.check()?;
         self.check_out(out.len())?;
         let (cols, g) = (self.cols, self.group_size);
@@ -237,17 +259,7 @@ impl<'a> CanonicalRef<'a> {
                     for ((grp, qg), &sc) in
                         row.chunks_exact_mut(g).zip(q.chunks_exact(g / 4)).zip(s)
                     {
-                        let sc = sc.to_f32();
-                        let lut = [-sc, 0.0 * sc, sc, 2.0 * sc];
-                        if simd {
-                            dequant_simd::group_f32(qg, grp, lut);
-                            continue;
-                        }
-                        for (o, &b) in grp.chunks_exact_mut(4).zip(qg) {
-                            for (j, v) in o.iter_mut().enumerate() {
-                                *v = lut[((b >> (2 * j)) & 3) as usize];
-                            }
-                        }
+                        f(grp, qg, sc);
                     }
                 })
         });
@@ -286,49 +298,33 @@ impl<'a> CanonicalRef<'a> {
         out: &mut [u16],
         simd: bool,
     ) -> Result<()> {
-        self.check()?;
-        self.check_out(out.len())?;
-        let (cols, g) = (self.cols, self.group_size);
         let to_bits = move |x: f32| match kind {
             HalfKind::F16 => half::f16::from_f32(x).to_bits(),
             HalfKind::BF16 => half::bf16::from_f32(x).to_bits(),
         };
-        crate::threads::install(|| {
-            use rayon::prelude::*;
-            out.par_chunks_mut(cols)
-                .enumerate()
-                .with_min_len(4)
-                .for_each(|(n, row)| {
-                    let q = &self.qweight[n * cols / 4..(n + 1) * cols / 4];
-                    let s = &self.scales[n * (cols / g)..(n + 1) * (cols / g)];
-                    for ((grp, qg), &sc) in
-                        row.chunks_exact_mut(g).zip(q.chunks_exact(g / 4)).zip(s)
-                    {
-                        let sc = sc.to_f32();
-                        let (neg, zero, pos, two) = (
-                            to_bits(-sc),
-                            to_bits(0.0 * sc),
-                            to_bits(sc),
-                            to_bits(2.0 * sc),
-                        );
-                        if simd {
-                            dequant_simd::group_u16(qg, grp, [neg, zero, pos, two]);
-                            continue;
-                        }
-                        let lane = |x: u16| x as u64 * 0x0001_0001_0001_0001;
-                        let (neg, zero, pos) = (lane(neg), lane(zero), lane(pos));
-                        for (o, &b) in grp.chunks_exact_mut(4).zip(qg) {
-                            let m = &LANE_MASKS[b as usize];
-                            let w = (m[0] & neg) | (m[1] & zero) | (m[2] & pos);
-                            o[0] = w as u16;
-                            o[1] = (w >> 16) as u16;
-                            o[2] = (w >> 32) as u16;
-                            o[3] = (w >> 48) as u16;
-                        }
-                    }
-                })
-        });
-        Ok(())
+        self.for_each_group(out, |grp, qg, sc| {
+            let sc = sc.to_f32();
+            let (neg, zero, pos, two) = (
+                to_bits(-sc),
+                to_bits(0.0 * sc),
+                to_bits(sc),
+                to_bits(2.0 * sc),
+            );
+            if simd {
+                dequant_simd::group_u16(qg, grp, [neg, zero, pos, two]);
+                return;
+            }
+            let lane = |x: u16| x as u64 * 0x0001_0001_0001_0001;
+            let (neg, zero, pos) = (lane(neg), lane(zero), lane(pos));
+            for (o, &b) in grp.chunks_exact_mut(4).zip(qg) {
+                let m = &LANE_MASKS[b as usize];
+                let w = (m[0] & neg) | (m[1] & zero) | (m[2] & pos);
+                o[0] = w as u16;
+                o[1] = (w >> 16) as u16;
+                o[2] = (w >> 32) as u16;
+                o[3] = (w >> 48) as u16;
+            }
+        })
     }
 
     /// Trits `t = c − 1` as int8, row-major `[rows, cols]`.
