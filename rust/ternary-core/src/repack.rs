@@ -89,7 +89,6 @@ pub fn decode_blocks<C: BlockCodec>(
     }
     let row_bytes = cols / 4;
     let row_in = blocks_per_row * C::BLOCK_BYTES;
-    let canon_block = C::BLOCK_VALUES / 4;
     let mut qweight = vec![0u8; rows * row_bytes];
     let mut scales = vec![f16::ZERO; rows * blocks_per_row];
     let per_task = rows_per_task(row_bytes);
@@ -101,9 +100,8 @@ pub fn decode_blocks<C: BlockCodec>(
             .enumerate()
             .map(|(task, ((q, s), src))| {
                 let mut bad = (0u64, None);
-                for (b, ((qb, sb), blk)) in q
-                    .chunks_exact_mut(canon_block)
-                    .zip(s.iter_mut())
+                for (b, (sb, blk)) in s
+                    .iter_mut()
                     .zip(src.chunks_exact(C::BLOCK_BYTES))
                     .enumerate()
                 {
@@ -114,8 +112,8 @@ pub fn decode_blocks<C: BlockCodec>(
                             .get_or_insert((task * per_task * blocks_per_row + b) as u64);
                     }
                     *sb = d;
-                    C::unpack_block(blk, qb);
                 }
+                C::unpack_blocks(src, q);
                 let threes = if C::CAN_HOLD_CODE3 {
                     let (n, f) = count_code3(q);
                     (n, f.map(|f| f + (task * per_task * cols) as u64))

@@ -22,11 +22,13 @@ pub(crate) struct Base3Layout {
 }
 
 /// A base-3 block format: its `#[repr(C)]` struct `{ qs, qh, d: f16 }` (size checked against
-/// `bytes`) and a [`BlockCodec`](super::BlockCodec) impl that runs its [`Base3Layout`]. TQ1_0 and
-/// PTQ1_0 differ only in these parameters.
+/// `bytes`) and a [`BlockCodec`](super::BlockCodec) impl that runs its [`Base3Layout`] (`fast`:
+/// unpackers of one block and of a run of blocks that replace it, e.g. SIMD ones). TQ1_0 and PTQ1_0
+/// differ only in these parameters.
 macro_rules! base3_block {
     ($(#[$attr:meta])* $name:ident, $format:expr, values: $values:literal, bytes: $bytes:literal,
-     qs: $qs:literal, qh: $qh:literal, stages: $stages:expr) => {
+     qs: $qs:literal, qh: $qh:literal, stages: $stages:expr
+     $(, fast: ($unpack:path, $unpack_blocks:path))?) => {
         $(#[$attr])*
         #[repr(C)]
         #[derive(Clone, Copy, Debug)]
@@ -59,9 +61,17 @@ macro_rules! base3_block {
                 $crate::formats::read_f16(block, Self::LAYOUT.d_offset)
             }
             #[inline(always)]
+            #[allow(unreachable_code)] // with `fast`, the layout's own unpack is not reached
             fn unpack_block(block: &[u8], canon: &mut [u8]) {
+                $(return $unpack(block, canon);)?
                 Self::LAYOUT.unpack(block, canon)
             }
+            $(
+            #[inline(always)]
+            fn unpack_blocks(blocks: &[u8], canon: &mut [u8]) {
+                $unpack_blocks(blocks, canon)
+            }
+            )?
             #[inline(always)]
             fn pack_block(canon: &[u8], d: half::f16, block: &mut [u8]) {
                 Self::LAYOUT.pack(canon, d, block)

@@ -144,6 +144,17 @@ pub trait BlockCodec: Sync {
     fn scale(block: &[u8]) -> f16;
     /// Fast path: block bytes → `BLOCK_VALUES / 4` canonical bytes.
     fn unpack_block(block: &[u8], canon: &mut [u8]);
+    /// Fast path over consecutive whole blocks (`canon.len() / (BLOCK_VALUES / 4)` of them): formats
+    /// whose SIMD path handles several blocks per register override this.
+    #[inline(always)]
+    fn unpack_blocks(blocks: &[u8], canon: &mut [u8]) {
+        for (blk, c) in blocks
+            .chunks_exact(Self::BLOCK_BYTES)
+            .zip(canon.chunks_exact_mut(Self::BLOCK_VALUES / 4))
+        {
+            Self::unpack_block(blk, c);
+        }
+    }
     /// Fast path: canonical bytes + scale → block bytes (codes must be 0..=2).
     fn pack_block(canon: &[u8], d: f16, block: &mut [u8]);
 
