@@ -173,54 +173,50 @@ pub fn recover(
 ) -> Result<CanonicalTernary> {
     check_shape(rows, cols, group_size)?;
     check_len(tensor, bytes.len(), rows, cols, dtype.size())?;
-    let (row_bytes, groups) = (cols / 4, cols / group_size);
-    let mut qweight = vec![0u8; rows * row_bytes];
-    let mut scales = vec![f16::ZERO; rows * groups];
-    let row_in = cols * dtype.size();
-    let issues = threads::install(|| {
-        qweight
-            .par_chunks_mut(row_bytes)
-            .zip(scales.par_chunks_mut(groups))
-            .zip(bytes.par_chunks(row_in))
-            .enumerate()
-            .with_min_len(4)
-            .map(|(n, ((q, s), src))| {
-                let mut iss = Issues::default();
-                let mut vals = vec![0f32; group_size];
-                for (g, sg) in s.iter_mut().enumerate() {
-                    let base = (n * cols + g * group_size) as u64;
-                    let mut a = 0f32;
-                    for (j, v) in vals.iter_mut().enumerate() {
-                        *v = dtype.load(src, g * group_size + j);
-                        if !v.is_finite() {
-                            iss.non_finite.add(base + j as u64);
-                        }
-                        a = a.max(v.abs());
+    let groups = cols / group_size;
+    let (canon, issues) = build_rows(
+        rows,
+        cols,
+        group_size,
+        bytes,
+        cols * dtype.size(),
+        Issues::merge,
+        |n, q, s, src| {
+            let mut iss = Issues::default();
+            let mut vals = vec![0f32; group_size];
+            for (g, sg) in s.iter_mut().enumerate() {
+                let base = (n * cols + g * group_size) as u64;
+                let mut a = 0f32;
+                for (j, v) in vals.iter_mut().enumerate() {
+                    *v = dtype.load(src, g * group_size + j);
+                    if !v.is_finite() {
+                        iss.non_finite.add(base + j as u64);
                     }
-                    let scale = f16::from_f32(a);
-                    if scale.to_f32() != a {
-                        iss.scale.add((n * groups + g) as u64);
-                    }
-                    *sg = scale;
-                    for (j, &v) in vals.iter().enumerate() {
-                        let code = if v == a && a != 0.0 {
-                            2
-                        } else if v == -a && a != 0.0 {
-                            0
-                        } else if v == 0.0 {
-                            1
-                        } else {
-                            iss.not_ternary.add(base + j as u64);
-                            1
-                        };
-                        let k = g * group_size + j;
-                        q[k / 4] |= code << (2 * (k % 4));
-                    }
+                    a = a.max(v.abs());
                 }
-                iss
-            })
-            .reduce(Issues::default, Issues::merge)
-    });
+                let scale = f16::from_f32(a);
+                if scale.to_f32() != a {
+                    iss.scale.add((n * groups + g) as u64);
+                }
+                *sg = scale;
+                for (j, &v) in vals.iter().enumerate() {
+                    let code = if v == a && a != 0.0 {
+                        2
+                    } else if v == -a && a != 0.0 {
+                        0
+                    } else if v == 0.0 {
+                        1
+                    } else {
+                        iss.not_ternary.add(base + j as u64);
+                        1
+                    };
+                    let k = g * group_size + j;
+                    q[k / 4] |= code << (2 * (k % 4));
+                }
+            }
+            iss
+        },
+    );
     issues
         .non_finite
         .check(tensor, "non-finite (NaN/Inf) value in dense tensor")?;
@@ -235,13 +231,7 @@ pub fn recover(
         tensor,
         "group scale max|group| is not exactly representable in fp16 (first index is the group)",
     )?;
-    Ok(CanonicalTernary {
-        rows,
-        cols,
-        group_size,
-        qweight,
-        scales,
-    })
+    Ok(canon)
 }
 
 /// Ternarize dense f32 weights `[rows, cols]` with `method` at `group_size`.
@@ -276,57 +266,83 @@ pub fn ternarize(
     } else {
         None
     };
-    let (row_bytes, groups) = (cols / 4, cols / group_size);
-    let mut qweight = vec![0u8; rows * row_bytes];
-    let mut scales = vec![f16::ZERO; rows * groups];
-    let overflow = threads::install(|| {
-        qweight
-            .par_chunks_mut(row_bytes)
-            .zip(scales.par_chunks_mut(groups))
-            .zip(w.par_chunks(cols))
-            .enumerate()
-            .with_min_len(4)
-            .map(|(n, ((q, s), row))| {
-                let mut overflow = Issue::default();
-                for (g, grp) in row.chunks_exact(group_size).enumerate() {
-                    let scale = match (method, tensor_scale) {
-                        (_, Some(ts)) => ts,
-                        (Method::Absmax, _) => grp
-                            .iter()
-                            .fold(0f32, |m, v| m.max(v.abs()))
-                            .max(ABSMAX_FLOOR),
-                        _ => {
-                            let sum: f64 = grp.iter().map(|v| v.abs() as f64).sum();
-                            ((sum / group_size as f64) as f32).max(ABSMEAN_FLOOR)
-                        }
-                    };
-                    let stored = f16::from_f32(scale);
-                    if !stored.is_finite() {
-                        overflow.add((n * groups + g) as u64);
+    let groups = cols / group_size;
+    let (canon, overflow) = build_rows(
+        rows,
+        cols,
+        group_size,
+        w,
+        cols,
+        Issue::merge,
+        |n, q, s, row| {
+            let mut overflow = Issue::default();
+            for (g, grp) in row.chunks_exact(group_size).enumerate() {
+                let scale = match (method, tensor_scale) {
+                    (_, Some(ts)) => ts,
+                    (Method::Absmax, _) => grp
+                        .iter()
+                        .fold(0f32, |m, v| m.max(v.abs()))
+                        .max(ABSMAX_FLOOR),
+                    _ => {
+                        let sum: f64 = grp.iter().map(|v| v.abs() as f64).sum();
+                        ((sum / group_size as f64) as f32).max(ABSMEAN_FLOOR)
                     }
-                    s[g] = stored;
-                    for (j, &v) in grp.iter().enumerate() {
-                        let t = match method {
-                            Method::Absmax => (v / scale).clamp(-1.0, 1.0).round_ties_even(),
-                            _ => (v / scale).round_ties_even().clamp(-1.0, 1.0),
-                        };
-                        let k = g * group_size + j;
-                        q[k / 4] |= code_of(t) << (2 * (k % 4));
-                    }
+                };
+                let stored = f16::from_f32(scale);
+                if !stored.is_finite() {
+                    overflow.add((n * groups + g) as u64);
                 }
-                overflow
-            })
-            .reduce(Issue::default, Issue::merge)
-    });
+                s[g] = stored;
+                for (j, &v) in grp.iter().enumerate() {
+                    let t = match method {
+                        Method::Absmax => (v / scale).clamp(-1.0, 1.0).round_ties_even(),
+                        _ => (v / scale).round_ties_even().clamp(-1.0, 1.0),
+                    };
+                    let k = g * group_size + j;
+                    q[k / 4] |= code_of(t) << (2 * (k % 4));
+                }
+            }
+            overflow
+        },
+    );
     overflow.check(
         tensor,
         "group scale exceeds the fp16 range (65504); the first index is the group",
     )?;
-    Ok(CanonicalTernary {
+    Ok(canon)
+}
+
+/// A fresh canonical `[rows, cols]` tensor at `group_size`, filled row by row on the pool (at least
+/// four rows per work item): `row(n, its code bytes, its scales, its src_row source elements)` fills
+/// row `n` and returns what it found; the finds of all rows are combined with `merge`.
+fn build_rows<T: Sync, R: Send + Default>(
+    rows: usize,
+    cols: usize,
+    group_size: usize,
+    src: &[T],
+    src_row: usize,
+    merge: impl Fn(R, R) -> R + Sync + Send,
+    row: impl Fn(usize, &mut [u8], &mut [f16], &[T]) -> R + Sync + Send,
+) -> (CanonicalTernary, R) {
+    let (row_bytes, groups) = (cols / 4, cols / group_size);
+    let mut qweight = vec![0u8; rows * row_bytes];
+    let mut scales = vec![f16::ZERO; rows * groups];
+    let found = threads::install(|| {
+        qweight
+            .par_chunks_mut(row_bytes)
+            .zip(scales.par_chunks_mut(groups))
+            .zip(src.par_chunks(src_row))
+            .enumerate()
+            .with_min_len(4)
+            .map(|(n, ((q, s), src))| row(n, q, s, src))
+            .reduce(R::default, merge)
+    });
+    let canon = CanonicalTernary {
         rows,
         cols,
         group_size,
         qweight,
         scales,
-    })
+    };
+    (canon, found)
 }
