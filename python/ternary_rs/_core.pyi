@@ -10,6 +10,7 @@ from typing import Any
 from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 __version__: str
+GROUP_SIZES: tuple[int, ...]
 
 # ---- errors (rust/bindings/src/errors.rs) -----------------------------------------------------------
 class TernaryError(Exception):

@@ -84,6 +84,9 @@ def kernel_options(variant: str | None = None, int8: bool | None = None):
         globals().update(_variant=old[0], _int8=old[1])
 
 
+_GROUP_SIZES_TEXT = ", ".join(map(str, _core.GROUP_SIZES))
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
@@ -94,7 +97,7 @@ def prepare_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int)
     _check(qweight.dtype == torch.uint8 and qweight.dim() == 2, f"qweight must be uint8 [N, K/4], got {qweight.dtype} {tuple(qweight.shape)}")
     _check(scales.dtype == torch.float16, f"scales must be float16, got {scales.dtype}")
     n, k = qweight.shape[0], qweight.shape[1] * 4
-    _check(group_size in (32, 64, 128, 256), f"group_size {group_size} is not one of 32, 64, 128, 256")
+    _check(group_size in _core.GROUP_SIZES, f"group_size {group_size} is not one of {_GROUP_SIZES_TEXT}")
     _check(k % group_size == 0, f"in_features {k} is not a multiple of group_size {group_size}")
     _check(tuple(scales.shape) == (n, k // group_size), f"scales must be [{n}, {k // group_size}], got {tuple(scales.shape)}")
     _check(qweight.device.type == "cpu" and scales.device.type == "cpu", "prepare_weight (CPU) needs CPU tensors")
@@ -111,7 +114,7 @@ def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bi
     if name is None:
         raise TypeError(f"ternary_linear: x dtype {x.dtype} is not supported; use bfloat16, float16 or float32")
     _check(x.dim() >= 1 and x.shape[-1] == k, f"ternary_linear: x has shape {tuple(x.shape)}, expected [..., {k}]")
-    _check(g in (32, 64, 128, 256) and k % g == 0, f"ternary_linear: in_features {k} / group_size {g} invalid")
+    _check(g in _core.GROUP_SIZES and k % g == 0, f"ternary_linear: in_features {k} / group_size {g} invalid")
     row_bytes = _core.cpu_prepared_row_bytes(k)
     _check(
         qweight.dtype == torch.uint8 and tuple(qweight.shape) == (n, row_bytes) and qweight.is_contiguous(),

@@ -22,7 +22,7 @@ CHUNK_N = 32
 CHUNK_K = 64
 CHUNK_BYTES = 512
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_GROUP_SIZES = (32, 64, 128, 256)
+_GROUP_SIZES = _core.GROUP_SIZES
 
 _sm_counts: dict[int, int] = {}
 # (m, n, k, g, sm_count) -> (splits, partial_floats, counters); cleared when the GEMV cut-off changes.

@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._core import TernaryError, __version__
+from ._core import GROUP_SIZES, TernaryError, __version__
 
 MANIFEST_NAME = "ternary_rs.json"
 INDEX_NAME = "model.safetensors.index.json"
 SHARD_PATTERN = "model-{index:05d}-of-{count:05d}.safetensors"
 MANIFEST_FORMAT_VERSION = 1
 QUANT_FORMAT_VERSION = 1
-SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)
+SUPPORTED_GROUP_SIZES = GROUP_SIZES
 # Temporary siblings: ".<dst name>.ternary_rs-tmp-<pid>-<nonce>"; never mistaken for a checkpoint.
 TMP_MARK = ".ternary_rs-tmp-"
 OLD_MARK = ".ternary_rs-old-"

@@ -8,6 +8,8 @@ import logging
 import signal
 import sys
 
+from ._core import GROUP_SIZES
+
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
@@ -77,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dst", help="output directory / GGUF file (bulk: a folder)")
     c.add_argument("--to", choices=("vllm", "gguf"), default="vllm")
     c.add_argument("--gguf-type", choices=("TQ2_0", "TQ1_0", "PQ2_0", "PTQ1_0"), type=str.upper)
-    c.add_argument("--group-size", type=int, choices=(32, 64, 128, 256))
+    c.add_argument("--group-size", type=int, choices=GROUP_SIZES)
     c.add_argument("--threads", type=int)
     c.add_argument("--shard-size", default="5GB")
     c.add_argument("--force", action="store_true", help="replace an existing destination")

@@ -121,8 +121,8 @@ class TernaryTensor:
         inferred = cols // scales.shape[1]
         if group_size is not None and group_size != inferred:
             raise ValueError(f"group_size {group_size} does not match scales {scales.shape} for K = {cols}")
-        if inferred not in (32, 64, 128, 256):
-            raise ValueError(f"group size {inferred} is not one of 32, 64, 128, 256")
+        if inferred not in _core.GROUP_SIZES:
+            raise ValueError(f"group size {inferred} is not one of {', '.join(map(str, _core.GROUP_SIZES))}")
         self.qweight = qweight
         self.scales = scales
         self.group_size = inferred
@@ -251,7 +251,7 @@ def _default_group(cols: int, preferred: int = 128) -> int:
     for g in (256, 128, 64, 32):
         if cols % g == 0:
             return g
-    raise ValueError(f"K = {cols} is not a multiple of any group size (32, 64, 128, 256)")
+    raise ValueError(f"K = {cols} is not a multiple of any group size {_core.GROUP_SIZES}")
 
 
 def _float_array(w: Any) -> np.ndarray:

@@ -31,9 +31,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 
+from .. import _core
+
 QUANT_METHOD = "ternary"
 SUPPORTED_FORMAT_VERSIONS = (1,)
-SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)
+SUPPORTED_GROUP_SIZES = _core.GROUP_SIZES
 SUPPORTED_SCALE_DTYPES = ("float16",)
 # Codes are packed four per byte along K.
 CODES_PER_BYTE = 4

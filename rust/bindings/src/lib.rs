@@ -15,6 +15,11 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The contract's group sizes, so Python checks them against the same constant as the core.
+    m.add(
+        "GROUP_SIZES",
+        pyo3::types::PyTuple::new(m.py(), ternary_core::canonical::GROUP_SIZES)?,
+    )?;
     errors::register(m)?;
     container::register(m)?;
     codecs::register(m)?;
