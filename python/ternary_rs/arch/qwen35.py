@@ -38,6 +38,7 @@ import numpy as np
 
 from .._core import FormatError, UnsupportedTypeError, ValidationError
 from .. import hadamard as H
+from ..tensor import TernaryTensor
 
 # GGUF tensor kind → HF module (inside ``model.layers.N.``), the suffixes PrismML's qwen35 files use.
 BLOCK_TENSORS = {
@@ -190,11 +191,8 @@ def _float_array(src, info) -> np.ndarray:
 
 
 def _dequantize(qweight: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
-    """Canonical (codes t+1, 4 per byte along K; f16 group scales) → float32 ``W``."""
-    codes = np.stack([(qweight >> (2 * i)) & 3 for i in range(4)], axis=-1).reshape(qweight.shape[0], -1)
-    if np.any(codes == 3):
-        raise ValidationError("ternary code 3 (+2·scale) found; ternary weights hold codes 0..2 only")
-    return (codes.astype(np.float32) - 1.0) * np.repeat(scales.astype(np.float32), group, axis=1)
+    """Canonical (codes t+1, 4 per byte along K; f16 group scales) → float32 ``W`` (code 3 is refused)."""
+    return TernaryTensor(qweight, scales, group).dequantize("float32")
 
 
 EMBED_CHUNK_ROWS = 4096  # rows dequantized / un-rotated at a time (bounds memory for 248k-row vocabularies)
