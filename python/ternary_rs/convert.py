@@ -146,23 +146,6 @@ def pack_codes_np(codes: np.ndarray) -> np.ndarray:
     return (c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)).astype(np.uint8)
 
 
-def unpack_codes_np(qweight: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`pack_codes_np`."""
-    n, kb = qweight.shape
-    out = np.empty((n, kb, 4), dtype=np.uint8)
-    for i in range(4):
-        out[..., i] = (qweight >> (2 * i)) & 3
-    return out.reshape(n, kb * 4)
-
-
-def dequantize_np(qweight: np.ndarray, scales: np.ndarray, group_size: int) -> np.ndarray:
-    """Canonical tensors -> float32 ``W = (code - 1) · scale`` (plain NumPy)."""
-    t = unpack_codes_np(np.asarray(qweight)).astype(np.float32) - 1.0
-    n, k = t.shape
-    s = np.asarray(scales).astype(np.float32)
-    return (t.reshape(n, k // group_size, group_size) * s[..., None]).reshape(n, k)
-
-
 def dense_to_canonical(raw: np.ndarray, dtype: str, shape: Sequence[int], group_size: int):
     """Exactly-ternary float matrix -> (qweight uint8 [N, K/4], scales fp16 [N, K/g]); zero groups get 1.0."""
     n, k = int(shape[0]), int(shape[1])
@@ -620,7 +603,7 @@ def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> 
 
             def produce(st=st, perm=perm, k=k):
                 t = source.canonical(st, st.group if st.group and k % st.group == 0 else DETECT_GROUP)
-                w = dequantize_np(t.qweight, t.scales, t.group_size).astype(np.float16)
+                w = t.dequantize("float16")  # exact t·scale in f32, rounded once
                 if perm is not None:
                     w = w[perm]
                 return (np.ascontiguousarray(w).view(np.uint8).reshape(-1),)
@@ -820,11 +803,13 @@ def convert(src, dst, to: str = "vllm", gguf_type: str | None = None, group_size
 def dequantize_checkpoint(vllm_dir, out_dir, dtype: str = "float32") -> Path:
     """Write a plain Hugging Face checkpoint (dense weights) from a ternary vLLM directory.
 
-    Reads with ``safetensors`` and dequantizes with plain NumPy (``W = (code − 1) · scale``), so tests can
+    Reads with ``safetensors`` and dequantizes with ``TernaryTensor.dequantize`` (``W = (code − 1) · scale``), so tests can
     load the result in transformers and compare logits.
     """
     from safetensors import safe_open
     from safetensors.numpy import save_file
+
+    from .tensor import TernaryTensor
 
     vllm_dir, out_dir = Path(vllm_dir), Path(out_dir)
     config = json.loads((vllm_dir / "config.json").read_text())
@@ -865,7 +850,10 @@ def dequantize_checkpoint(vllm_dir, out_dir, dtype: str = "float32") -> Path:
                     continue
                 if name.endswith(".qweight"):
                     prefix = name[: -len(".qweight")]
-                    w = dequantize_np(get(name), get(prefix + ".scales"), group_size)
+                    # validate=False: a stored code 3 dequantizes to +2·scale, as before.
+                    scales = get(prefix + ".scales").astype(np.float16)  # F16 on disk; get() may widen it
+                    w = TernaryTensor(get(name), scales, group_size, name=prefix,
+                                      validate=False).dequantize("float32")
                     if rotation is not None:  # Bonsai 2: the dense model is W'·H·D, not W'
                         w = unrotate_weight(w, rotation, prefix)
                     tensors[prefix + ".weight"] = w.astype(np_dtype)
