@@ -56,16 +56,87 @@ def test_bulk_job_reports_corrupt_input_and_converts_the_others(ggufs):
 
 
 def test_existing_destination_needs_force(ggufs):
-    root, a, _, _ = ggufs
+    root, a, b, _ = ggufs
     dst = root / "exists"
-    dst.mkdir()
-    (dst / "keep.txt").write_text("precious")
-    r = run("convert", a, dst, "--no-progress", "--no-transformers")
+    assert run("convert", a, dst, "--no-progress", "--no-transformers").returncode == 0
+    first = (dst / "ternary_rs.json").read_text()
+    r = run("convert", b, dst, "--no-progress", "--no-transformers")
     assert r.returncode == 1 and "--force" in r.stderr
-    assert (dst / "keep.txt").read_text() == "precious"
-    r = run("convert", a, dst, "--no-progress", "--force", "--no-transformers")
+    assert (dst / "ternary_rs.json").read_text() == first
+    r = run("convert", b, dst, "--no-progress", "--force", "--no-transformers")
     assert r.returncode == 0, r.stderr
-    assert not (dst / "keep.txt").exists() and (dst / "ternary_rs.json").is_file()
+    assert json.loads((dst / "ternary_rs.json").read_text())["sources"][0]["path"].endswith("b.gguf")
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_force_never_deletes_a_source(ggufs, tmp_path):
+    """``convert --force selfdir/model.gguf selfdir`` once deleted model.gguf: the destination is, contains or
+    lies inside a source -> refused, nothing touched."""
+    _, a, _, _ = ggufs
+    selfdir = tmp_path / "selfdir"
+    selfdir.mkdir()
+    src = selfdir / "model.gguf"
+    src.write_bytes(a.read_bytes())
+    before = _tree(tmp_path)
+    # contains the source, contains it further up, is the source (as a directory or a GGUF output)
+    for dst, to in ((selfdir, "vllm"), (tmp_path, "vllm"), (src, "vllm"), (src, "gguf")):
+        r = run("convert", "--force", src, dst, "--to", to, "--no-progress", "--no-transformers")
+        assert r.returncode == 1, (dst, to, r.stdout)
+        assert "source" in r.stderr and "wrote" not in r.stdout, r.stderr
+        assert _tree(tmp_path) == before
+    # the destination inside a source directory (an HF folder): refused as well
+    hf = tmp_path / "hf"
+    assert run("convert", src, hf, "--no-progress", "--no-transformers").returncode == 0
+    before = _tree(tmp_path)
+    r = run("convert", "--force", hf, hf / "inner", "--no-progress")
+    assert r.returncode == 1 and "inside this source" in r.stderr, r.stderr
+    assert _tree(tmp_path) == before
+
+
+def test_force_never_replaces_foreign_files(ggufs, tmp_path):
+    """``--force`` into a folder of unrelated files (or a ternary_rs output a user added files to, or a GGUF
+    ternary_rs did not write) is refused; the files stay byte for byte."""
+    _, a, b, _ = ggufs
+    foreign = tmp_path / "foreign"
+    (foreign / "sub").mkdir(parents=True)
+    (foreign / "notes.txt").write_text("precious")
+    (foreign / "sub" / "data.csv").write_text("1,2,3")
+    out = tmp_path / "out"
+    assert run("convert", a, out, "--no-progress", "--no-transformers").returncode == 0
+    (out / "my_notes.txt").write_text("mine now")
+    user_gguf = tmp_path / "user.gguf"
+    user_gguf.write_bytes(b.read_bytes())  # not written by ternary_rs: no mark
+    before = _tree(tmp_path)
+    for dst, to in ((foreign, "vllm"), (out, "vllm"), (user_gguf, "gguf")):
+        r = run("convert", a, dst, "--force", "--to", to, "--no-progress", "--no-transformers")
+        assert r.returncode == 1 and "not written by ternary_rs" in r.stderr, (dst, r.stderr)
+        assert _tree(tmp_path) == before
+    # a GGUF ternary_rs wrote may be replaced, and an empty folder may be filled
+    ours = tmp_path / "ours.gguf"
+    assert run("convert", a, ours, "--to", "gguf", "--no-progress").returncode == 0
+    r = run("convert", b, ours, "--to", "gguf", "--force", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run("convert", a, empty, "--force", "--no-progress", "--no-transformers").returncode == 0
+
+
+def test_bulk_refuses_colliding_output_names(ggufs, tmp_path):
+    _, a, b, _ = ggufs
+    (tmp_path / "d1").mkdir()
+    (tmp_path / "d2").mkdir()
+    m1, m2 = tmp_path / "d1" / "m.gguf", tmp_path / "d2" / "m.gguf"
+    m1.write_bytes(a.read_bytes())
+    m2.write_bytes(b.read_bytes())
+    coll = tmp_path / "coll"
+    for extra in ([], ["--force"]):
+        r = run("convert", m1, m2, coll, "--no-progress", "--no-transformers", *extra)
+        assert r.returncode == 1, r.stdout
+        assert "more than one input" in r.stderr and str(m1) in r.stderr and str(m2) in r.stderr
+        assert "wrote" not in r.stdout and not coll.exists()
 
 
 def _wait_for_temporary(root: Path, name: str, proc, timeout=120.0) -> Path:

@@ -182,6 +182,7 @@ def test_staging_commit_refuse_force_and_cleanup(tmp_path):
     dst = tmp_path / "out"
     with (s := Staging(dst)) as tmp:
         (tmp / "f").write_text("1")
+        write_manifest(tmp, [], {})
         assert not dst.exists() and tmp.name.startswith(f".out{TMP_MARK}")
         s.commit()
     assert (dst / "f").read_text() == "1"
@@ -199,6 +200,22 @@ def test_staging_commit_refuse_force_and_cleanup(tmp_path):
         s.commit()
     assert sorted(p.name for p in dst.iterdir()) == ["g"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    # ``out`` now has no manifest: it is not ternary_rs's to replace, force or not
+    with pytest.raises(FileExistsError, match="not written by ternary_rs"):
+        with Staging(dst, force=True):
+            pass
+    assert sorted(p.name for p in dst.iterdir()) == ["g"]
+
+
+def test_a_destination_appearing_mid_run_is_never_replaced(tmp_path):
+    dst = tmp_path / "out"
+    with pytest.raises(FileExistsError, match="not written by ternary_rs"):
+        with (s := Staging(dst, force=True)) as tmp:
+            (tmp / "f").write_text("new")
+            dst.mkdir()
+            (dst / "user.txt").write_text("precious")
+            s.commit()
+    assert (dst / "user.txt").read_text() == "precious" and [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
 def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):

@@ -114,10 +114,59 @@ def _remove(p: Path) -> None:
             pass
 
 
+# Metadata key every GGUF written by ternary_rs carries (value: tool version): ``--force`` may replace
+# such a file, and no other.
+GGUF_MARK_KEY = "ternary_rs.version"
+
+
+def is_ternary_rs_output(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is something ``convert`` wrote (and so may replace with ``--force``).
+
+    A directory qualifies when its ``ternary_rs.json`` manifest names the tool and lists every file the
+    directory holds (an output a user has since added files to is theirs now); an empty directory
+    qualifies too (nothing to lose). A file qualifies when it is a GGUF whose header carries
+    :data:`GGUF_MARK_KEY`. Anything unreadable does not.
+    """
+    p = Path(path)
+    if p.is_symlink():
+        return False
+    if p.is_dir():
+        entries = list(p.iterdir())
+        if not entries:
+            return True
+        try:
+            manifest = json.loads((p / MANIFEST_NAME).read_text())
+        except (OSError, ValueError):
+            return False
+        if not isinstance(manifest, dict) or manifest.get("tool") != "ternary_rs":
+            return False
+        listed = set(manifest.get("files") or {}) | {MANIFEST_NAME}
+        present = {q.relative_to(p).as_posix() for q in p.rglob("*") if not q.is_dir()}
+        return present <= listed
+    if p.is_file():
+        try:
+            from .io import open as open_checkpoint
+
+            with open_checkpoint(p) as f:
+                return f.format == "gguf" and GGUF_MARK_KEY in f.metadata
+        except (TernaryError, OSError, ValueError):
+            return False
+    return False
+
+
+def _refuse_foreign(dst: Path, when: str) -> None:
+    if not is_ternary_rs_output(dst):
+        raise FileExistsError(
+            f"{dst} {when} and was not written by ternary_rs (or holds files its manifest does not list); "
+            f"refusing to replace it, even with --force: move it away or choose another destination")
+
+
 class Staging:
     """Write ``dst`` (a directory or a file) through a temporary sibling; :meth:`commit` renames it in.
 
     On an exception (including KeyboardInterrupt) the temporary is removed and ``dst`` is untouched.
+    An existing ``dst`` is replaced only with ``force`` and only when it is a ternary_rs output
+    (:func:`is_ternary_rs_output`): a user's own files are never deleted, whatever the flags.
     """
 
     def __init__(self, dst: str | os.PathLike, *, force: bool = False, directory: bool = True):
@@ -127,9 +176,15 @@ class Staging:
         self.tmp = self.dst.parent / f".{self.dst.name}{TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}"
         self.committed = False
 
+    def _check_replaceable(self, when: str) -> None:
+        if not (self.dst.exists() or self.dst.is_symlink()):
+            return
+        if not self.force:
+            raise FileExistsError(f"{self.dst} {when}; pass --force to replace a ternary_rs output")
+        _refuse_foreign(self.dst, when)
+
     def __enter__(self) -> Path:
-        if self.dst.exists() and not self.force:
-            raise FileExistsError(f"{self.dst} already exists; pass --force (force=True) to overwrite it")
+        self._check_replaceable("already exists")
         self.dst.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(self.dst)
         if self.directory:
@@ -138,12 +193,11 @@ class Staging:
 
     def commit(self) -> Path:
         old = None
-        if self.dst.exists() or self.dst.is_symlink():
-            if not self.force:  # appeared while we were writing
-                raise FileExistsError(f"{self.dst} appeared during conversion; not overwriting without --force")
-            if self.directory or self.dst.is_dir():
-                old = self.dst.parent / f".{self.dst.name}{OLD_MARK}{os.getpid()}-{os.urandom(4).hex()}"
-                os.replace(self.dst, old)
+        # Checked again: the destination may have appeared (or changed) while we were writing.
+        self._check_replaceable("exists now (it appeared or changed during the conversion)")
+        if self.dst.exists() and (self.directory or self.dst.is_dir()):
+            old = self.dst.parent / f".{self.dst.name}{OLD_MARK}{os.getpid()}-{os.urandom(4).hex()}"
+            os.replace(self.dst, old)
         os.replace(self.tmp, self.dst)  # atomic within one filesystem
         self.committed = True
         if old is not None:
@@ -153,6 +207,22 @@ class Staging:
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.committed:
             _remove(self.tmp)
+
+
+def check_disjoint(sources: Iterable[str | os.PathLike], dst: str | os.PathLike) -> None:
+    """Refuse a destination that is, contains, or lies inside a source (a replace or a failed run
+    could then delete the user's input)."""
+    d = Path(dst).resolve()
+    for src in sources:
+        s = Path(src).resolve()
+        if s == d:
+            raise ConversionError(f"{src}: the destination {dst} is this source itself; choose another destination")
+        if d in s.parents:
+            raise ConversionError(f"{src}: the destination {dst} contains this source; choose a destination "
+                                  f"outside it")
+        if s in d.parents:
+            raise ConversionError(f"{src}: the destination {dst} lies inside this source; choose a destination "
+                                  f"outside it")
 
 
 # ------------------------------------------------------------------------------------------ shards

@@ -33,9 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from ._core import FormatError, TernaryError, UnsupportedTypeError, ValidationError
+from ._core import FormatError, TernaryError, UnsupportedTypeError, ValidationError, __version__
 from .arch import arch_for_config, arch_for_gguf
 from .checkpoint import (
+    GGUF_MARK_KEY,
     INDEX_NAME,
     SUPPORTED_GROUP_SIZES,
     ConversionError,
@@ -45,6 +46,7 @@ from .checkpoint import (
     Staging,
     parse_size,
     quantization_config,
+    check_disjoint,
     run_jobs,
     write_manifest,
     write_shards,
@@ -544,7 +546,7 @@ def _gguf_metadata_from_gguf(source: Source, file_type: int | None):
     """The source GGUF's own keys with their GGUF types (``general.file_type`` replaced)."""
     types = source.file.metadata_types
     out = [(k, v, types[k], None) for k, v in source.metadata.items()
-           if k not in ("general.alignment", "general.file_type")]
+           if k not in ("general.alignment", "general.file_type", GGUF_MARK_KEY)]
     if file_type is not None:
         out.append(("general.file_type", file_type, "u32", None))
     return out
@@ -633,6 +635,8 @@ def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> 
         log.warning("%s: rows of %s are not a multiple of %d values; written as F16", source.path,
                     ", ".join(fallback), block_values)
 
+    # The mark lets a later ``--force`` tell this file from a user's own GGUF (which it never replaces).
+    metadata.append((GGUF_MARK_KEY, __version__, "string", None))
     writer = GGUFWriter(out_path)
     try:
         for key, value, vtype, sub in metadata:
@@ -711,8 +715,7 @@ def _may_be_rotated(meta: dict[str, Any]) -> bool:
 def _convert_one(src: Path, dst: Path, options: ConvertOptions) -> Path:
     if not src.exists():
         raise FileNotFoundError(f"{src}: no such file or directory")
-    if src.absolute() == dst.absolute():
-        raise ConversionError(f"{src}: source and destination are the same path")
+    check_disjoint([src], dst)
     source = Source(src, options)
     # Bonsai 2 rotation: only paths that keep it may run (a dropped rotation serves garbage, silently).
     keeps_rotation = (source.is_gguf and options.to == "gguf") or (
@@ -722,6 +725,7 @@ def _convert_one(src: Path, dst: Path, options: ConvertOptions) -> Path:
 
         refuse_if_rotated(source.metadata or source.config or {}, f"this conversion to {options.to}", str(src))
     options.source_paths = source.source_files()
+    check_disjoint(options.source_paths, dst)  # e.g. the shards an index.json points at
     hasher = SourceHasher(options.source_paths)
     try:
         if options.to == "gguf":
@@ -755,6 +759,19 @@ def _convert_one(src: Path, dst: Path, options: ConvertOptions) -> Path:
         raise
 
 
+def _refuse_colliding_outputs(sources: list[Path], targets: list[Path]) -> None:
+    """Bulk jobs: two inputs mapping to one output would overwrite each other; refuse before converting."""
+    by_target: dict[Path, list[Path]] = {}
+    for s, t in zip(sources, targets):
+        by_target.setdefault(t.resolve(), []).append(s)
+    clashes = [(t, srcs) for t, srcs in by_target.items() if len(srcs) > 1]
+    if clashes:
+        lines = "\n".join(f"  {t}: from {', '.join(map(str, srcs))}" for t, srcs in clashes)
+        raise ConversionError(f"{len(clashes)} output name(s) would be written by more than one input; nothing "
+                              f"was converted (convert those inputs one at a time, each to its own "
+                              f"destination):\n{lines}")
+
+
 def convert(src, dst, to: str = "vllm", gguf_type: str | None = None, group_size: int | None = None,
             threads: int | None = None, shard_size: int | str = "5GB", force: bool = False,
             progress: bool = True, *, use_transformers: bool = True):
@@ -783,11 +800,12 @@ def convert(src, dst, to: str = "vllm", gguf_type: str | None = None, group_size
     out_root = Path(dst)
     if out_root.exists() and not out_root.is_dir():
         raise ConversionError(f"{out_root}: a bulk job needs a destination folder")
+    targets = [out_root / default_output_name(s, to, options.gguf_type) for s in sources]
+    _refuse_colliding_outputs(sources, targets)
     out_root.mkdir(parents=True, exist_ok=True)
     results: list[Path] = []
     failures: list[tuple[Path, BaseException]] = []
-    for s in sources:
-        target = out_root / default_output_name(s, to, options.gguf_type)
+    for s, target in zip(sources, targets):
         try:
             results.append(_convert_one(s, target, ConvertOptions(**{**options.__dict__, "source_paths": [],
                                                                      "digests": {}})))
