@@ -5,7 +5,8 @@ kernel's own layout code.
 
 Documented tolerance (see ``_ops_cpu``): exact mode accumulates in f32, so
 ``|y − y64| ≤ 4·K·2⁻²⁴·Σₖ|x_k·W[n,k]|`` before the final rounding to x's dtype, which adds at most half
-an ulp of the output (bf16: 2⁻⁸ relative, fp16: 2⁻¹¹). The int8 mode adds ``max|x|/254 · Σₖ|W[n,k]|``.
+an ulp of the output (bf16: 2⁻⁸ relative, fp16: 2⁻¹¹). The int8 modes add ``Σ_g xs_g/2 · Σ_{k∈g}|W[n,k]|``
+with ``xs_g = max|x_g|/127`` per weight group (or one ``max(max|x|, 1e-5)/127`` per token).
 """
 
 from __future__ import annotations
@@ -60,8 +61,20 @@ def assert_close(y: torch.Tensor, y64: np.ndarray, mag: np.ndarray, k: int, extr
     assert bad.size == 0, f"{len(bad)} outputs off, first {tuple(bad[0])}: {got[tuple(bad[0])]} vs {y64[tuple(bad[0])]}"
 
 
-def run_op(x, qk, sk, n, k, g, bias=None):
-    return OP(x, qk, sk, n, k, g, bias)
+def run_op(x, qk, sk, n, k, g, bias=None, activations=ops.EXACT):
+    return OP(x, qk, sk, n, k, g, bias, activations)
+
+
+def int8_bound(x: torch.Tensor, w64: np.ndarray, g: int, per_token: bool = False) -> np.ndarray:
+    """Σ_g xs_g/2 · Σ_{k∈g}|W[n,k]| per (token, output): each activation moves by at most half a step."""
+    xf = x.to(torch.float64).reshape(-1, x.shape[-1]).numpy()
+    m, k = xf.shape
+    if per_token:
+        amax = np.maximum(np.abs(xf).max(axis=1, keepdims=True), 1e-5).repeat(k // g, axis=1)
+    else:
+        amax = np.abs(xf.reshape(m, k // g, g)).max(axis=2)
+    l1 = np.abs(w64).reshape(w64.shape[0], k // g, g).sum(axis=2)  # [N, K/g]
+    return (amax / 254.0) @ l1.T * 1.0001
 
 
 SHAPES = [
@@ -98,8 +111,8 @@ def test_matches_float64_reference(m, n, k, g, dtype, with_bias):
 
 
 @pytest.mark.parametrize("variant", _ops_cpu.available_variants())
-@pytest.mark.parametrize("int8", [False, True])
-def test_each_variant_matches_scalar_and_reference(variant, int8):
+@pytest.mark.parametrize("activations", [ops.EXACT, ops.INT8_GROUP, ops.INT8_TOKEN])
+def test_each_variant_matches_scalar_and_reference(variant, activations):
     rng = np.random.default_rng(5)
     for m, n, k, g in [
         (1, 37, 320, 32), (1, 38, 320, 32), (3, 9, 512, 64), (4, 9, 512, 64), (16, 21, 384, 128),
@@ -109,21 +122,67 @@ def test_each_variant_matches_scalar_and_reference(variant, int8):
         qk, sk = ops.prepare_weight(q, s, g)
         dtype = DTYPES[(m + n) % 3]  # bf16 takes the AVX512_BF16 dot-product GEMV where available
         x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(dtype)
-        with _ops_cpu.kernel_options("scalar", int8):
-            want = run_op(x, qk, sk, n, k, g)
-        with _ops_cpu.kernel_options(variant, int8):
-            got = run_op(x, qk, sk, n, k, g)
-        y64, mag = reference(x, dequantize64(q, s, g), None)
-        extra = 0.0
-        if int8:
-            # Each activation moves by at most half a quantization step of max|x|/127.
-            amax = x.abs().amax(dim=1, keepdim=True).double().numpy()
-            extra = amax / 254.0 * np.abs(dequantize64(q, s, g)).sum(axis=1)[None, :] * 1.0001
+        with _ops_cpu.kernel_options("scalar"):
+            want = run_op(x, qk, sk, n, k, g, activations=activations)
+        with _ops_cpu.kernel_options(variant):
+            got = run_op(x, qk, sk, n, k, g, activations=activations)
+        w64 = dequantize64(q, s, g)
+        y64, mag = reference(x, w64, None)
+        extra = 0.0 if activations == ops.EXACT else int8_bound(x, w64, g, activations == ops.INT8_TOKEN)
         assert_close(got, y64, mag, k, extra)
         # Same math, different summation order: agree to f32 accumulation error plus one output rounding.
         np.testing.assert_allclose(
             got.float().numpy(), want.float().numpy(), rtol=2 * OUT_EPS[dtype] + 1e-5, atol=1e-5 * float(mag.max())
         )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_default_mode_by_dtype(dtype):
+    """Auto = int8 per group for bf16/fp16 activations (within its bound, and equal to asking for it),
+    exact for f32."""
+    rng = np.random.default_rng(17)
+    m, n, k, g = 3, 70, 512, 128
+    q, s = make_weight(rng, n, k, g)
+    qk, sk = ops.prepare_weight(q, s, g)
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(dtype)
+    auto = OP(x, qk, sk, n, k, g)
+    expected_mode = ops.EXACT if dtype == torch.float32 else ops.INT8_GROUP
+    assert torch.equal(auto, run_op(x, qk, sk, n, k, g, activations=expected_mode))
+    w64 = dequantize64(q, s, g)
+    y64, mag = reference(x, w64, None)
+    assert_close(auto, y64, mag, k, 0.0 if dtype == torch.float32 else int8_bound(x, w64, g))
+
+
+@pytest.mark.parametrize("env,expect", [("0", "exact"), ("1", "int8"), (None, "by-dtype")])
+def test_env_forces_the_auto_mode(env, expect):
+    """TERNARY_RS_CPU_INT8=0 forces exact, =1 int8 for every dtype (scripts depend on these names)."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import torch, ternary_rs
+from ternary_rs import ops
+n, k, g = 8, 256, 128
+q = torch.full((n, k // 4), 0x66, dtype=torch.uint8); s = torch.full((n, k // g), 0.5).half()
+qk, sk = ops.prepare_weight(q, s, g)
+torch.manual_seed(0)
+for dtype in (torch.bfloat16, torch.float32):
+    x = torch.randn(2, k).to(dtype)
+    auto = ops.ternary_linear(x, qk, sk, n, k, g)
+    ex = ops.ternary_linear(x, qk, sk, n, k, g, None, ops.EXACT)
+    i8 = ops.ternary_linear(x, qk, sk, n, k, g, None, ops.INT8_GROUP)
+    assert not torch.equal(ex, i8)
+    print(dtype, "exact" if torch.equal(auto, ex) else "int8" if torch.equal(auto, i8) else "?")
+"""
+    envs = {kk: v for kk, v in os.environ.items() if kk != "TERNARY_RS_CPU_INT8"}
+    if env is not None:
+        envs["TERNARY_RS_CPU_INT8"] = env
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=envs, timeout=120)
+    assert out.returncode == 0, out.stderr
+    bf16, f32 = (line.split()[-1] for line in out.stdout.strip().splitlines())
+    want = {"exact": ("exact", "exact"), "int8": ("int8", "int8"), "by-dtype": ("int8", "exact")}[expect]
+    assert (bf16, f32) == want
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -174,48 +233,105 @@ def test_input_ranks_and_non_contiguous_x():
 
 
 def test_results_do_not_depend_on_thread_count():
+    """torch's pool for the native op, the ternary-rs pool for the Python path: same bits at 1 and 2."""
     rng = np.random.default_rng(2)
     n, k, g = 2048, 1024, 128
     q, s = make_weight(rng, n, k, g)
     qk, sk = ops.prepare_weight(q, s, g)
-    old = ternary_rs.get_num_threads()
+    old, old_torch = ternary_rs.get_num_threads(), torch.get_num_threads()
     try:
         for m in (1, 24):
-            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
-            ternary_rs.set_num_threads(1)
-            one = run_op(x, qk, sk, n, k, g)
-            ternary_rs.set_num_threads(2)
-            two = run_op(x, qk, sk, n, k, g)
-            assert torch.equal(one, two)
+            for act in (ops.EXACT, ops.INT8_GROUP):
+                x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(torch.bfloat16)
+                outs = []
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    ternary_rs.set_num_threads(threads)
+                    outs.append(run_op(x, qk, sk, n, k, g, activations=act))
+                    outs.append(_ops_cpu.ternary_linear(x, qk, sk, n, k, g, None, act))
+                assert all(torch.equal(o, outs[0]) for o in outs[1:])
     finally:
         ternary_rs.set_num_threads(old)
+        torch.set_num_threads(old_torch)
 
 
-def reference_planes(q: torch.Tensor, k: int) -> np.ndarray:
-    """The CPU layout written from its description: per row, per 64 columns, u64 plus mask then u64 minus mask."""
-    codes = ((q.numpy()[:, :, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & 3).reshape(q.shape[0], k)
-    kpad = -(-k // 64) * 64
-    codes = np.pad(codes, ((0, 0), (0, kpad - k)), constant_values=1)
-    out = []
-    for row in codes:
-        buf = b""
-        for c in range(kpad // 64):
-            chunk = row[c * 64 : (c + 1) * 64]
-            plus = sum(1 << i for i in range(64) if chunk[i] == 2)
-            minus = sum(1 << i for i in range(64) if chunk[i] == 0)
-            buf += plus.to_bytes(8, "little") + minus.to_bytes(8, "little")
-        out.append(np.frombuffer(buf, dtype=np.uint8))
-    return np.stack(out)
+def _thread_names() -> list[str]:
+    from pathlib import Path
+
+    return sorted(p.read_text().strip() for p in Path("/proc/self/task").glob("*/comm"))
 
 
-@pytest.mark.parametrize("k,g", [(32, 32), (96, 32), (256, 128), (512, 256)])
-def test_prepare_weight_layout(k, g):
-    rng = np.random.default_rng(k)
-    q, s = make_weight(rng, 5, k, g)
+def test_native_op_runs_on_torchs_pool_without_python():
+    """The CPU kernel is registered natively (no Python on the call path) and its calls never start
+    threads of the ternary-rs rayon pool: inside torch it uses torch's intra-op threads."""
+    assert ops.NATIVE_CPU_UNAVAILABLE is None
+    # The dispatcher's CPU kernel for the op is not a Python function.
+    kernels = torch._C._dispatch_dump(ops.OP_NAME)
+    cpu_line = next(line for line in kernels.splitlines() if line.startswith("CPU:"))
+    assert "torch_abi.rs" in cpu_line, kernels  # registered from Rust, not ops.py
+    code = """
+import os, torch
+from pathlib import Path
+from ternary_rs import ops
+
+def pool_cpu_ticks():
+    # CPU time (utime + stime, clock ticks) of every thread of the ternary-rs rayon pool.
+    total = 0
+    for task in Path('/proc/self/task').iterdir():
+        if (task / 'comm').read_text().strip().startswith('ternary-rs'):
+            fields = (task / 'stat').read_text().rsplit(')', 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total
+
+n, k, g = 4096, 2048, 128
+qk, sk = ops.prepare_weight(torch.full((n, k // 4), 0x66, dtype=torch.uint8), torch.ones(n, k // g).half(), g)
+torch.set_num_threads(2)
+x = torch.randn(8, k, dtype=torch.bfloat16)
+threads = lambda: sum(1 for t in Path('/proc/self/task').iterdir())
+before, ticks = threads(), pool_cpu_ticks()  # prepare_weight (load time) may have started the pool
+for _ in range(200):
+    ops.ternary_linear(x, qk, sk, n, k, g)
+print(threads() - before, pool_cpu_ticks() - ticks)
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    new_threads, pool_ticks = map(int, out.stdout.split())
+    assert new_threads == 0 and pool_ticks <= 1, f"op calls used the rayon pool: {out.stdout}"
+
+
+def reference_layout(q: torch.Tensor, s: torch.Tensor, k: int, g: int) -> tuple[np.ndarray, np.ndarray]:
+    """The CPU layout written from its description (``_ops_cpu``): rows in blocks of 4, K padded to 256
+    with t = 0; per block and 256 weights the 64-byte chunks of rows 0..3, byte j of a chunk holding the
+    codes of weights j, 64+j, 128+j, 192+j at bits 0, 2, 4, 6; scales [block][group][row], padding 0."""
+    n = q.shape[0]
+    codes = ((q.numpy()[:, :, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & 3).reshape(n, k)
+    kp, np_ = -(-k // 256) * 256, -(-n // 4) * 4
+    codes = np.pad(codes, ((0, np_ - n), (0, kp - k)), constant_values=1)
+    out = np.zeros((np_ // 4, kp), dtype=np.uint8)
+    for row in range(np_):
+        for kk in range(kp):
+            b, r = divmod(row, 4)
+            sb, within = divmod(kk, 256)
+            sub, j = divmod(within, 64)
+            out[b, sb * 256 + r * 64 + j] |= codes[row, kk] << (2 * sub)
+    scales = np.zeros((np_ // 4, kp // g, 4), dtype=np.float16)
+    for row in range(n):
+        scales[row // 4, : k // g, row % 4] = s.numpy()[row]
+    return out, scales.reshape(np_ // 4, -1)
+
+
+@pytest.mark.parametrize("n,k,g", [(5, 32, 32), (4, 96, 32), (7, 256, 128), (3, 512, 256), (9, 320, 64)])
+def test_prepare_weight_layout(n, k, g):
+    rng = np.random.default_rng(k + n)
+    q, s = make_weight(rng, n, k, g)
     qk, sk = ops.prepare_weight(q, s, g)
     assert qk.dtype == torch.uint8 and sk.dtype == torch.float16
-    np.testing.assert_array_equal(qk.numpy(), reference_planes(q, k))
-    torch.testing.assert_close(sk, s, rtol=0, atol=0)
+    want_q, want_s = reference_layout(q, s, k, g)
+    np.testing.assert_array_equal(qk.numpy(), want_q)
+    np.testing.assert_array_equal(sk.numpy(), want_s)
 
 
 def test_errors_are_clear():
@@ -236,14 +352,20 @@ def test_errors_are_clear():
         ops.prepare_weight(q, s.float(), g)
     qk, sk = ops.prepare_weight(q, s, g)
     x = torch.randn(2, k)
-    with pytest.raises(ValueError, match=r"expected \[\.\.\., 96\]"):
-        run_op(torch.randn(2, k + 1), qk, sk, n, k, g)
-    with pytest.raises(TypeError, match="dtype"):
-        run_op(x.double(), qk, sk, n, k, g)
-    with pytest.raises(ValueError, match="prepared uint8"):
-        run_op(x, q, sk, n, k, g)  # canonical, not prepared
-    with pytest.raises(ValueError, match="bias"):
-        run_op(x, qk, sk, n, k, g, torch.zeros(n + 1))
+    # The native kernel reports through torch (RuntimeError), the Python path with ValueError/TypeError:
+    # same messages.
+    for call, errors in ((run_op, (RuntimeError,)),
+                         (lambda *a, **kw: _ops_cpu.ternary_linear(*a, **kw), (ValueError, TypeError))):
+        with pytest.raises(errors, match=r"expected \[\.\.\., 96\]"):
+            call(torch.randn(2, k + 1), qk, sk, n, k, g)
+        with pytest.raises(errors, match="dtype"):
+            call(x.double(), qk, sk, n, k, g)
+        with pytest.raises(errors, match="prepared uint8"):
+            call(x, q, sk, n, k, g)  # canonical, not prepared
+        with pytest.raises(errors, match="bias"):
+            call(x, qk, sk, n, k, g, torch.zeros(n + 1))
+    with pytest.raises(RuntimeError, match="activations=7"):
+        run_op(x, qk, sk, n, k, g, activations=7)
     with pytest.raises(ValueError, match="not available"):
         _ops_cpu.set_kernel_variant("neon")
 
@@ -256,10 +378,11 @@ def _opcheck_samples():
     for dtype in DTYPES:
         for shape in [(k,), (3, k), (2, 2, k)]:
             for bias in (None, torch.randn(n).to(dtype)):
-                yield (torch.randn(shape).to(dtype), qk, sk, n, k, g, bias)
+                for act in (ops.AUTO, ops.INT8_TOKEN):
+                    yield (torch.randn(shape).to(dtype), qk, sk, n, k, g, bias, act)
 
 
-@pytest.mark.parametrize("args", list(_opcheck_samples()), ids=lambda a: f"{a[0].dtype}-{tuple(a[0].shape)}-{a[6] is not None}")
+@pytest.mark.parametrize("args", list(_opcheck_samples()), ids=lambda a: f"{a[0].dtype}-{tuple(a[0].shape)}-{a[6] is not None}-{a[7]}")
 def test_opcheck(args):
     torch.library.opcheck(OP.default, args)
 

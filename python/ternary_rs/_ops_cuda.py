@@ -160,10 +160,48 @@ def _check_weight(qweight, scales, x, n, k, g) -> None:
             raise ValueError(f"{name} must be contiguous")
 
 
-def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias=None):
-    """``y[..., N] = x[..., K] @ W.T (+ bias)`` on CUDA; output dtype = ``x.dtype``."""
+# Values of the op's ``activations`` argument (see ternary_rs.ops).
+_AUTO, _EXACT, _INT8_GROUP, _INT8_TOKEN = (
+    _core.ACTIVATIONS_AUTO, _core.ACTIVATIONS_EXACT, _core.ACTIVATIONS_INT8_GROUP, _core.ACTIVATIONS_INT8_TOKEN,
+)
+
+
+def _int8_activations(x: torch.Tensor, g: int, per_token: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The int8 numerics of the CPU kernel (``_ops_cpu``), in torch: per token → ``(q, xs)`` with integer-
+    valued ``q`` (exact in fp16) and ``y = (q·W)·xs``; per group → the dequantized ``q·xs`` in f32 (its
+    scale varies along K, so it cannot be factored out of the product) and ``None``."""
+    xf = x.float()
+    if per_token:
+        scale = 127.0 / xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
+        q = (xf * scale).round().clamp(-128, 127)  # torch.round is half to even
+        return q.to(torch.float16), 1.0 / scale
+    xg = xf.reshape(*xf.shape[:-1], -1, g)
+    amax = xg.abs().amax(dim=-1, keepdim=True)
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    q = (xg * (127.0 / safe)).round().clamp(-127, 127)
+    return (q * (amax / 127.0)).reshape(xf.shape), None
+
+
+def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias=None, activations=_AUTO):
+    """``y[..., N] = x[..., K] @ W.T (+ bias)`` on CUDA; output dtype = ``x.dtype``.
+
+    ``activations`` 0/1 run the kernels on x as it is; 3 (int8 per token, BitNet) feeds the integer codes
+    (exact in fp16) and applies the token scale to the f32-accumulated product; 2 (int8 per group) feeds
+    the dequantized activations."""
     _require_kernels()
     n, k, g = int(out_features), int(in_features), int(group_size)
+    if activations in (_INT8_TOKEN, _INT8_GROUP):
+        if x.shape[-1] != k:
+            raise ValueError(f"x has {x.shape[-1]} features, the layer expects {k}")
+        xq, xs = _int8_activations(x, g, activations == _INT8_TOKEN)
+        if xs is None:
+            return ternary_linear(xq, qweight, scales, n, k, g, bias, _EXACT).to(x.dtype)
+        y = ternary_linear(xq, qweight, scales, n, k, g, None, _EXACT).float() * xs
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+    if activations not in (_AUTO, _EXACT):
+        raise ValueError(f"activations={activations}: expected 0, 1, 2 or 3")
     if g not in _GROUP_SIZES:
         raise ValueError(f"group_size {g} is not one of {_GROUP_SIZES}")
     if k % g != 0:

@@ -5,17 +5,35 @@ Contract (stable; the vLLM backend codes against it):
 * ``prepare_weight(qweight, scales, group_size) -> (qweight_k, scales_k)`` — called once per layer from
   ``process_weights_after_loading``. Takes the canonical tensors (``uint8 [N, K/4]``, ``float16 [N, K/g]``)
   on the target device and returns them in the layout of that device's kernel (opaque to callers).
-* ``torch.ops.ternary_rs.ternary_linear(x, qweight_k, scales_k, out_features, in_features, group_size, bias)``
-  — ``y[..., N] = x[..., K] @ W.T (+ bias)`` for bf16/fp16/fp32 ``x``; output dtype = ``x.dtype``.
-  Device implementations live in ``_ops_cpu.py`` (Rust SIMD kernel) and ``_ops_cuda.py`` (cuda/ kernels);
-  the fake implementation here makes the op traceable by ``torch.compile(fullgraph=True)``.
+* ``torch.ops.ternary_rs.ternary_linear(x, qweight_k, scales_k, out_features, in_features, group_size,
+  bias=None, activations=0)`` — ``y[..., N] = x[..., K] @ W.T (+ bias)`` for bf16/fp16/fp32 ``x``; output
+  dtype = ``x.dtype``. ``activations`` picks the activation numerics: 0 auto (the device default), 1 exact
+  (f32 sums), 2 int8 per token and weight group, 3 int8 per token (BitNet b1.58's ``activation_quant``);
+  see ``_ops_cpu`` for the error bounds.
+
+The schema and the fake implementation (for ``torch.compile(fullgraph=True)``) are defined here. The CPU
+kernel is registered natively with the dispatcher from Rust (``_ops_cpu.register_native``: no Python on
+the call path, torch's intra-op thread pool); where the running torch lacks the stable C ABI it falls
+back to the same kernel through Python. The CUDA kernel is launched from ``_ops_cuda``.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from . import _ops_cpu
+
 LIB = "ternary_rs"
+OP_NAME = f"{LIB}::ternary_linear"
+SCHEMA = (
+    "ternary_linear(Tensor x, Tensor qweight, Tensor scales, int out_features, int in_features, "
+    "int group_size, Tensor? bias=None, int activations=0) -> Tensor"
+)
+AUTO, EXACT, INT8_GROUP, INT8_TOKEN = _ops_cpu.AUTO, _ops_cpu.EXACT, _ops_cpu.INT8_GROUP, _ops_cpu.INT8_TOKEN
+
+log = logging.getLogger("ternary_rs.ops")
 
 
 def prepare_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int):
@@ -24,30 +42,39 @@ def prepare_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int)
         from . import _ops_cuda
 
         return _ops_cuda.prepare_weight(qweight, scales, group_size)
-    from . import _ops_cpu
-
     return _ops_cpu.prepare_weight(qweight, scales, group_size)
 
 
-@torch.library.custom_op(f"{LIB}::ternary_linear", mutates_args=(), device_types=("cpu", "cuda"))
-def ternary_linear(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    out_features: int,
-    in_features: int,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    if x.device.type == "cuda":
-        from . import _ops_cuda
-
-        return _ops_cuda.ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias)
-    from . import _ops_cpu
-
-    return _ops_cpu.ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias)
-
-
-@ternary_linear.register_fake
-def _(x, qweight, scales, out_features, in_features, group_size, bias=None):
+def _fake(x, qweight, scales, out_features, in_features, group_size, bias=None, activations=0):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _cuda(x, qweight, scales, out_features, in_features, group_size, bias=None, activations=0):
+    from . import _ops_cuda
+
+    return _ops_cuda.ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias, activations)
+
+
+def _define() -> str | None:
+    """Define the op once per process; returns why the CPU kernel is not native (None if it is)."""
+    global _LIBRARY
+    _LIBRARY = torch.library.Library(LIB, "FRAGMENT")  # kept alive: dropping it removes the op
+    _LIBRARY.define(SCHEMA)
+    torch.library.register_fake(OP_NAME, _fake, lib=_LIBRARY)
+    torch.library.impl(OP_NAME, "cuda", _cuda, lib=_LIBRARY)
+    why = _ops_cpu.register_native()
+    if why is not None:
+        log.warning("ternary_rs: native CPU op registration unavailable (%s); using the Python path", why)
+        torch.library.impl(OP_NAME, "cpu", _ops_cpu.ternary_linear, lib=_LIBRARY)
+    return why
+
+
+_LIBRARY: torch.library.Library | None = None
+NATIVE_CPU_UNAVAILABLE: str | None = _define()
+"""Why the CPU kernel runs through Python (None: it is registered natively)."""
+
+
+def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias=None, activations=AUTO):
+    """``torch.ops.ternary_rs.ternary_linear`` (a convenience alias)."""
+    return torch.ops.ternary_rs.ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias,
+                                               activations)

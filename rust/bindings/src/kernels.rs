@@ -9,17 +9,53 @@ use half::{bf16, f16};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use ternary_core::canonical::{check_shape, CanonicalRef};
-use ternary_core::kernels::cpu::{self, layout, Activation, Precision, PreparedRef, Variant};
+use ternary_core::kernels::cpu::{self, layout, Activation, PreparedRef, Variant};
+use ternary_core::threads::Rayon;
 
 use crate::errors::to_py;
+use crate::torch_abi;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ternary_cpu_prepare, m)?)?;
     m.add_function(wrap_pyfunction!(ternary_gemm_cpu, m)?)?;
-    m.add_function(wrap_pyfunction!(cpu_prepared_row_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_prepared_shapes, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernel_variants, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernel_best, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_set_kernel_variant, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_set_default_int8, m)?)?;
+    m.add_function(wrap_pyfunction!(register_torch_cpu_kernel, m)?)?;
+    m.add("ACTIVATIONS_AUTO", torch_abi::ACTIVATIONS_AUTO)?;
+    m.add("ACTIVATIONS_EXACT", torch_abi::ACTIVATIONS_EXACT)?;
+    m.add("ACTIVATIONS_INT8_GROUP", torch_abi::ACTIVATIONS_INT8_GROUP)?;
+    m.add("ACTIVATIONS_INT8_TOKEN", torch_abi::ACTIVATIONS_INT8_TOKEN)?;
     Ok(())
+}
+
+/// Register the native CPU kernel of `ternary_rs::ternary_linear` with torch's dispatcher (the schema
+/// must already be defined); `libtorch_cpu` is the path of the loaded `libtorch_cpu.so`.
+#[pyfunction]
+fn register_torch_cpu_kernel(libtorch_cpu: &str) -> PyResult<()> {
+    torch_abi::register(libtorch_cpu).map_err(pyo3::exceptions::PyRuntimeError::new_err)
+}
+
+/// Force a CPU kernel variant for every later call (None or "auto": the best supported one).
+#[pyfunction]
+#[pyo3(signature = (name = None))]
+fn cpu_set_kernel_variant(name: Option<&str>) -> PyResult<()> {
+    let v = match name {
+        None | Some("auto") | Some("") => None,
+        Some(n) => Some(Variant::parse(n).map_err(to_py)?),
+    };
+    torch_abi::set_variant(v);
+    Ok(())
+}
+
+/// The activation mode `activations=0` (auto) resolves to: None = by dtype (int8 for bf16/fp16,
+/// exact for f32), False = exact for every dtype, True = int8 for every dtype.
+#[pyfunction]
+#[pyo3(signature = (value = None))]
+fn cpu_set_default_int8(value: Option<bool>) {
+    torch_abi::set_default_int8(value);
 }
 
 /// A slice over `len` elements of `T` at address `addr` (checked non-null and aligned).
@@ -61,10 +97,15 @@ fn checked_len(a: usize, b: usize, what: &str) -> PyResult<usize> {
         .ok_or_else(|| PyValueError::new_err(format!("{what}: size {a} x {b} overflows")))
 }
 
-/// Bytes of one row of the CPU kernel's weight layout for `in_features` columns.
+/// Shapes of the CPU kernel's prepared tensors for a `[rows, cols]` weight at `group_size`:
+/// `((row_blocks, Kp) uint8 codes, (row_blocks, Gp·4) float16 scales)`.
 #[pyfunction]
-fn cpu_prepared_row_bytes(cols: usize) -> usize {
-    layout::row_bytes(cols)
+fn cpu_prepared_shapes(rows: usize, cols: usize, group_size: usize) -> ((usize, usize), (usize, usize)) {
+    let blocks = layout::row_blocks(rows);
+    (
+        (blocks, layout::block_bytes(cols)),
+        (blocks, layout::padded_groups(cols, group_size) * layout::ROWS),
+    )
 }
 
 /// Names of the CPU kernel variants this machine can run (always includes "scalar").
@@ -83,10 +124,11 @@ fn cpu_kernel_best() -> &'static str {
     Variant::best().name()
 }
 
-/// Permute canonical `qweight` (u8 `[rows, cols/4]`) into the kernel's bit-planes at `out_ptr`
-/// (u8 `[rows, cpu_prepared_row_bytes(cols)]`); validates codes and scales first.
+/// Permute canonical `qweight` (u8 `[rows, cols/4]`) and `scales` (f16 `[rows, cols/g]`) into the
+/// kernel layout at `out_ptr` / `out_scales_ptr` (shapes from `cpu_prepared_shapes`); validates codes
+/// and scales first.
 #[pyfunction]
-#[pyo3(signature = (qweight_ptr, scales_ptr, rows, cols, group_size, out_ptr, tensor = "qweight"))]
+#[pyo3(signature = (qweight_ptr, scales_ptr, rows, cols, group_size, out_ptr, out_scales_ptr, tensor = "qweight"))]
 #[allow(clippy::too_many_arguments)]
 fn ternary_cpu_prepare(
     py: Python<'_>,
@@ -96,21 +138,24 @@ fn ternary_cpu_prepare(
     cols: usize,
     group_size: usize,
     out_ptr: usize,
+    out_scales_ptr: usize,
     tensor: &str,
 ) -> PyResult<()> {
     check_shape(rows, cols, group_size).map_err(to_py)?;
     let codes = checked_len(rows, cols / 4, "qweight")?;
     let groups = checked_len(rows, cols / group_size, "scales")?;
-    let out_len = layout::prepared_bytes(rows, cols)
-        .ok_or_else(|| PyValueError::new_err("prepared weight size overflows"))?;
+    let overflow = || PyValueError::new_err("prepared weight size overflows");
+    let out_len = layout::prepared_bytes(rows, cols).ok_or_else(overflow)?;
+    let out_scales = layout::prepared_scales(rows, cols, group_size).ok_or_else(overflow)?;
     let tensor = tensor.to_owned();
     py.detach(move || {
         // SAFETY: the Python wrapper passes contiguous CPU tensors of exactly these sizes.
-        let (qweight, scales, out) = unsafe {
+        let (qweight, scales, out, out_s) = unsafe {
             (
                 slice_at::<u8>(qweight_ptr, codes, "qweight")?,
                 slice_at::<f16>(scales_ptr, groups, "scales")?,
                 slice_at_mut::<u8>(out_ptr, out_len, "prepared qweight")?,
+                slice_at_mut::<f16>(out_scales_ptr, out_scales, "prepared scales")?,
             )
         };
         let w = CanonicalRef {
@@ -120,15 +165,16 @@ fn ternary_cpu_prepare(
             qweight,
             scales,
         };
-        layout::prepare_into(w, &tensor, out).map_err(to_py)
+        layout::prepare_into(w, &tensor, out, out_s).map_err(to_py)
     })
 }
 
-/// `y[M, N] = x[M, K] · Wᵀ (+ bias)` on the CPU. `dtype` ("bfloat16", "float16", "float32") is the
-/// type of x, bias and y; `bias_ptr` = 0 means no bias. `variant` is "auto", "avx512", "avx2" or
-/// "scalar"; `int8` selects the per-token int8 activation mode (default: exact f32 accumulation).
+/// `y[M, N] = x[M, K] · Wᵀ (+ bias)` on the CPU, on the ternary-rs rayon pool (the path outside torch's
+/// dispatcher). `dtype` ("bfloat16", "float16", "float32") is the type of x, bias and y; `bias_ptr` = 0
+/// means no bias. `variant` is "auto", "avx512", "avx2" or "scalar"; `activations` is one of the
+/// `ACTIVATIONS_*` values (0 = auto: by dtype and the process default).
 #[pyfunction]
-#[pyo3(signature = (x_ptr, dtype, m, k, planes_ptr, scales_ptr, n, group_size, bias_ptr, y_ptr, variant = "auto", int8 = false))]
+#[pyo3(signature = (x_ptr, dtype, m, k, planes_ptr, scales_ptr, n, group_size, bias_ptr, y_ptr, variant = "auto", activations = 0))]
 #[allow(clippy::too_many_arguments)]
 fn ternary_gemm_cpu(
     py: Python<'_>,
@@ -143,21 +189,18 @@ fn ternary_gemm_cpu(
     bias_ptr: usize,
     y_ptr: usize,
     variant: &str,
-    int8: bool,
+    activations: i64,
 ) -> PyResult<()> {
     check_shape(n, k, group_size).map_err(to_py)?;
     let variant = Variant::parse(variant).map_err(to_py)?;
-    let precision = if int8 {
-        Precision::Int8
-    } else {
-        Precision::Exact
-    };
+    let precision =
+        torch_abi::resolve_precision(activations, dtype == "float32").map_err(PyValueError::new_err)?;
+    let overflow = || PyValueError::new_err("prepared weight size overflows");
     let sizes = Sizes {
         x: checked_len(m, k, "x")?,
         y: checked_len(m, n, "y")?,
-        planes: layout::prepared_bytes(n, k)
-            .ok_or_else(|| PyValueError::new_err("prepared weight size overflows"))?,
-        scales: checked_len(n, k / group_size, "scales")?,
+        planes: layout::prepared_bytes(n, k).ok_or_else(overflow)?,
+        scales: layout::prepared_scales(n, k, group_size).ok_or_else(overflow)?,
         n,
     };
     let ptrs = Pointers {
@@ -201,7 +244,7 @@ fn run<T: Activation>(
     s: Sizes,
     (m, n, k, group_size): (usize, usize, usize, usize),
     variant: Variant,
-    precision: Precision,
+    precision: cpu::Precision,
 ) -> PyResult<()> {
     // SAFETY: the Python wrapper passes contiguous CPU tensors of exactly these sizes, y freshly
     // allocated (not aliasing any input).
@@ -225,5 +268,5 @@ fn run<T: Activation>(
         planes,
         scales,
     };
-    cpu::gemm(w, x, m, bias, y, variant, precision).map_err(to_py)
+    cpu::gemm(w, x, m, bias, y, variant, precision, &Rayon).map_err(to_py)
 }

@@ -9,6 +9,7 @@ mod cuda;
 mod errors;
 mod hadamard;
 mod kernels;
+mod torch_abi;
 
 use pyo3::prelude::*;
 

@@ -1,6 +1,13 @@
-//! The rayon pool all heavy work runs on. Its size can be set from Python (`ternary_rs.set_num_threads`);
-//! 0 means "all cores". Work is run with [`install`], so a caller's own rayon pool is never used by accident.
+//! Where heavy work runs.
+//!
+//! * The ternary-rs rayon pool ([`install`], [`Rayon`]): conversion, codecs and the kernels when they
+//!   are called outside torch. Its size can be set from Python (`ternary_rs.set_num_threads`); 0 means
+//!   "all cores". Work is run with [`install`], so a caller's own rayon pool is never used by accident.
+//! * Any other pool, through [`ParallelFor`]: inside torch (and so inside vLLM) the CPU kernel runs on
+//!   torch's own intra-op OpenMP pool, which vLLM binds to cores — a second pool spinning beside it
+//!   makes both slower (the bindings implement this trait with `torch_parallel_for`).
 
+use std::ops::Range;
 use std::sync::{Arc, RwLock};
 
 static POOL: RwLock<Option<(usize, Arc<rayon::ThreadPool>)>> = RwLock::new(None);
@@ -44,4 +51,48 @@ fn pool() -> Arc<rayon::ThreadPool> {
 /// Run `f` on the ternary-rs pool.
 pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     pool().install(f)
+}
+
+/// A parallel-for: run `f` over pieces of `0..n` that together cover it exactly once, possibly at the
+/// same time on several threads, and return when all are done.
+pub trait ParallelFor: Sync {
+    /// Threads the pool runs pieces on (tasks are sized from this).
+    fn threads(&self) -> usize;
+    /// Call `f(range)` for disjoint ranges covering `0..n`.
+    fn run(&self, n: usize, f: &(dyn Fn(Range<usize>) + Sync));
+}
+
+/// The ternary-rs rayon pool as a [`ParallelFor`] (one piece per index).
+pub struct Rayon;
+
+impl ParallelFor for Rayon {
+    fn threads(&self) -> usize {
+        num_threads()
+    }
+
+    fn run(&self, n: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
+        use rayon::prelude::*;
+        if n <= 1 {
+            if n == 1 {
+                f(0..1);
+            }
+            return;
+        }
+        install(|| (0..n).into_par_iter().for_each(|i| f(i..i + 1)));
+    }
+}
+
+/// Everything on the calling thread.
+pub struct Serial;
+
+impl ParallelFor for Serial {
+    fn threads(&self) -> usize {
+        1
+    }
+
+    fn run(&self, n: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
+        if n > 0 {
+            f(0..n);
+        }
+    }
 }

@@ -1,25 +1,28 @@
 //! AVX2 kernels (with FMA and F16C), for x86-64 CPUs without AVX-512.
 //!
-//! No mask registers here: a plane byte is broadcast and shifted per lane (`vpsllvd`) so that the bit of
-//! lane i lands in the sign bit, which `vblendvps` uses as its selector. The int8 mode expands 32 plane
-//! bits to 32 byte masks (`vpshufb` + compare) and sums signed bytes with `vpmaddubsw`/`vpmaddwd`.
+//! A 64-byte chunk is two 32-byte halves; `(half >> 2i) & 3` gives 32 byte codes. The int8 mode sums
+//! `code · q` with `vpmaddubsw` (pairs into i16: at most 2·2·128, no saturation) and `vpmaddwd` against
+//! ones (into i32); the exact mode sign-extends `t = code − 1` 8 at a time and uses FMA. With only 16
+//! ymm registers the kernels walk one row of the block at a time (the block stays in L1 meanwhile).
 
-// Register arrays (per row, per x row) are indexed in lockstep; index loops say that most plainly.
+// Register arrays (per token) are indexed in lockstep; index loops say that most plainly.
 #![allow(clippy::needless_range_loop)]
 
 use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::layout::{CHUNK_BYTES, CHUNK_K, MINUS_OFFSET};
-use super::{Kernels, RowBlock, ACC_STRIDE, LANES, MICRO_M, ROWS};
+use super::layout::{CHUNK_BYTES, ROWS, SUB_K, SUPER_K};
+use super::{quant, Int8Tile, Kernels, ACC_STRIDE, INT8_TILE, LANES, MICRO_M};
 
 pub(crate) static KERNELS: Kernels = Kernels {
-    gemv_exact,
-    gemv_bf16: None,
-    gemv_int8,
-    decode_row,
+    int8: [int8::<1>, int8::<2>, int8::<3>, int8::<4>],
+    prepass,
+    exact,
+    exact_bf16: None,
+    decode,
     micro,
+    quantize: quant::quantize_row_fn,
 };
 
 pub(crate) fn is_supported() -> bool {
@@ -28,173 +31,162 @@ pub(crate) fn is_supported() -> bool {
         && is_x86_feature_detected!("f16c")
 }
 
-/// One fp16 → f32 conversion (`vcvtph2ps`); the AVX-512 kernels share it.
-#[inline]
-#[target_feature(enable = "f16c")]
-pub(super) fn f16_to_f32(h: f16) -> f32 {
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h.to_bits() as i32)))
-}
-
-/// Byte offset, inside a prepared row, of the plus-plane bits of column `k` (k a multiple of 8).
-/// Shared with the AVX-512 kernels.
+/// Byte codes of sub-vector `i` of one 32-byte half-chunk.
 #[inline(always)]
-pub(super) fn plane_offset(k: usize) -> usize {
-    (k / CHUNK_K) * CHUNK_BYTES + (k % CHUNK_K) / 8
+unsafe fn unpack(w: __m256i, i: usize, mask: __m256i) -> __m256i {
+    match i {
+        0 => _mm256_and_si256(w, mask),
+        1 => _mm256_and_si256(_mm256_srli_epi16::<2>(w), mask),
+        2 => _mm256_and_si256(_mm256_srli_epi16::<4>(w), mask),
+        _ => _mm256_and_si256(_mm256_srli_epi16::<6>(w), mask),
+    }
 }
 
-/// Per-lane shift that moves bit `first + lane` of a broadcast word into the sign bit.
-#[inline]
-#[target_feature(enable = "avx2")]
-fn sign_shifts(first: i32) -> __m256i {
-    _mm256_setr_epi32(
-        31 - first,
-        30 - first,
-        29 - first,
-        28 - first,
-        27 - first,
-        26 - first,
-        25 - first,
-        24 - first,
-    )
+/// Half `h` (0, 1) of row `r`'s chunk of superblock `sb`.
+#[inline(always)]
+unsafe fn load_half(block: *const u8, sb: usize, r: usize, h: usize) -> __m256i {
+    unsafe { _mm256_loadu_si256(block.add((sb * ROWS + r) * CHUNK_BYTES + 32 * h).cast()) }
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn gemv_exact(block: &RowBlock<'_>, x: &[f32], g: usize) -> [f32; ROWS] {
-    let groups = block.scales[0].len();
-    let cols = groups * g;
-    assert!(x.len() >= cols && block.planes.iter().all(|p| p.len() * 4 >= cols));
-    let xp = x.as_ptr();
-    let zero = _mm256_setzero_ps();
-    let shifts: [__m256i; 4] = std::array::from_fn(|j| sign_shifts(8 * j as i32));
-    let mut total = [zero; ROWS];
-    for gi in 0..groups {
-        let mut plus = [zero; ROWS];
-        let mut minus = [zero; ROWS];
-        for k in (gi * g..(gi + 1) * g).step_by(32) {
-            // SAFETY: k + 32 ≤ cols ≤ x.len(); plane bytes of columns k..k+32 are in the row (assert).
+#[inline(always)]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn int8<const T: usize>(a: &Int8Tile<'_>) -> [[f32; ROWS]; INT8_TILE] {
+    let kp = a.block.len();
+    let g = a.group_size;
+    let gp = kp / g;
+    assert!(kp.is_multiple_of(SUPER_K) && a.cs.len() >= T * gp * ROWS);
+    assert!(a.x.iter().take(T).all(|x| x.len() >= kp));
+    let bp = a.block.as_ptr();
+    let xp: [*const i8; T] = std::array::from_fn(|t| a.x[t].as_ptr());
+    let mask = _mm256_set1_epi8(3);
+    let ones = _mm256_set1_epi16(1);
+    let mut out = [[0f32; ROWS]; INT8_TILE];
+    for r in 0..ROWS {
+        let mut facc = [_mm256_setzero_ps(); T];
+        let mut iacc = [_mm256_setzero_si256(); T];
+        for sb in 0..kp / SUPER_K {
+            // SAFETY (whole loop): sb < Kp/256; x offsets k + 32 ≤ Kp; cs index < T·Gp·4 (asserts).
             unsafe {
-                let xs: [__m256; 4] = std::array::from_fn(|j| _mm256_loadu_ps(xp.add(k + 8 * j)));
-                let off = plane_offset(k);
-                for r in 0..ROWS {
-                    let p = block.planes[r].as_ptr().add(off);
-                    let pw = _mm256_set1_epi32(p.cast::<i32>().read_unaligned());
-                    let mw = _mm256_set1_epi32(p.add(MINUS_OFFSET).cast::<i32>().read_unaligned());
-                    for j in 0..4 {
-                        let ps = _mm256_castsi256_ps(_mm256_sllv_epi32(pw, shifts[j]));
-                        let ms = _mm256_castsi256_ps(_mm256_sllv_epi32(mw, shifts[j]));
-                        plus[r] = _mm256_add_ps(plus[r], _mm256_blendv_ps(zero, xs[j], ps));
-                        minus[r] = _mm256_add_ps(minus[r], _mm256_blendv_ps(zero, xs[j], ms));
+                let w = [load_half(bp, sb, r, 0), load_half(bp, sb, r, 1)];
+                for sub in 0..4 {
+                    for h in 0..2 {
+                        let c = unpack(w[h], sub, mask);
+                        let k = sb * SUPER_K + sub * SUB_K + 32 * h;
+                        for t in 0..T {
+                            let x = _mm256_loadu_si256(xp[t].add(k).cast());
+                            let d = _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), ones);
+                            iacc[t] = _mm256_add_epi32(iacc[t], d);
+                        }
+                        if (k + 32).is_multiple_of(g) {
+                            let gi = k / g;
+                            for t in 0..T {
+                                let s = _mm256_set1_ps(a.cs[(t * gp + gi) * ROWS + r]);
+                                facc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[t]), s, facc[t]);
+                                iacc[t] = _mm256_setzero_si256();
+                            }
+                        }
                     }
                 }
             }
         }
-        for r in 0..ROWS {
-            let s = _mm256_set1_ps(f16_to_f32(block.scales[r][gi]));
-            total[r] = _mm256_fmadd_ps(_mm256_sub_ps(plus[r], minus[r]), s, total[r]);
+        for t in 0..T {
+            out[t][r] = hsum(facc[t]);
         }
     }
-    total.map(|t| hsum(t))
-}
-
-#[inline]
-#[target_feature(enable = "avx2")]
-fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
-}
-
-/// 32 plane bits → 32 byte masks (0xFF where the bit is set).
-#[inline]
-#[target_feature(enable = "avx2")]
-fn byte_masks(bits: u32) -> __m256i {
-    let spread = _mm256_setr_epi8(
-        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
-        3, 3,
-    );
-    let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-    let rep = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), spread);
-    _mm256_cmpeq_epi8(_mm256_and_si256(rep, select), select)
+    out
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn gemv_int8(block: &RowBlock<'_>, q: &[i8], neg_q: &[i8], g: usize) -> [f32; ROWS] {
-    let groups = block.scales[0].len();
-    let cols = groups * g;
-    assert!(
-        neg_q.len() == q.len()
-            && q.len() >= cols
-            && block.planes.iter().all(|p| p.len() * 4 >= cols)
-    );
-    let ones8 = _mm256_set1_epi8(1);
-    let ones16 = _mm256_set1_epi16(1);
-    let mut total = [_mm256_setzero_ps(); ROWS];
-    for gi in 0..groups {
-        let mut acc = [_mm256_setzero_si256(); ROWS];
-        for k in (gi * g..(gi + 1) * g).step_by(32) {
-            // SAFETY: k + 32 ≤ cols ≤ q.len(); plane bytes of columns k..k+32 are in the row (assert).
+unsafe fn prepass(scales: &[f16], xs4: &[f32], qsum4: &[f32], cs: &mut [f32]) -> [f32; ROWS] {
+    let n = cs.len();
+    assert!(n.is_multiple_of(ROWS) && scales.len() >= n && xs4.len() >= n && qsum4.len() >= n);
+    let mut corr = _mm_setzero_ps();
+    for i in (0..n).step_by(ROWS) {
+        // SAFETY: i + 4 ≤ n ≤ every slice's length.
+        unsafe {
+            let s = _mm_cvtph_ps(_mm_loadl_epi64(scales.as_ptr().add(i).cast()));
+            let c = _mm_mul_ps(s, _mm_loadu_ps(xs4.as_ptr().add(i)));
+            _mm_storeu_ps(cs.as_mut_ptr().add(i), c);
+            corr = _mm_fmadd_ps(c, _mm_loadu_ps(qsum4.as_ptr().add(i)), corr);
+        }
+    }
+    std::mem::transmute(corr)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn exact(block: &[u8], scales: &[f16], x: &[f32], g: usize) -> [f32; ROWS] {
+    let kp = block.len();
+    assert!(kp.is_multiple_of(SUPER_K) && x.len() >= kp && scales.len() * g >= kp * ROWS);
+    let bp = block.as_ptr();
+    let mask = _mm256_set1_epi8(3);
+    let one = _mm256_set1_epi8(1);
+    let mut trits = [0i8; 32];
+    std::array::from_fn(|r| {
+        let (mut total, mut group) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for sb in 0..kp / SUPER_K {
+            // SAFETY (whole loop): chunk and x offsets are inside Kp (asserts); `trits` is read 8 at a time.
             unsafe {
-                let xq = _mm256_loadu_si256(q.as_ptr().add(k).cast());
-                let xn = _mm256_loadu_si256(neg_q.as_ptr().add(k).cast());
-                let off = plane_offset(k);
-                for r in 0..ROWS {
-                    let p = block.planes[r].as_ptr().add(off);
-                    let pm = byte_masks(p.cast::<u32>().read_unaligned());
-                    let mm = byte_masks(p.add(MINUS_OFFSET).cast::<u32>().read_unaligned());
-                    let signed =
-                        _mm256_or_si256(_mm256_and_si256(pm, xq), _mm256_and_si256(mm, xn));
-                    // |pair sums| ≤ 254, so the i16 stage cannot saturate.
-                    let pairs = _mm256_maddubs_epi16(ones8, signed);
-                    acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs, ones16));
+                let w = [load_half(bp, sb, r, 0), load_half(bp, sb, r, 1)];
+                for sub in 0..4 {
+                    for h in 0..2 {
+                        let t = _mm256_sub_epi8(unpack(w[h], sub, mask), one);
+                        _mm256_storeu_si256(trits.as_mut_ptr().cast(), t);
+                        let k0 = sb * SUPER_K + sub * SUB_K + 32 * h;
+                        for piece in 0..4 {
+                            let t8 = _mm_loadl_epi64(trits.as_ptr().add(8 * piece).cast());
+                            let tf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(t8));
+                            let xv = _mm256_loadu_ps(x.as_ptr().add(k0 + 8 * piece));
+                            group = _mm256_fmadd_ps(tf, xv, group);
+                        }
+                        if (k0 + 32).is_multiple_of(g) {
+                            let s = _mm256_set1_ps(scales[(k0 / g) * ROWS + r].to_f32());
+                            total = _mm256_fmadd_ps(group, s, total);
+                            group = _mm256_setzero_ps();
+                        }
+                    }
                 }
             }
         }
-        for r in 0..ROWS {
-            let s = _mm256_set1_ps(f16_to_f32(block.scales[r][gi]));
-            total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), s, total[r]);
-        }
-    }
-    total.map(|t| hsum(t))
+        // SAFETY: AVX available (target feature of this function).
+        unsafe { hsum(total) }
+    })
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn decode_row(planes: &[u8], scales: &[f16], g: usize, k0: usize, out: &mut [f32]) {
-    assert!(k0.is_multiple_of(CHUNK_K) && out.len().is_multiple_of(CHUNK_K));
-    assert!((k0 + out.len()) / CHUNK_K * CHUNK_BYTES <= planes.len() && !scales.is_empty());
-    let zero = _mm256_setzero_ps();
-    let plus_shift = sign_shifts(0);
-    let minus_shift = sign_shifts(8);
-    let end = k0 + out.len();
-    // Walk group by group (no division in the loop); columns past K use the last scale (their masks are 0).
-    let mut k = k0;
-    while k < end {
-        let gi = (k / g).min(scales.len() - 1);
-        let group_end = if gi + 1 == scales.len() {
-            end
-        } else {
-            ((gi + 1) * g).min(end)
-        };
-        let s = f16_to_f32(scales[gi]);
-        let (plus_s, minus_s) = (_mm256_set1_ps(s), _mm256_set1_ps(-s));
-        while k < group_end {
-            let off = plane_offset(k);
-            // Plus bits in byte 0, minus bits in byte 1 of one broadcast word.
-            let word = planes[off] as i32 | (planes[off + MINUS_OFFSET] as i32) << 8;
-            let w = _mm256_set1_epi32(word);
-            let v = _mm256_blendv_ps(
-                zero,
-                plus_s,
-                _mm256_castsi256_ps(_mm256_sllv_epi32(w, plus_shift)),
-            );
-            let v = _mm256_blendv_ps(
-                v,
-                minus_s,
-                _mm256_castsi256_ps(_mm256_sllv_epi32(w, minus_shift)),
-            );
-            // SAFETY: k − k0 + 8 ≤ out.len().
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(k - k0), v) };
-            k += 8;
+unsafe fn decode(block: &[u8], scales: &[f16], g: usize, k0: usize, out: &mut [f32], stride: usize) {
+    let kp = block.len();
+    let kc = out.len() + stride - ROWS * stride;
+    assert!(k0.is_multiple_of(SUPER_K) && kc.is_multiple_of(SUPER_K) && k0 + kc <= kp);
+    assert!(scales.len() * g >= kp * ROWS && kc <= stride);
+    let bp = block.as_ptr();
+    let mask = _mm256_set1_epi8(3);
+    let one = _mm256_set1_epi8(1);
+    let mut trits = [0i8; 32];
+    for r in 0..ROWS {
+        for sb in k0 / SUPER_K..(k0 + kc) / SUPER_K {
+            for h in 0..2 {
+                // SAFETY: sb < Kp/256 (assert); out offsets r·stride + (k − k0) + 8 ≤ out.len().
+                unsafe {
+                    let w = load_half(bp, sb, r, h);
+                    for sub in 0..4 {
+                        let t = _mm256_sub_epi8(unpack(w, sub, mask), one);
+                        _mm256_storeu_si256(trits.as_mut_ptr().cast(), t);
+                        let kb = sb * SUPER_K + sub * SUB_K + 32 * h;
+                        let s = _mm256_set1_ps(scales[(kb / g) * ROWS + r].to_f32());
+                        for piece in 0..4 {
+                            let t8 = _mm_loadl_epi64(trits.as_ptr().add(8 * piece).cast());
+                            let v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(t8)), s);
+                            _mm256_storeu_ps(out.as_mut_ptr().add(r * stride + kb + 8 * piece - k0), v);
+                        }
+                    }
+                }
+            }
         }
     }
 }

@@ -1,33 +1,37 @@
-//! AVX-512 kernels (F + BW + DQ + VL + VNNI, with FMA and F16C).
+//! AVX-512 kernels (F + BW + DQ + VL + VNNI, with FMA and F16C; `vdpbf16ps` where AVX512_BF16 is present).
 //!
-//! The bit-planes are mask registers: a 16-bit slice of the plus plane selects the lanes where
-//! `t = +1`, so `acc = acc + x` under that mask is exactly `Σ_{t=+1} x` — no decode instruction at all,
-//! two masked adds per 16 weights (`kmovw k, m16` loads the mask straight from the plane). The int8 mode
-//! builds signed bytes with two masked byte moves (`q` where +1, `−q` where −1, 0 elsewhere) and sums
-//! them with `vpdpbusd` against a vector of ones, 64 weights per instruction.
+//! The layout makes every mode start the same way: one 64-byte load per row and superblock, then
+//! `(chunk >> 2i) & 3` gives the 64 byte codes `c = t + 1` of sub-vector `i`.
+//! * int8: `vpdpbusd` multiplies those unsigned codes by the signed int8 activations, 64 weights per
+//!   instruction, straight into i32 lanes; per scale unit (`min(g, 128)` weights) the lanes are converted
+//!   to f32 and multiplied by the combined scale `s · xs` (one FMA with an embedded broadcast). The `+1`
+//!   of the codes is removed afterwards with the per-group code sums (`prepass`).
+//! * exact f32: `t = c − 1` sign-extended to i32 and converted, then FMA with x (exact products).
+//! * exact bf16: `t` as bf16 ±1/0 through a 3-entry `vpermw` table, then `vdpbf16ps`.
 
-// Register arrays (per row, per x row) are indexed in lockstep; index loops say that most plainly.
+// Register arrays (per row, per token) are indexed in lockstep; index loops say that most plainly.
 #![allow(clippy::needless_range_loop)]
 
 use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::avx2::{f16_to_f32, plane_offset};
-use super::layout::{CHUNK_BYTES, CHUNK_K, MINUS_OFFSET};
-use super::{Kernels, RowBlock, ACC_STRIDE, LANES, MICRO_M, ROWS};
+use super::layout::{CHUNK_BYTES, ROWS, SUB_K, SUPER_K};
+use super::{Int8Tile, Kernels, ACC_STRIDE, INT8_TILE, LANES, MICRO_M};
 
 pub(crate) static KERNELS: Kernels = Kernels {
-    gemv_exact,
-    gemv_bf16: None,
-    gemv_int8,
-    decode_row,
+    int8: [int8::<1>, int8::<2>, int8::<3>, int8::<4>],
+    prepass,
+    exact,
+    exact_bf16: None,
+    decode,
     micro,
+    quantize,
 };
 
 /// The same kernels plus the `vdpbf16ps` GEMV for bf16 activations (CPUs with AVX512_BF16).
 pub(crate) static KERNELS_BF16: Kernels = Kernels {
-    gemv_bf16: Some(gemv_bf16),
+    exact_bf16: Some(exact_bf16),
     ..KERNELS
 };
 
@@ -45,163 +49,210 @@ pub(crate) fn is_supported() -> bool {
         && is_x86_feature_detected!("f16c")
 }
 
-/// Read a little-endian mask of `T` bits at `p + off`.
-///
-/// # Safety
-/// `off + size_of::<T>()` bytes must be inside the allocation `p` points into.
+/// Byte codes of sub-vector `i` (0..4) of a loaded 64-byte chunk.
 #[inline(always)]
-unsafe fn mask_at<T: Copy>(p: *const u8, off: usize) -> T {
-    unsafe { p.add(off).cast::<T>().read_unaligned() }
+unsafe fn unpack(w: __m512i, i: usize, mask: __m512i) -> __m512i {
+    // A 16-bit shift moves bits across the byte boundary; the AND drops them again.
+    match i {
+        0 => _mm512_and_si512(w, mask),
+        1 => _mm512_and_si512(_mm512_srli_epi16::<2>(w), mask),
+        2 => _mm512_and_si512(_mm512_srli_epi16::<4>(w), mask),
+        _ => _mm512_and_si512(_mm512_srli_epi16::<6>(w), mask),
+    }
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")]
-unsafe fn gemv_exact(block: &RowBlock<'_>, x: &[f32], g: usize) -> [f32; ROWS] {
-    let groups = block.scales[0].len();
-    let cols = groups * g;
-    assert!(x.len() >= cols && block.planes.iter().all(|p| p.len() * 4 >= cols));
-    let xp = x.as_ptr();
-    let pp: [*const u8; ROWS] = block.planes.map(|p| p.as_ptr());
-    let zero = _mm512_setzero_ps();
-    let mut total = [zero; ROWS];
-    for gi in 0..groups {
-        // Two accumulators per sign and per half of the 32-column step: independent add chains.
-        let mut plus = [[zero; 2]; ROWS];
-        let mut minus = [[zero; 2]; ROWS];
-        for k in (gi * g..(gi + 1) * g).step_by(32) {
-            // SAFETY: k + 32 ≤ cols ≤ x.len(), and the plane bytes of columns k..k+32 lie in the row
-            // (checked by the assert above: a row holds at least cols/4 bytes, laid out per 64-chunk).
-            unsafe {
-                let x0 = _mm512_loadu_ps(xp.add(k));
-                let x1 = _mm512_loadu_ps(xp.add(k + 16));
-                let off = plane_offset(k);
-                for r in 0..ROWS {
-                    let p = pp[r];
-                    let (p0, p1) = (mask_at::<u16>(p, off), mask_at::<u16>(p, off + 2));
-                    let m0 = mask_at::<u16>(p, off + MINUS_OFFSET);
-                    let m1 = mask_at::<u16>(p, off + MINUS_OFFSET + 2);
-                    plus[r][0] = _mm512_mask_add_ps(plus[r][0], p0, plus[r][0], x0);
-                    plus[r][1] = _mm512_mask_add_ps(plus[r][1], p1, plus[r][1], x1);
-                    minus[r][0] = _mm512_mask_add_ps(minus[r][0], m0, minus[r][0], x0);
-                    minus[r][1] = _mm512_mask_add_ps(minus[r][1], m1, minus[r][1], x1);
-                }
-            }
-        }
-        for r in 0..ROWS {
-            let s = _mm512_set1_ps(f16_to_f32(block.scales[r][gi]));
-            let d = _mm512_sub_ps(
-                _mm512_add_ps(plus[r][0], plus[r][1]),
-                _mm512_add_ps(minus[r][0], minus[r][1]),
-            );
-            total[r] = _mm512_fmadd_ps(d, s, total[r]);
-        }
-    }
-    total.map(|t| _mm512_reduce_add_ps(t))
+#[inline(always)]
+unsafe fn load_chunk(block: *const u8, sb: usize, r: usize) -> __m512i {
+    unsafe { _mm512_loadu_si512(block.add((sb * ROWS + r) * CHUNK_BYTES).cast()) }
 }
 
-/// bf16 activations: 32 weights become bf16 ±1/0 with two masked word moves, then one `vdpbf16ps`
-/// adds `t·x` pairwise into f32 lanes — products are exact, sums are f32 (the instruction rounds each
-/// of its two additions to nearest-even; it treats subnormal inputs and results as zero, i.e. |x| below
-/// 2⁻¹²⁶ counts as 0). 3 vector ops per 32 weights instead of 4 for the f32 masked adds.
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma,f16c")]
-unsafe fn gemv_bf16(block: &RowBlock<'_>, x: &[u16], g: usize) -> [f32; ROWS] {
-    let groups = block.scales[0].len();
-    let cols = groups * g;
-    assert!(x.len() >= cols && block.planes.iter().all(|p| p.len() * 4 >= cols));
-    let pp: [*const u8; ROWS] = block.planes.map(|p| p.as_ptr());
-    let one = _mm512_set1_epi16(0x3F80); // bf16 +1.0
-    let minus_one = _mm512_set1_epi16(0xBF80u16 as i16); // bf16 −1.0
-    let zero = _mm512_setzero_ps();
-    let mut total = [zero; ROWS];
-    // One 32-column step into accumulator `h` (two per row: independent dependency chains).
-    macro_rules! step {
-        ($acc:ident, $k:expr, $h:expr) => {{
-            let k = $k;
-            // SAFETY: k + 32 ≤ cols ≤ x.len(); the plane bytes of columns k..k+32 are in every row.
-            unsafe {
-                let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.as_ptr().add(k).cast()));
-                let off = plane_offset(k);
-                for r in 0..ROWS {
-                    let kp = mask_at::<u32>(pp[r], off);
-                    let km = mask_at::<u32>(pp[r], off + MINUS_OFFSET);
-                    let w = _mm512_mask_mov_epi16(_mm512_maskz_mov_epi16(kp, one), km, minus_one);
-                    let w: __m512bh = std::mem::transmute(w);
-                    $acc[r][$h] = _mm512_dpbf16_ps($acc[r][$h], w, xv);
-                }
-            }
-        }};
-    }
-    for gi in 0..groups {
-        let mut acc = [[zero; 2]; ROWS];
-        let (mut k, end) = (gi * g, (gi + 1) * g);
-        while k + 64 <= end {
-            step!(acc, k, 0);
-            step!(acc, k + 32, 1);
-            k += 64;
-        }
-        if k < end {
-            step!(acc, k, 0); // g = 32
-        }
-        for r in 0..ROWS {
-            let s = _mm512_set1_ps(f16_to_f32(block.scales[r][gi]));
-            total[r] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][0], acc[r][1]), s, total[r]);
-        }
-    }
-    total.map(|t| _mm512_reduce_add_ps(t))
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")]
-unsafe fn gemv_int8(block: &RowBlock<'_>, q: &[i8], neg_q: &[i8], g: usize) -> [f32; ROWS] {
-    let groups = block.scales[0].len();
-    let chunks = q.len() / CHUNK_K;
-    assert!(
-        neg_q.len() == q.len()
-            && chunks * CHUNK_K >= groups * g
-            && block.planes.iter().all(|p| p.len() >= chunks * CHUNK_BYTES)
-    );
-    let pp: [*const u8; ROWS] = block.planes.map(|p| p.as_ptr());
-    let ones = _mm512_set1_epi8(1);
-    let mut total = [_mm512_setzero_ps(); ROWS];
-    let mut acc = [_mm512_setzero_si512(); ROWS];
-    let chunks_per_group = (g / CHUNK_K).max(1);
-    // Countdown to the group end and the group index (no division per chunk).
-    let (mut chunks_left, mut group) = (chunks_per_group, 0);
-    let scale = |r: usize, gi: usize| -> f32 {
-        // A 32-group past the end (K an odd multiple of 32) covers only padding: weight 0.
-        block.scales[r].get(gi).map_or(0.0, |&s| f16_to_f32(s))
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma")]
+unsafe fn int8<const T: usize>(a: &Int8Tile<'_>) -> [[f32; ROWS]; INT8_TILE] {
+    let kp = a.block.len();
+    let g = a.group_size;
+    let gp = kp / g;
+    assert!(kp.is_multiple_of(SUPER_K) && a.cs.len() >= T * gp * ROWS);
+    assert!(a.x.iter().take(T).all(|x| x.len() >= kp));
+    let bp = a.block.as_ptr();
+    let cs = a.cs.as_ptr();
+    let xp: [*const i8; T] = std::array::from_fn(|t| a.x[t].as_ptr());
+    let mask = _mm512_set1_epi8(3);
+    let zero = _mm512_setzero_si512();
+    let mut facc = [[_mm512_setzero_ps(); ROWS]; T];
+    // Combined scale of (token t, group gi, row r): the FMA's broadcast operand.
+    let scale = |t: usize, gi: usize, r: usize| -> __m512 {
+        // SAFETY: t < T, gi < gp (asserted length above).
+        unsafe { _mm512_set1_ps(*cs.add((t * gp + gi) * ROWS + r)) }
     };
-    for c in 0..chunks {
-        // SAFETY: c < chunks, so the 64 bytes of q/neg_q and the 16 plane bytes of chunk c are in bounds.
+    for sb in 0..kp / SUPER_K {
+        // SAFETY (whole loop): sb < Kp/256, so the four 64-byte chunks and the x bytes
+        // 256·sb .. 256·sb + 256 of every token are in bounds (asserts above).
         unsafe {
-            let xq = _mm512_loadu_si512(q.as_ptr().add(c * CHUNK_K).cast());
-            let xn = _mm512_loadu_si512(neg_q.as_ptr().add(c * CHUNK_K).cast());
-            for r in 0..ROWS {
-                let kp = mask_at::<u64>(pp[r], c * CHUNK_BYTES);
-                let km = mask_at::<u64>(pp[r], c * CHUNK_BYTES + MINUS_OFFSET);
-                let signed = _mm512_mask_mov_epi8(_mm512_maskz_mov_epi8(kp, xq), km, xn);
-                acc[r] = _mm512_dpbusd_epi32(acc[r], ones, signed);
+            let w: [__m512i; ROWS] = std::array::from_fn(|r| load_chunk(bp, sb, r));
+            let k_sb = sb * SUPER_K;
+            if g >= 128 {
+                // Scale units of 128 weights (two sub-vectors; g = 256 uses one scale for both).
+                for half in 0..2 {
+                    let k0 = k_sb + half * 128;
+                    let gi = k0 / g;
+                    for r in 0..ROWS {
+                        let c0 = unpack(w[r], 2 * half, mask);
+                        let c1 = unpack(w[r], 2 * half + 1, mask);
+                        for t in 0..T {
+                            let x0 = _mm512_loadu_si512(xp[t].add(k0).cast());
+                            let x1 = _mm512_loadu_si512(xp[t].add(k0 + SUB_K).cast());
+                            let i = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, c0, x0), c1, x1);
+                            facc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), scale(t, gi, r), facc[t][r]);
+                        }
+                    }
+                }
+            } else {
+                for sub in 0..4 {
+                    let k0 = k_sb + sub * SUB_K;
+                    for r in 0..ROWS {
+                        let c = unpack(w[r], sub, mask);
+                        for t in 0..T {
+                            let x = _mm512_loadu_si512(xp[t].add(k0).cast());
+                            let i = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, c, x));
+                            let s = if g == 64 {
+                                scale(t, k0 / 64, r)
+                            } else {
+                                // g = 32: lanes 0..8 summed weights k0..k0+32, lanes 8..16 the next group.
+                                let gi = k0 / 32;
+                                _mm512_insertf32x8::<1>(
+                                    scale(t, gi, r),
+                                    _mm512_castps512_ps256(scale(t, gi + 1, r)),
+                                )
+                            };
+                            facc[t][r] = _mm512_fmadd_ps(i, s, facc[t][r]);
+                        }
+                    }
+                }
             }
         }
-        if g == 32 {
-            // Lanes 0..8 summed columns 0..32 of the chunk (group 2c), lanes 8..16 group 2c + 1.
-            for r in 0..ROWS {
-                let s = _mm512_mask_blend_ps(
-                    0xFF00,
-                    _mm512_set1_ps(scale(r, 2 * c)),
-                    _mm512_set1_ps(scale(r, 2 * c + 1)),
-                );
-                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), s, total[r]);
-                acc[r] = _mm512_setzero_si512();
-            }
+    }
+    let mut out = [[0f32; ROWS]; INT8_TILE];
+    for t in 0..T {
+        for r in 0..ROWS {
+            out[t][r] = _mm512_reduce_add_ps(facc[t][r]);
+        }
+    }
+    out
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")]
+unsafe fn prepass(scales: &[f16], xs4: &[f32], qsum4: &[f32], cs: &mut [f32]) -> [f32; ROWS] {
+    let n = cs.len();
+    assert!(scales.len() >= n && xs4.len() >= n && qsum4.len() >= n);
+    let mut corr = _mm512_setzero_ps();
+    for i in (0..n).step_by(16) {
+        let m: __mmask16 = if n - i >= 16 {
+            0xFFFF
         } else {
-            chunks_left -= 1;
-            if chunks_left == 0 {
-                chunks_left = chunks_per_group;
+            (1u16 << (n - i)) - 1
+        };
+        // SAFETY: masked loads/stores touch only indices < n (all slices are ≥ n long).
+        unsafe {
+            let s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, scales.as_ptr().add(i).cast()));
+            let c = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, xs4.as_ptr().add(i)));
+            _mm512_mask_storeu_ps(cs.as_mut_ptr().add(i), m, c);
+            corr = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(m, qsum4.as_ptr().add(i)), corr);
+        }
+    }
+    let v: [f32; 16] = std::mem::transmute(corr);
+    std::array::from_fn(|r| (v[r] + v[r + 4]) + (v[r + 8] + v[r + 12]))
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")]
+unsafe fn exact(block: &[u8], scales: &[f16], x: &[f32], g: usize) -> [f32; ROWS] {
+    let kp = block.len();
+    assert!(kp.is_multiple_of(SUPER_K) && x.len() >= kp && scales.len() * g >= kp * ROWS);
+    let bp = block.as_ptr();
+    let xp = x.as_ptr();
+    let mask = _mm512_set1_epi8(3);
+    let one = _mm512_set1_epi8(1);
+    let zero = _mm512_setzero_ps();
+    let mut total = [zero; ROWS];
+    let mut group = [zero; ROWS];
+    let mut trits = [[0i8; SUB_K]; ROWS];
+    for sb in 0..kp / SUPER_K {
+        // SAFETY (whole loop): chunk and x offsets are inside Kp (asserts above); `trits` is 64 bytes
+        // per row and read 16 at a time.
+        unsafe {
+            let w: [__m512i; ROWS] = std::array::from_fn(|r| load_chunk(bp, sb, r));
+            for sub in 0..4 {
                 for r in 0..ROWS {
-                    let s = _mm512_set1_ps(scale(r, group));
-                    total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), s, total[r]);
-                    acc[r] = _mm512_setzero_si512();
+                    let t = _mm512_sub_epi8(unpack(w[r], sub, mask), one);
+                    _mm512_storeu_si512(trits[r].as_mut_ptr().cast(), t);
                 }
-                group += 1;
+                let k0 = sb * SUPER_K + sub * SUB_K;
+                for piece in 0..4 {
+                    let k = k0 + 16 * piece;
+                    let xv = _mm512_loadu_ps(xp.add(k));
+                    for r in 0..ROWS {
+                        let t8 = _mm_loadu_si128(trits[r].as_ptr().add(16 * piece).cast());
+                        let tf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(t8));
+                        group[r] = _mm512_fmadd_ps(tf, xv, group[r]);
+                    }
+                    if (k + 16).is_multiple_of(g) {
+                        let gi = k / g;
+                        for r in 0..ROWS {
+                            let s = _mm512_set1_ps(scales[gi * ROWS + r].to_f32());
+                            total[r] = _mm512_fmadd_ps(group[r], s, total[r]);
+                            group[r] = zero;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    total.map(|t| _mm512_reduce_add_ps(t))
+}
+
+/// bf16 activations: 32 weights become bf16 ±1/0 through a `vpermw` table, then one `vdpbf16ps` adds
+/// `t·x` pairwise into f32 lanes — products are exact, sums are f32 (the instruction rounds each of its
+/// two additions to nearest-even and treats subnormal inputs and results as zero, i.e. |x| below 2⁻¹²⁶
+/// counts as 0).
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma,f16c")]
+unsafe fn exact_bf16(block: &[u8], scales: &[f16], x: &[u16], g: usize) -> [f32; ROWS] {
+    let kp = block.len();
+    assert!(kp.is_multiple_of(SUPER_K) && x.len() >= kp && scales.len() * g >= kp * ROWS);
+    let bp = block.as_ptr();
+    let xp = x.as_ptr();
+    let mask = _mm512_set1_epi8(3);
+    // word table indexed by the code: 0 → bf16 −1.0, 1 → 0, 2 → bf16 +1.0
+    let table = _mm512_setr_epi32(0x0000_BF80u32 as i32, 0x3F80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    let zero = _mm512_setzero_ps();
+    let mut total = [zero; ROWS];
+    let mut group = [zero; ROWS];
+    for sb in 0..kp / SUPER_K {
+        // SAFETY (whole loop): chunk and x offsets are inside Kp (asserts above).
+        unsafe {
+            let w: [__m512i; ROWS] = std::array::from_fn(|r| load_chunk(bp, sb, r));
+            for sub in 0..4 {
+                let k0 = sb * SUPER_K + sub * SUB_K;
+                for h in 0..2 {
+                    let k = k0 + 32 * h;
+                    let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(xp.add(k).cast()));
+                    for r in 0..ROWS {
+                        let c = unpack(w[r], sub, mask);
+                        let half = if h == 0 {
+                            _mm512_castsi512_si256(c)
+                        } else {
+                            _mm512_extracti64x4_epi64::<1>(c)
+                        };
+                        let tw = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(half), table);
+                        group[r] = _mm512_dpbf16_ps(group[r], std::mem::transmute::<__m512i, __m512bh>(tw), xv);
+                    }
+                    if (k + 32).is_multiple_of(g) {
+                        let gi = k / g;
+                        for r in 0..ROWS {
+                            let s = _mm512_set1_ps(scales[gi * ROWS + r].to_f32());
+                            total[r] = _mm512_fmadd_ps(group[r], s, total[r]);
+                            group[r] = zero;
+                        }
+                    }
+                }
             }
         }
     }
@@ -209,32 +260,32 @@ unsafe fn gemv_int8(block: &RowBlock<'_>, q: &[i8], neg_q: &[i8], g: usize) -> [
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")]
-unsafe fn decode_row(planes: &[u8], scales: &[f16], g: usize, k0: usize, out: &mut [f32]) {
-    assert!(k0.is_multiple_of(CHUNK_K) && out.len().is_multiple_of(CHUNK_K));
-    assert!((k0 + out.len()) / CHUNK_K * CHUNK_BYTES <= planes.len() && !scales.is_empty());
-    let p = planes.as_ptr();
-    let end = k0 + out.len();
-    // Walk group by group (no division in the loop); columns past K use the last scale (their masks are 0).
-    let mut k = k0;
-    while k < end {
-        let gi = (k / g).min(scales.len() - 1);
-        let group_end = if gi + 1 == scales.len() {
-            end
-        } else {
-            ((gi + 1) * g).min(end)
-        };
-        let s = f16_to_f32(scales[gi]);
-        let (plus_s, minus_s) = (_mm512_set1_ps(s), _mm512_set1_ps(-s));
-        while k < group_end {
-            // SAFETY: k + 16 ≤ end, whose plane bytes are in bounds (assert above); k − k0 + 16 ≤ out.len().
+unsafe fn decode(block: &[u8], scales: &[f16], g: usize, k0: usize, out: &mut [f32], stride: usize) {
+    let kp = block.len();
+    let kc = out.len() + stride - ROWS * stride;
+    assert!(k0.is_multiple_of(SUPER_K) && kc.is_multiple_of(SUPER_K) && k0 + kc <= kp);
+    assert!(scales.len() * g >= kp * ROWS && kc <= stride);
+    let bp = block.as_ptr();
+    let mask = _mm512_set1_epi8(3);
+    let one = _mm512_set1_epi8(1);
+    let mut trits = [0i8; SUB_K];
+    for r in 0..ROWS {
+        for sb in k0 / SUPER_K..(k0 + kc) / SUPER_K {
+            // SAFETY: sb < Kp/256 (assert); out offsets r·stride + (k − k0) + 16 ≤ out.len().
             unsafe {
-                let off = plane_offset(k);
-                let kp = mask_at::<u16>(p, off);
-                let km = mask_at::<u16>(p, off + MINUS_OFFSET);
-                let v = _mm512_mask_mov_ps(_mm512_maskz_mov_ps(kp, plus_s), km, minus_s);
-                _mm512_storeu_ps(out.as_mut_ptr().add(k - k0), v);
+                let w = load_chunk(bp, sb, r);
+                for sub in 0..4 {
+                    let t = _mm512_sub_epi8(unpack(w, sub, mask), one);
+                    _mm512_storeu_si512(trits.as_mut_ptr().cast(), t);
+                    for piece in 0..4 {
+                        let k = sb * SUPER_K + sub * SUB_K + 16 * piece;
+                        let s = _mm512_set1_ps(scales[(k / g) * ROWS + r].to_f32());
+                        let t8 = _mm_loadu_si128(trits.as_ptr().add(16 * piece).cast());
+                        let v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(t8)), s);
+                        _mm512_storeu_ps(out.as_mut_ptr().add(r * stride + k - k0), v);
+                    }
+                }
             }
-            k += 16;
         }
     }
 }
@@ -265,6 +316,54 @@ unsafe fn micro(x: [&[f32]; MICRO_M], w: [&[f32]; ROWS], acc: &mut [f32]) {
                 let p = acc.as_mut_ptr().add(i * ACC_STRIDE + r * LANES);
                 _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), a[i][r]));
             }
+        }
+    }
+}
+
+/// max |x| over 16-lane pieces as integer max of the absolute bit patterns: for non-negative floats
+/// the integer order is the float order, and NaN patterns sort above Inf, so a NaN is never dropped.
+#[inline(always)]
+unsafe fn abs_bits_max(x: *const f32, n: usize) -> u32 {
+    let abs = _mm512_set1_epi32(0x7FFF_FFFF);
+    let mut m = _mm512_setzero_si512();
+    for i in (0..n).step_by(16) {
+        // SAFETY: the caller passes n (a multiple of 16) readable floats.
+        let v = unsafe { _mm512_loadu_si512(x.add(i).cast()) };
+        m = _mm512_max_epu32(m, _mm512_and_si512(v, abs));
+    }
+    _mm512_reduce_max_epu32(m)
+}
+
+/// Bit-for-bit [`super::quant::quantize_row`] (`vcvtps2dq` rounds half to even under the default MXCSR).
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl")]
+unsafe fn quantize(x: &[f32], q: &mut [i8], g: usize, per_token: bool, xs4: &mut [f32], qsum4: &mut [f32]) {
+    use super::quant::{domain_scale, INT8_MAX};
+    let kp = x.len();
+    assert!(q.len() >= kp && kp.is_multiple_of(g) && g.is_multiple_of(16));
+    assert!(xs4.len() >= kp / g * 4 && qsum4.len() >= kp / g * 4);
+    let amax = |p: *const f32, n: usize| f32::from_bits(unsafe { abs_bits_max(p, n) });
+    let token = per_token.then(|| domain_scale(amax(x.as_ptr(), kp), true));
+    let hi = _mm512_set1_epi32(INT8_MAX as i32);
+    let lo = _mm512_set1_epi32(if per_token { -128 } else { -(INT8_MAX as i32) });
+    for gi in 0..kp / g {
+        // SAFETY: group gi covers x[gi·g .. (gi+1)·g] and q the same (asserts above).
+        unsafe {
+            let xg = x.as_ptr().add(gi * g);
+            let (mul, xs) = token.unwrap_or_else(|| domain_scale(amax(xg, g), false));
+            let mulv = _mm512_set1_ps(mul);
+            let mut sum = _mm512_setzero_si512();
+            for i in (0..g).step_by(16) {
+                let v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg.add(i)), mulv));
+                // NaN · 0 converts to the "integer indefinite" 0x80000000: the clamp makes it −128/−127,
+                // but such a group's scale is NaN, so its value never matters — match the scalar 0 anyway.
+                let v = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(v, _mm512_set1_epi32(i32::MIN)), v, _mm512_setzero_si512());
+                let v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
+                sum = _mm512_add_epi32(sum, v);
+                _mm_storeu_si128(q.as_mut_ptr().add(gi * g + i).cast(), _mm512_cvtepi32_epi8(v));
+            }
+            let total = _mm512_reduce_add_epi32(sum) as f32;
+            xs4[gi * 4..gi * 4 + 4].fill(xs);
+            qsum4[gi * 4..gi * 4 + 4].fill(total);
         }
     }
 }

@@ -1,176 +1,224 @@
-//! The CPU kernel's weight layout: sign bit-planes.
+//! The CPU kernel's weight layout: four rows interleaved, 256 codes per 64-byte row chunk.
 //!
-//! The canonical form stores `W[n, k]` as a 2-bit code `t + 1`, four per byte along K. The kernels
-//! do not want codes, they want *selections*: "add x here" (t = +1) and "subtract x here" (t = −1).
-//! AVX-512 applies a 16-bit mask register to 16 lanes in one instruction, so the prepared layout
-//! stores exactly those masks:
+//! Every mode of the kernel (int8 dot products with `vpdpbusd`, exact f32/bf16 sums, the f32 tile
+//! decode of the large-M path) wants, for 64 consecutive weights of one row, a vector of 64 byte codes
+//! `c = t + 1 ∈ {0, 1, 2}`. The canonical form packs codes 4 per byte *along K*; here they are packed 4
+//! per byte *across 64-weight sub-vectors*, so one shift and one AND give 64 ready byte codes:
 //!
-//! * K is cut into chunks of [`CHUNK_K`] = 64 columns (zero-padded at the end: a padded column has
-//!   both bits clear, i.e. t = 0, so it contributes nothing).
-//! * Each chunk of a row is [`CHUNK_BYTES`] = 16 bytes: a little-endian `u64` **plus** mask (bit i set
-//!   ⇔ `W[n, 64c + i] = +1`) followed by a little-endian `u64` **minus** mask (bit i ⇔ t = −1).
-//! * Rows are stored one after the other: row `n` occupies bytes
-//!   `[n · row_bytes(K), (n + 1) · row_bytes(K))`.
+//! * K is padded to [`SUPER_K`] = 256 (`Kp`); padded weights have code 1 (t = 0) and the kernel feeds
+//!   them zero activations.
+//! * Rows are taken in blocks of [`ROWS`] = 4 (N padded to `Np`, padded rows have code 1); a row block
+//!   is `Kp` bytes: for each 256-weight superblock `sb`, the 64-byte chunks of rows 0, 1, 2, 3.
+//! * In the chunk of row `r`, superblock `sb`, byte `j` holds the codes of weights `256·sb + 64·i + j`
+//!   for `i = 0..4` at bits `2i..2i+1`: sub-vector `i` is `(chunk >> 2i) & 3` byte-wise.
 //!
-//! The layout has the same size as the canonical codes (2 bits per weight) unless K is an odd multiple
-//! of 32, where the last chunk is half padding. Any 16-, 32- or 64-bit slice of a plane is a ready
-//! mask register (`kmovw k, m16` straight from memory), and an 8-bit slice drives the AVX2 decode.
-//! Scales stay as they are (f16 `[N, K/g]`): converting them to f32 would add 6 % to the bytes the
-//! memory-bound GEMV streams at g = 128.
+//! So the whole weight is one sequential stream (`Np/4` blocks of `Kp` bytes): the kernel reads it once,
+//! front to back, which is what the hardware prefetchers stream best, and each 64-byte load feeds four
+//! rows' worth of nothing but useful codes (2 bits per weight, as in the canonical form).
+//!
+//! Scales stay fp16 (converting to f32 would add 6 % to the bytes the memory-bound GEMV streams at
+//! g = 128), rearranged to `[Np/4][Gp][4]` (`Gp = Kp / g` groups, padded groups 0) so a row block's
+//! scales are contiguous and the four rows of one group sit together.
 
+use half::f16;
 use rayon::prelude::*;
 
 use crate::canonical::CanonicalRef;
 use crate::{Error, Result};
 
-/// Columns per bit-plane chunk (one `u64` per plane).
-pub const CHUNK_K: usize = 64;
-/// Bytes per chunk of one row: plus plane then minus plane.
-pub const CHUNK_BYTES: usize = 16;
-/// Byte offset of the minus plane inside a chunk.
-pub const MINUS_OFFSET: usize = 8;
+/// Rows per interleaved block.
+pub const ROWS: usize = 4;
+/// Weights per superblock (one 64-byte chunk per row).
+pub const SUPER_K: usize = 256;
+/// Bytes of one row's chunk of a superblock.
+pub const CHUNK_BYTES: usize = 64;
+/// Weights per sub-vector (one byte lane per weight after the unpack).
+pub const SUB_K: usize = 64;
+/// Code of t = 0, used for padding.
+const ZERO_CODE: u8 = 1;
 
-/// K rounded up to a whole number of chunks.
+/// K rounded up to whole superblocks.
 pub fn padded_cols(cols: usize) -> usize {
-    cols.div_ceil(CHUNK_K) * CHUNK_K
+    cols.div_ceil(SUPER_K) * SUPER_K
 }
 
-/// Bytes of one prepared row.
-pub fn row_bytes(cols: usize) -> usize {
-    cols.div_ceil(CHUNK_K) * CHUNK_BYTES
+/// N rounded up to whole row blocks.
+pub fn padded_rows(rows: usize) -> usize {
+    rows.div_ceil(ROWS) * ROWS
+}
+
+/// Number of row blocks.
+pub fn row_blocks(rows: usize) -> usize {
+    rows.div_ceil(ROWS)
+}
+
+/// Bytes of one row block (4 rows × Kp/4).
+pub fn block_bytes(cols: usize) -> usize {
+    padded_cols(cols)
+}
+
+/// Scale groups per padded row.
+pub fn padded_groups(cols: usize, group_size: usize) -> usize {
+    padded_cols(cols) / group_size
 }
 
 /// Bytes of a prepared `[rows, cols]` weight (checked: `None` on overflow).
 pub fn prepared_bytes(rows: usize, cols: usize) -> Option<usize> {
-    rows.checked_mul(row_bytes(cols))
+    row_blocks(rows).checked_mul(block_bytes(cols))
 }
 
-/// `PLANE_NIBBLES[b] = (plus, minus)`: the 4-bit plus/minus masks of the four codes in canonical byte `b`
-/// (code 2 → plus, code 0 → minus, code 1 → neither; code 3 is rejected before this table is used).
-const PLANE_NIBBLES: [(u8, u8); 256] = {
-    let mut table = [(0u8, 0u8); 256];
-    let mut b = 0;
-    while b < 256 {
-        let (mut plus, mut minus) = (0u8, 0u8);
-        let mut lane = 0;
-        while lane < 4 {
-            match (b >> (2 * lane)) & 3 {
-                0 => minus |= 1 << lane,
-                2 => plus |= 1 << lane,
-                _ => {}
+/// fp16 values of the prepared scales of a `[rows, cols]` weight at `group_size` (checked).
+pub fn prepared_scales(rows: usize, cols: usize, group_size: usize) -> Option<usize> {
+    row_blocks(rows)
+        .checked_mul(padded_groups(cols, group_size))?
+        .checked_mul(ROWS)
+}
+
+/// Position of weight `(r, k)` of a row block: (byte offset in the block, bit shift).
+#[inline]
+pub fn code_position(r: usize, k: usize) -> (usize, u32) {
+    let (sb, within) = (k / SUPER_K, k % SUPER_K);
+    let (sub, j) = (within / SUB_K, within % SUB_K);
+    (sb * ROWS * CHUNK_BYTES + r * CHUNK_BYTES + j, 2 * sub as u32)
+}
+
+/// Code `t + 1` of weight `(r, k)` of a prepared row block (for tests and the scalar kernels).
+#[inline]
+pub fn code(block: &[u8], r: usize, k: usize) -> u8 {
+    let (byte, shift) = code_position(r, k);
+    (block[byte] >> shift) & 3
+}
+
+/// Permute one block of up to [`ROWS`] canonical rows (`rows_codes[r]` = K/4 bytes, missing rows padded).
+fn prepare_block(rows_codes: &[&[u8]], cols: usize, out: &mut [u8]) {
+    // Byte j of a chunk gathers codes of weights j, 64 + j, 128 + j, 192 + j: start from all-zero codes.
+    out.fill(ZERO_CODE * 0x55);
+    for (r, codes) in rows_codes.iter().enumerate() {
+        for sb in 0..cols.div_ceil(SUPER_K) {
+            let chunk = &mut out[sb * ROWS * CHUNK_BYTES + r * CHUNK_BYTES..][..CHUNK_BYTES];
+            for sub in 0..SUPER_K / SUB_K {
+                let k0 = sb * SUPER_K + sub * SUB_K;
+                if k0 >= cols {
+                    break;
+                }
+                let shift = 2 * sub;
+                // 64 weights = 16 canonical bytes (K is a multiple of 32, so a sub-vector is whole or
+                // half present).
+                let bytes = &codes[k0 / 4..((k0 + SUB_K).min(cols)) / 4];
+                for (jb, &b) in bytes.iter().enumerate() {
+                    for lane in 0..4 {
+                        let c = (b >> (2 * lane)) & 3;
+                        let j = 4 * jb + lane;
+                        chunk[j] = (chunk[j] & !(3 << shift)) | (c << shift);
+                    }
+                }
             }
-            lane += 1;
         }
-        table[b] = (plus, minus);
-        b += 1;
-    }
-    table
-};
-
-/// Convert one canonical row (`cols / 4` code bytes) into its bit-planes (`row_bytes(cols)` bytes).
-fn prepare_row(codes: &[u8], out: &mut [u8]) {
-    for (chunk_codes, chunk_out) in codes
-        .chunks(CHUNK_K / 4)
-        .zip(out.chunks_exact_mut(CHUNK_BYTES))
-    {
-        let (mut plus, mut minus) = (0u64, 0u64);
-        for (i, &b) in chunk_codes.iter().enumerate() {
-            let (p, m) = PLANE_NIBBLES[b as usize];
-            plus |= (p as u64) << (4 * i);
-            minus |= (m as u64) << (4 * i);
-        }
-        chunk_out[..MINUS_OFFSET].copy_from_slice(&plus.to_le_bytes());
-        chunk_out[MINUS_OFFSET..].copy_from_slice(&minus.to_le_bytes());
     }
 }
 
-/// Permute a canonical weight into bit-planes, writing `out` (`prepared_bytes(rows, cols)` bytes).
-/// Validates first: code 3 and non-finite scales are errors (naming `tensor`, first index, count).
-pub fn prepare_into(w: CanonicalRef<'_>, tensor: &str, out: &mut [u8]) -> Result<()> {
-    w.validate(tensor)?;
-    let rb = row_bytes(w.cols);
-    if Some(out.len()) != prepared_bytes(w.rows, w.cols) {
+/// Check the output sizes of [`prepare_into`].
+fn check_prepared_sizes(w: &CanonicalRef<'_>, planes: usize, scales: usize) -> Result<()> {
+    let want_planes = prepared_bytes(w.rows, w.cols);
+    let want_scales = prepared_scales(w.rows, w.cols, w.group_size);
+    if Some(planes) != want_planes || Some(scales) != want_scales {
         return Err(Error::invalid(format!(
-            "prepared buffer for [{}, {}] needs {} bytes, got {}",
-            w.rows,
-            w.cols,
-            w.rows.saturating_mul(rb),
-            out.len()
+            "prepared buffers for [{}, {}] g{} need {want_planes:?} code bytes and {want_scales:?} scales, got {planes} and {scales}",
+            w.rows, w.cols, w.group_size
         )));
     }
-    let codes_per_row = w.cols / 4;
+    Ok(())
+}
+
+/// Permute a canonical weight into the kernel layout (`out`: [`prepared_bytes`], `out_scales`:
+/// [`prepared_scales`]). Validates first: code 3 and non-finite scales are errors (naming `tensor`,
+/// first index, count).
+pub fn prepare_into(
+    w: CanonicalRef<'_>,
+    tensor: &str,
+    out: &mut [u8],
+    out_scales: &mut [f16],
+) -> Result<()> {
+    w.validate(tensor)?;
+    check_prepared_sizes(&w, out.len(), out_scales.len())?;
     if w.rows == 0 {
         return Ok(());
     }
+    let (cols, g) = (w.cols, w.group_size);
+    let codes_per_row = cols / 4;
+    let groups = cols / g;
+    let gp = padded_groups(cols, g);
+    let bb = block_bytes(cols);
     crate::threads::install(|| {
-        out.par_chunks_exact_mut(rb)
-            .zip(w.qweight.par_chunks_exact(codes_per_row))
-            .with_min_len(64)
-            .for_each(|(row_out, row_codes)| prepare_row(row_codes, row_out));
+        out.par_chunks_exact_mut(bb)
+            .zip(out_scales.par_chunks_exact_mut(gp * ROWS))
+            .enumerate()
+            .with_min_len(16)
+            .for_each(|(b, (block_out, scales_out))| {
+                let rows: Vec<&[u8]> = (b * ROWS..((b + 1) * ROWS).min(w.rows))
+                    .map(|n| &w.qweight[n * codes_per_row..(n + 1) * codes_per_row])
+                    .collect();
+                prepare_block(&rows, cols, block_out);
+                scales_out.fill(f16::ZERO);
+                for (r, n) in (b * ROWS..((b + 1) * ROWS).min(w.rows)).enumerate() {
+                    for gi in 0..groups {
+                        scales_out[gi * ROWS + r] = w.scales[n * groups + gi];
+                    }
+                }
+            });
     });
     Ok(())
 }
 
-/// Permute a canonical weight into a new bit-plane buffer (see [`prepare_into`]).
-pub fn prepare(w: CanonicalRef<'_>, tensor: &str) -> Result<Vec<u8>> {
-    let n = prepared_bytes(w.rows, w.cols)
-        .ok_or_else(|| Error::invalid(format!("shape [{}, {}] overflows", w.rows, w.cols)))?;
-    let mut out = vec![0u8; n];
-    prepare_into(w, tensor, &mut out)?;
-    Ok(out)
-}
-
-/// Trit of column `k` of one prepared row (reads the planes bit by bit; for tests and the scalar kernel).
-#[inline]
-pub fn trit(row: &[u8], k: usize) -> i8 {
-    let base = (k / CHUNK_K) * CHUNK_BYTES;
-    let bit = k % CHUNK_K;
-    let byte = bit / 8;
-    let plus = (row[base + byte] >> (bit % 8)) & 1;
-    let minus = (row[base + MINUS_OFFSET + byte] >> (bit % 8)) & 1;
-    plus as i8 - minus as i8
+/// Permute a canonical weight into new buffers (see [`prepare_into`]).
+pub fn prepare(w: CanonicalRef<'_>, tensor: &str) -> Result<(Vec<u8>, Vec<f16>)> {
+    let overflow = || Error::invalid(format!("shape [{}, {}] overflows", w.rows, w.cols));
+    let n = prepared_bytes(w.rows, w.cols).ok_or_else(overflow)?;
+    let s = prepared_scales(w.rows, w.cols, w.group_size).ok_or_else(overflow)?;
+    let (mut out, mut scales) = (vec![0u8; n], vec![f16::ZERO; s]);
+    prepare_into(w, tensor, &mut out, &mut scales)?;
+    Ok((out, scales))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use half::f16;
     use proptest::prelude::*;
 
-    /// Plain reference of the permutation, written from the layout description: set bit by bit.
-    fn reference_planes(rows: usize, cols: usize, qweight: &[u8]) -> Vec<u8> {
-        let rb = row_bytes(cols);
-        let mut out = vec![0u8; rows * rb];
-        for n in 0..rows {
-            for k in 0..cols {
-                let code = (qweight[n * cols / 4 + k / 4] >> (2 * (k % 4))) & 3;
-                let plane = match code {
-                    2 => 0,
-                    0 => MINUS_OFFSET,
-                    _ => continue,
-                };
-                let byte = n * rb + (k / 64) * 16 + plane + (k % 64) / 8;
-                out[byte] |= 1 << (k % 8);
-            }
-        }
-        out
-    }
-
-    fn canonical(rows: usize, cols: usize, codes: &[u8]) -> (Vec<u8>, Vec<f16>) {
-        let qweight = codes
+    fn canonical(cols: usize, codes: &[u8]) -> Vec<u8> {
+        assert_eq!(codes.len() % cols, 0);
+        codes
             .chunks(4)
             .map(|c| {
                 c.iter()
                     .enumerate()
                     .fold(0u8, |b, (i, &v)| b | (v << (2 * i)))
             })
-            .collect();
-        (qweight, vec![f16::ONE; rows * cols / 32])
+            .collect()
+    }
+
+    /// Plain reference written from the layout description, weight by weight.
+    fn reference(rows: usize, cols: usize, codes: &[u8]) -> Vec<u8> {
+        let kp = padded_cols(cols);
+        let mut out = vec![0u8; row_blocks(rows) * kp];
+        for n in 0..padded_rows(rows) {
+            for k in 0..kp {
+                let c = if n < rows && k < cols {
+                    codes[n * cols + k]
+                } else {
+                    1
+                };
+                let (b, r) = (n / 4, n % 4);
+                let byte = b * kp + (k / 256) * 256 + r * 64 + k % 64;
+                out[byte] |= c << (2 * ((k % 256) / 64));
+            }
+        }
+        out
     }
 
     #[test]
     fn running_example() {
-        // FORMATS.md running example: trits [+1, 0, -1, -1, 0, +1, +1, 0] → bytes 0x06 0x69.
+        // FORMATS.md running example: trits [+1, 0, -1, -1, 0, +1, +1, 0] → canonical bytes 0x06 0x69.
         let mut q = vec![0x55u8; 8];
         q[0] = 0x06;
         q[1] = 0x69;
@@ -182,13 +230,16 @@ mod tests {
             qweight: &q,
             scales: &s,
         };
-        let p = prepare(w, "w").unwrap();
-        assert_eq!(p.len(), 16);
-        assert_eq!(p[0], 0b0110_0001); // plus at k = 0, 5, 6
-        assert_eq!(p[MINUS_OFFSET], 0b0000_1100); // minus at k = 2, 3
-        assert!(p[1..8].iter().chain(&p[9..]).all(|&b| b == 0));
-        let trits: Vec<i8> = (0..8).map(|k| trit(&p, k)).collect();
+        let (p, ps) = prepare(w, "w").unwrap();
+        assert_eq!(p.len(), 256);
+        let trits: Vec<i8> = (0..8).map(|k| code(&p, 0, k) as i8 - 1).collect();
         assert_eq!(trits, [1, 0, -1, -1, 0, 1, 1, 0]);
+        // Weights 32.. of row 0 and every weight of the padded rows are t = 0.
+        assert!((32..256).all(|k| code(&p, 0, k) == 1));
+        assert!((1..4).all(|r| (0..256).all(|k| code(&p, r, k) == 1)));
+        assert_eq!(ps.len(), 8 * 4);
+        assert_eq!(ps[0], f16::ONE);
+        assert!(ps[1..].iter().all(|&v| v == f16::ZERO));
     }
 
     #[test]
@@ -209,8 +260,10 @@ mod tests {
 
     proptest! {
         #[test]
-        fn matches_reference(rows in 1usize..6, chunks32 in 1usize..7, seed in any::<u64>()) {
+        fn matches_reference(rows in 1usize..10, chunks32 in 1usize..20, gi in 0usize..4, seed in any::<u64>()) {
+            let g = crate::canonical::GROUP_SIZES[gi];
             let cols = chunks32 * 32;
+            prop_assume!(cols % g == 0);
             let mut state = seed | 1;
             let codes: Vec<u8> = (0..rows * cols)
                 .map(|_| {
@@ -220,15 +273,16 @@ mod tests {
                     (state % 3) as u8
                 })
                 .collect();
-            let (q, s) = canonical(rows, cols, &codes);
-            let w = CanonicalRef { rows, cols, group_size: 32, qweight: &q, scales: &s };
-            let p = prepare(w, "w").unwrap();
-            prop_assert_eq!(&p, &reference_planes(rows, cols, &q));
-            let rb = row_bytes(cols);
-            for n in 0..rows {
-                for k in 0..padded_cols(cols) {
-                    let want = if k < cols { codes[n * cols + k] as i8 - 1 } else { 0 };
-                    prop_assert_eq!(trit(&p[n * rb..(n + 1) * rb], k), want);
+            let q = canonical(cols, &codes);
+            let s: Vec<f16> = (0..rows * cols / g).map(|i| f16::from_f32(i as f32 + 1.0)).collect();
+            let w = CanonicalRef { rows, cols, group_size: g, qweight: &q, scales: &s };
+            let (p, ps) = prepare(w, "w").unwrap();
+            prop_assert_eq!(&p, &reference(rows, cols, &codes));
+            let gp = padded_groups(cols, g);
+            for n in 0..padded_rows(rows) {
+                for gi in 0..gp {
+                    let want = if n < rows && gi < cols / g { s[n * (cols / g) + gi] } else { f16::ZERO };
+                    prop_assert_eq!(ps[(n / 4) * gp * 4 + gi * 4 + n % 4], want);
                 }
             }
         }

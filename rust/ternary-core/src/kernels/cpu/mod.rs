@@ -1,28 +1,33 @@
 //! Fused ternary GEMV/GEMM on the CPU: `y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias)`, never materialising W.
 //!
-//! * Weights are first permuted once into sign bit-planes ([`layout`]); scales stay f16 `[N, K/g]`.
+//! * Weights are permuted once into the kernel layout ([`layout`]: 4 rows interleaved, 64-weight byte
+//!   sub-vectors one shift + AND away); scales stay f16.
 //! * Three variants with the same contract, picked at run time ([`Variant::best`]) or forced by name:
-//!   [`Variant::Avx512`] (mask registers; VNNI for the int8 mode), [`Variant::Avx2`] and the portable
-//!   [`Variant::Scalar`] reference every fast path is tested against.
-//! * Two activation modes ([`Precision`]):
-//!   - `Exact` (default): x is converted to f32 (lossless for bf16/fp16/fp32), each product `t·x` is
-//!     exact, sums are **f32 accumulations** — per group `Σ t·x`, then `× scale` and accumulated over
-//!     groups (the GEMM path multiplies the scale into the decoded weight first, `x · (t·s)`, which is
-//!     also exact per product). Error vs float64: `|y − y64| ≤ K · 2⁻²³ · Σₖ |x_k · W[n,k]|` (in practice
-//!     far smaller), plus one rounding to the output dtype.
-//!   - `Int8` (opt-in): x is quantized per row (per token) to int8 with `xs = max|x| / 127`, integer
-//!     dot products per group (VNNI `vpdpbusd` on AVX-512), then `× scale × xs` in f32. Extra error vs
-//!     float64: `≤ xs / 2 · Σₖ |W[n,k]|` (each x moves by at most half a quantization step).
-//!   - bf16 activations on CPUs with AVX512_BF16 take a `vdpbf16ps` GEMV (exact products, f32 sums;
-//!     the instruction treats subnormal inputs/results as zero, i.e. |x| < 2⁻¹²⁶ counts as 0).
-//! * Shapes: M < [`GEMM_MIN_M`] streams the bit-planes once per block of [`ROWS`] rows and applies
-//!   them to every x row while they sit in L1 (the GEMV path; at M = 1 its cost is the mask loads and
-//!   masked adds, two of each per 16 weights); larger M decodes a tile of [`TILE_ROWS`] × [`TILE_K`]
-//!   weights to f32 once and runs a 4 × 4 FMA micro-kernel over all x rows.
-//! * Threads: work is split over N on the ternary-rs pool (`crate::threads`), only when the weight is
-//!   large enough to amortise the fork ([`PARALLEL_MIN_WEIGHTS`]).
+//!   [`Variant::Avx512`] (VNNI `vpdpbusd`, `vdpbf16ps` where present), [`Variant::Avx2`] (`vpmaddubsw`)
+//!   and the portable [`Variant::Scalar`] reference every fast path is tested against.
+//! * Activation modes ([`Precision`]):
+//!   - `Int8Group` (the default for bf16/fp16 activations, as in every fast ternary CPU kernel —
+//!     llama.cpp's Q8_K, bitnet.cpp, ik_llama.cpp): x is quantized to int8 per token **and per weight
+//!     group** (`xs = max|x_group| / 127`, round half to even), dot products are exact integer sums of
+//!     `code · q`, combined in f32 as `Σ_g s_g · xs_g · Σ t·q`. Extra error vs float64: each x moves by at
+//!     most `xs_g / 2`, so `|Δy| ≤ Σ_g xs_g / 2 · Σ_{k∈g} |W[n,k]|` — at least as tight as llama.cpp's
+//!     Q8_K (one scale per 256 values; here one per g ≤ 256).
+//!   - `Int8Token`: one scale per token, exactly BitNet b1.58's `activation_quant` (transformers'
+//!     `BitLinear`): `scale = 127 / max(max|x|, 1e-5)`, `q = clamp(round_half_even(x · scale))`, then
+//!     `y = Σ_g s_g · Σ t·q / scale`. The BitNet architecture always runs this mode.
+//!   - `Exact` (the default for f32 activations): x in f32 (lossless for bf16/fp16/fp32), products `t·x`
+//!     exact, sums f32 accumulations per group, then `× scale`. Error vs float64:
+//!     `|y − y64| ≤ K · 2⁻²³ · Σₖ |x_k · W[n,k]|`, plus one rounding to the output dtype. bf16 x on
+//!     CPUs with AVX512_BF16 takes `vdpbf16ps` (exact products, f32 sums; |x| < 2⁻¹²⁶ counts as 0).
+//! * Shapes: the int8 modes run one kernel for every M (row blocks × token tiles of up to
+//!   [`INT8_TILE`] tokens: each 64-byte weight load is unpacked once per tile). The exact mode streams
+//!   row blocks per token below [`GEMM_MIN_M`] and decodes f32 tiles for an FMA micro-kernel above.
+//! * Threads: row blocks are split over a [`ParallelFor`] (the ternary-rs rayon pool by default; torch's
+//!   intra-op pool inside torch), only when the weight is large enough to amortise the fork
+//!   ([`PARALLEL_MIN_WEIGHTS`]).
 
 pub mod layout;
+mod quant;
 mod scalar;
 
 #[cfg(target_arch = "x86_64")]
@@ -30,26 +35,27 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 
+use std::cell::RefCell;
+
 use half::{bf16, f16, slice::HalfFloatSliceExt};
-use rayon::prelude::*;
 
 use crate::canonical::check_shape;
+use crate::threads::ParallelFor;
 use crate::{Error, Result};
 
-/// Rows one GEMV call handles together (their x loads are shared).
-pub const ROWS: usize = 4;
-/// Below this many x rows the GEMV path is used; from here on weights are decoded once per tile.
-/// Measured crossover: the GEMM path costs a fixed decode plus a 4-row micro-kernel (so M = 2..4
-/// cost about the same), while the GEMV path costs one pass per x row; they meet near M = 3–4.
-/// The int8 mode always uses the GEMV path (its integer dot products need no decode).
+pub use layout::ROWS;
+pub use quant::{quantize_row, INT8_MAX, TOKEN_SCALE_FLOOR};
+
+/// Tokens one int8 kernel call handles together (each weight sub-vector is unpacked once for them).
+pub const INT8_TILE: usize = 4;
+/// Below this many x rows the exact mode streams the weight once per token (GEMV); from here on it
+/// decodes f32 tiles once and reuses them for every token (GEMM).
 pub const GEMM_MIN_M: usize = 4;
-/// Rows of W per GEMM tile (a tile is decoded to f32 once and reused for all M rows).
+/// Rows of W per exact GEMM tile (a tile is decoded to f32 once and reused for all M rows).
 pub const TILE_ROWS: usize = 16;
-/// Columns of W per GEMM tile: 16 rows × 512 × 4 B = 32 KiB of decoded weights, which stays in L1.
+/// Columns of W per exact GEMM tile: 16 rows × 512 × 4 B = 32 KiB of decoded weights, which stays in L1.
 pub const TILE_K: usize = 512;
-/// GEMM tiles per task: they share each K-slice of x while it is in L2.
-pub const TILES_PER_TASK: usize = 8;
-/// x rows per GEMM micro-kernel call.
+/// x rows per exact GEMM micro-kernel call.
 pub(crate) const MICRO_M: usize = 4;
 /// f32 lanes per GEMM accumulator (one AVX-512 register; narrower variants use a prefix).
 pub(crate) const LANES: usize = 16;
@@ -59,11 +65,8 @@ pub(crate) const ACC_STRIDE: usize = TILE_ROWS * LANES;
 pub(crate) const ACC_WINDOW: usize = (MICRO_M - 1) * ACC_STRIDE + ROWS * LANES;
 /// Below this many weights one thread does the whole product (forking costs more than it saves).
 pub const PARALLEL_MIN_WEIGHTS: usize = 1 << 20;
-/// Rows per parallel GEMV task (keeps a task's bit-planes streaming for a while).
-const GEMV_ROWS_PER_TASK: usize = 64;
-
-/// Largest |q| of the int8 activation quantization (symmetric; −128 is never used, so −q is int8 too).
-pub const INT8_MAX: f32 = 127.0;
+/// Weights per parallel task at least (a task keeps its stream going for a while).
+const TASK_MIN_WEIGHTS: usize = 1 << 18;
 
 /// A kernel implementation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -146,11 +149,29 @@ impl Variant {
 }
 
 /// How activations enter the dot products (see the module docs for the error bounds).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Precision {
-    #[default]
+    /// f32 activations, exact products, f32 sums.
     Exact,
-    Int8,
+    /// int8 activations with one scale per token and weight group.
+    Int8Group,
+    /// int8 activations with one scale per token (BitNet b1.58's numerics).
+    Int8Token,
+}
+
+impl Precision {
+    /// The default for an activation dtype: int8 per group for bf16/fp16, exact for f32.
+    pub fn default_for(dtype_is_f32: bool) -> Precision {
+        if dtype_is_f32 {
+            Precision::Exact
+        } else {
+            Precision::Int8Group
+        }
+    }
+
+    fn is_int8(self) -> bool {
+        self != Precision::Exact
+    }
 }
 
 /// Activation element types: bf16, fp16, fp32 (x, bias and y share one).
@@ -193,13 +214,15 @@ impl Activation for bf16 {
     }
 }
 
-/// A weight in the kernel layout: bit-planes from [`layout::prepare`] and the canonical f16 scales.
+/// A weight in the kernel layout ([`layout::prepare`]).
 #[derive(Clone, Copy, Debug)]
 pub struct PreparedRef<'a> {
     pub rows: usize,
     pub cols: usize,
     pub group_size: usize,
+    /// `layout::prepared_bytes(rows, cols)` code bytes.
     pub planes: &'a [u8],
+    /// `layout::prepared_scales(rows, cols, group_size)` scales.
     pub scales: &'a [f16],
 }
 
@@ -208,10 +231,10 @@ impl PreparedRef<'_> {
     pub fn check(&self) -> Result<()> {
         check_shape(self.rows, self.cols, self.group_size)?;
         let planes = layout::prepared_bytes(self.rows, self.cols);
-        let scales = self.rows.checked_mul(self.cols / self.group_size);
+        let scales = layout::prepared_scales(self.rows, self.cols, self.group_size);
         if Some(self.planes.len()) != planes || Some(self.scales.len()) != scales {
             return Err(Error::invalid(format!(
-                "prepared weight [{}, {}] g{} needs {:?} plane bytes and {:?} scales, got {} and {}",
+                "prepared weight [{}, {}] g{} needs {:?} code bytes and {:?} scales, got {} and {}",
                 self.rows,
                 self.cols,
                 self.group_size,
@@ -224,84 +247,94 @@ impl PreparedRef<'_> {
         Ok(())
     }
 
-    fn row(&self, n: usize) -> (&[u8], &[f16]) {
-        let rb = layout::row_bytes(self.cols);
-        let gs = self.cols / self.group_size;
+    /// Codes and scales of row block `b`.
+    fn block(&self, b: usize) -> (&[u8], &[f16]) {
+        let bb = layout::block_bytes(self.cols);
+        let sb = layout::padded_groups(self.cols, self.group_size) * ROWS;
         (
-            &self.planes[n * rb..(n + 1) * rb],
-            &self.scales[n * gs..(n + 1) * gs],
+            &self.planes[b * bb..(b + 1) * bb],
+            &self.scales[b * sb..(b + 1) * sb],
         )
     }
-
-    /// Planes and scales of rows `n0 .. n0 + ROWS`, repeating the last row past the end (tail blocks).
-    fn block(&self, n0: usize) -> RowBlock<'_> {
-        let last = self.rows - 1;
-        let rows: [(&[u8], &[f16]); ROWS] = std::array::from_fn(|r| self.row((n0 + r).min(last)));
-        RowBlock {
-            planes: rows.map(|r| r.0),
-            scales: rows.map(|r| r.1),
-        }
-    }
 }
 
-/// [`ROWS`] rows of a prepared weight (each `planes[r]` is `row_bytes(K)` long, `scales[r]` is `K/g`).
-pub(crate) struct RowBlock<'a> {
-    pub planes: [&'a [u8]; ROWS],
-    pub scales: [&'a [f16]; ROWS],
+/// One int8 kernel call: a row block against a tile of `tile` tokens.
+pub(crate) struct Int8Tile<'a> {
+    /// The row block's codes (`Kp` bytes).
+    pub block: &'a [u8],
+    /// Quantized activations of the tile's tokens (each `Kp` long, zero padded); unused entries repeat.
+    pub x: [&'a [i8]; INT8_TILE],
+    /// Combined scales `s[g][r] · xs[t][g]`, `[t][Gp][ROWS]` for the tile.
+    pub cs: &'a [f32],
+    pub group_size: usize,
 }
+
+/// `out[t][r] = Σ_g cs[t][g][r] · Σ_{k∈g} code(r, k) · q_t[k]` (codes are `t + 1`: the caller
+/// subtracts `Σ_g cs · Σ_{k∈g} q` afterwards). Entry `i` handles tiles of `i + 1` tokens.
+pub(crate) type Int8Fn = unsafe fn(&Int8Tile<'_>) -> [[f32; ROWS]; INT8_TILE];
+
+/// `out[r] = Σ_g s[g][r] · Σ_{k∈g} t(r, k) · x[k]` for one row block (`x`: `Kp` f32, zero padded).
+pub(crate) type ExactFn = unsafe fn(&[u8], &[f16], &[f32], usize) -> [f32; ROWS];
+
+/// Same for bf16 activations given as raw bits (`Kp` long), where the variant has `vdpbf16ps`.
+pub(crate) type ExactBf16Fn = unsafe fn(&[u8], &[f16], &[u16], usize) -> [f32; ROWS];
+
+/// Decode columns `k0 .. k0 + out_stride` of a row block to f32 `t · s`: `out[r · stride + j]`;
+/// `k0` and the stride are multiples of 256 within `Kp`.
+pub(crate) type DecodeFn = unsafe fn(&[u8], &[f16], usize, usize, &mut [f32], usize);
+
+/// `acc[i · ACC_STRIDE + r · LANES + lane] += Σ_{j ≡ lane} x[i][j] · w[r][j]` (lane-partial sums)
+/// for a [`MICRO_M`] × [`ROWS`] block; every `x[i]`, `w[r]` is `kc` long (a multiple of 64) and `acc`
+/// is [`ACC_WINDOW`] long.
+pub(crate) type MicroKernel = unsafe fn([&[f32]; MICRO_M], [&[f32]; ROWS], &mut [f32]);
+
+/// Per row block and token: `cs[g·4 + r] = f32(s[g·4 + r]) · xs4[g·4 + r]`, returning
+/// `corr[r] = Σ_g cs[g·4 + r] · qsum4[g·4 + r]` (the `+1` code offset). Slices are `Gp·4` long.
+pub(crate) type PrepassFn = unsafe fn(&[f16], &[f32], &[f32], &mut [f32]) -> [f32; ROWS];
 
 /// One variant's inner loops. Every slice argument is already bounds-checked by the caller; the
 /// `unsafe` is only "this CPU has the variant's features" (guaranteed by [`Variant::kernels`]).
 pub(crate) struct Kernels {
-    /// `Σ_g s_g · Σ_{k∈g} t·x` for the block's rows; `x.len() ≥ padded_cols(K)` (zero padded), `g` the group.
-    pub gemv_exact: unsafe fn(&RowBlock<'_>, &[f32], usize) -> [f32; ROWS],
-    /// Same for bf16 activations given as raw bits (`x.len() ≥ padded_cols(K)`), where the variant has
-    /// a bf16 dot-product instruction; otherwise bf16 goes through `gemv_exact` after widening.
-    pub gemv_bf16: Option<GemvBf16>,
-    /// `Σ_g s_g · Σ_{k∈g} t·q` (int sums, f32 combination); `q`, `neg_q` = −q, both `padded_cols(K)` long.
-    pub gemv_int8: unsafe fn(&RowBlock<'_>, &[i8], &[i8], usize) -> [f32; ROWS],
-    /// `out[j] = t[k0 + j] · s` for one row's planes/scales; `k0` and `out.len()` are multiples of 64.
-    pub decode_row: unsafe fn(&[u8], &[f16], usize, usize, &mut [f32]),
-    /// `acc[i · ACC_STRIDE + r · LANES + lane] += Σ_{j ≡ lane} x[i][j] · w[r][j]` (lane-partial sums)
-    /// for a [`MICRO_M`] × [`ROWS`] block; every `x[i]`, `w[r]` is `kc` long (a multiple of 64) and
-    /// `acc` is [`ACC_WINDOW`] long.
+    pub int8: [Int8Fn; INT8_TILE],
+    pub prepass: PrepassFn,
+    pub exact: ExactFn,
+    pub exact_bf16: Option<ExactBf16Fn>,
+    pub decode: DecodeFn,
     pub micro: MicroKernel,
+    pub quantize: quant::QuantizeFn,
 }
 
-/// See [`Kernels::gemv_bf16`].
-pub(crate) type GemvBf16 = unsafe fn(&RowBlock<'_>, &[u16], usize) -> [f32; ROWS];
+/// Raw output pointer shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+struct OutPtr<T>(*mut T);
+// SAFETY: tasks write disjoint (token, row) elements; the pointer outlives the parallel call.
+unsafe impl<T: Send> Send for OutPtr<T> {}
+unsafe impl<T: Send> Sync for OutPtr<T> {}
 
-/// See [`Kernels::micro`].
-pub(crate) type MicroKernel = unsafe fn([&[f32]; MICRO_M], [&[f32]; ROWS], &mut [f32]);
-
-/// Quantize one activation row to int8 (per-row scale). Returns `xs` with `x ≈ xs · q`. Shared by all
-/// variants so their integer sums are identical.
-pub fn quantize_row_int8(x: &[f32], q: &mut [i8], neg_q: &mut [i8]) -> f32 {
-    // Not `f32::max`: it drops NaN, and a NaN activation must poison the row.
-    let amax = x.iter().fold(0f32, |a, &v| {
-        if v.is_nan() || v.abs() > a {
-            v.abs()
-        } else {
-            a
-        }
-    });
-    if amax.is_nan() || amax.is_infinite() {
-        q.fill(0);
-        neg_q.fill(0);
-        return f32::NAN; // propagates: a non-finite activation gives a NaN row, as the exact path would
-    }
-    let inv = if amax > 0.0 { INT8_MAX / amax } else { 0.0 };
-    for ((qv, nv), &v) in q.iter_mut().zip(neg_q.iter_mut()).zip(x) {
-        let r = (v * inv).round().clamp(-INT8_MAX, INT8_MAX) as i8;
-        *qv = r;
-        *nv = -r;
-    }
-    amax / INT8_MAX
+/// Scratch buffers of one call, reused across calls on the same thread (no page faults per call).
+#[derive(Default)]
+struct Scratch {
+    xf: Vec<f32>,
+    q: Vec<i8>,
+    xs4: Vec<f32>,
+    qsum4: Vec<f32>,
+    xb: Vec<u16>,
 }
 
-/// `y[M, N] = x[M, K] · Wᵀ + bias` with the given variant and precision.
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+fn resize<T: Copy + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
+    v.clear();
+    v.resize(n, T::default());
+    v
+}
+
+/// `y[M, N] = x[M, K] · Wᵀ + bias` with the given variant and precision, on `par`'s threads.
 ///
 /// `x` is `M·K` row-major, `y` is `M·N`, `bias` (if any) is `N`; all share the activation type.
+#[allow(clippy::too_many_arguments)]
 pub fn gemm<T: Activation>(
     w: PreparedRef<'_>,
     x: &[T],
@@ -310,6 +343,7 @@ pub fn gemm<T: Activation>(
     y: &mut [T],
     variant: Variant,
     precision: Precision,
+    par: &dyn ParallelFor,
 ) -> Result<()> {
     w.check()?;
     let (n, k) = (w.rows, w.cols);
@@ -334,202 +368,251 @@ pub fn gemm<T: Activation>(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let kpad = layout::padded_cols(k);
-    // yt[n][m]: rows of W are the unit of parallel work, so each task owns a contiguous slice.
-    let mut yt = vec![0f32; n * m];
-    let parallel = n.saturating_mul(k) >= PARALLEL_MIN_WEIGHTS;
-    let bf16_gemv = match (T::bf16_bits(x), kernels.gemv_bf16) {
-        (Some(bits), Some(f)) if precision == Precision::Exact && m < GEMM_MIN_M => Some((bits, f)),
-        _ => None,
-    };
-    if let Some((bits, gemv_bf16)) = bf16_gemv {
-        let mut xb = vec![0u16; m * kpad]; // zero padded like xf below
-        for (dst, src) in xb.chunks_exact_mut(kpad).zip(bits.chunks_exact(k)) {
-            dst[..k].copy_from_slice(src);
-        }
-        gemv_blocks(&w, m, &mut yt, parallel, |block, mi| {
-            // SAFETY: `kernels` comes from `Variant::kernels`, which checked the CPU features.
-            unsafe { gemv_bf16(block, &xb[mi * kpad..(mi + 1) * kpad], w.group_size) }
-        });
-        return finish(&yt, m, n, bias, y);
-    }
-    // f32 copy of x, zero padded to whole chunks (the kernels read whole 64-column chunks).
-    let mut xf = vec![0f32; m * kpad];
-    for (dst, src) in xf.chunks_exact_mut(kpad).zip(x.chunks_exact(k)) {
-        T::to_f32_slice(src, &mut dst[..k]);
-    }
-    match precision {
-        Precision::Exact if m >= GEMM_MIN_M => gemm_tiles(kernels, &w, &xf, m, &mut yt, parallel),
-        Precision::Exact => gemv_blocks(&w, m, &mut yt, parallel, |block, mi| {
-            let xr = &xf[mi * kpad..(mi + 1) * kpad];
-            // SAFETY: `kernels` comes from `Variant::kernels`, which checked the CPU features.
-            unsafe { (kernels.gemv_exact)(block, xr, w.group_size) }
-        }),
-        Precision::Int8 => {
-            let mut q = vec![0i8; m * kpad];
-            let mut neg_q = vec![0i8; m * kpad];
-            let xs: Vec<f32> = (0..m)
-                .map(|mi| {
-                    let r = mi * kpad..(mi + 1) * kpad;
-                    quantize_row_int8(&xf[r.clone()], &mut q[r.clone()], &mut neg_q[r])
-                })
-                .collect();
-            gemv_blocks(&w, m, &mut yt, parallel, |block, mi| {
-                let r = mi * kpad..(mi + 1) * kpad;
-                // SAFETY: as above.
-                let sums =
-                    unsafe { (kernels.gemv_int8)(block, &q[r.clone()], &neg_q[r], w.group_size) };
-                sums.map(|s| s * xs[mi])
-            })
-        }
-    }
-    finish(&yt, m, n, bias, y)
-}
-
-/// Transpose `yt[n][m]` back to `y[M, N]`, add the bias in f32 and round once to the output type.
-fn finish<T: Activation>(
-    yt: &[f32],
-    m: usize,
-    n: usize,
-    bias: Option<&[T]>,
-    y: &mut [T],
-) -> Result<()> {
     let mut bias_f = vec![0f32; n];
     if let Some(b) = bias {
         T::to_f32_slice(b, &mut bias_f);
     }
-    if m == 1 {
-        for (v, b) in bias_f.iter_mut().zip(yt) {
-            *v += b;
-        }
-        T::from_f32_slice(&bias_f, y);
-        return Ok(());
-    }
-    // Transpose in blocks of TRANSPOSE_BLOCK x rows, so the strided reads of yt stay in cache.
-    const TRANSPOSE_BLOCK: usize = 16;
-    let mut rows = vec![0f32; TRANSPOSE_BLOCK * n];
-    for (bi, y_block) in y.chunks_mut(TRANSPOSE_BLOCK * n).enumerate() {
-        let (m0, mb) = (bi * TRANSPOSE_BLOCK, y_block.len() / n);
-        for j in 0..n {
-            let src = &yt[j * m + m0..j * m + m0 + mb];
-            for (i, &v) in src.iter().enumerate() {
-                rows[i * n + j] = v + bias_f[j];
+    let job = Job {
+        w,
+        m,
+        kernels,
+        bias: &bias_f,
+        y: OutPtr(y.as_mut_ptr()),
+    };
+    SCRATCH.with(|s| {
+        let mut s = s.borrow_mut();
+        let s = &mut *s;
+        let kp = layout::padded_cols(k);
+        if precision.is_int8() {
+            let gp = layout::padded_groups(k, w.group_size);
+            let (q, xs4, qsum4) = (
+                resize(&mut s.q, m * kp),
+                resize(&mut s.xs4, m * gp * ROWS),
+                resize(&mut s.qsum4, m * gp * ROWS),
+            );
+            let xf = resize(&mut s.xf, kp);
+            for mi in 0..m {
+                T::to_f32_slice(&x[mi * k..(mi + 1) * k], &mut xf[..k]);
+                let r = mi * gp * ROWS..(mi + 1) * gp * ROWS;
+                // SAFETY: `kernels` comes from `Variant::kernels`, which checked the CPU features.
+                unsafe {
+                    (kernels.quantize)(
+                        xf,
+                        &mut q[mi * kp..(mi + 1) * kp],
+                        w.group_size,
+                        precision == Precision::Int8Token,
+                        &mut xs4[r.clone()],
+                        &mut qsum4[r],
+                    )
+                };
+            }
+            job.int8(q, xs4, qsum4, par);
+        } else if let (Some(bits), Some(f), true) =
+            (T::bf16_bits(x), kernels.exact_bf16, m < GEMM_MIN_M)
+        {
+            let xb = resize(&mut s.xb, m * kp); // zero padded, like xf below
+            for (dst, src) in xb.chunks_exact_mut(kp).zip(bits.chunks_exact(k)) {
+                dst[..k].copy_from_slice(src);
+            }
+            job.rows_per_token(par, |block, scales, mi| {
+                // SAFETY: as above.
+                unsafe { f(block, scales, &xb[mi * kp..(mi + 1) * kp], w.group_size) }
+            });
+        } else {
+            // f32 copy of x, zero padded to whole superblocks (the kernels read whole 256-column chunks).
+            let xf = resize(&mut s.xf, m * kp);
+            for (dst, src) in xf.chunks_exact_mut(kp).zip(x.chunks_exact(k)) {
+                T::to_f32_slice(src, &mut dst[..k]);
+            }
+            if m >= GEMM_MIN_M {
+                job.exact_tiles(xf, par);
+            } else {
+                job.rows_per_token(par, |block, scales, mi| {
+                    // SAFETY: as above.
+                    unsafe { (kernels.exact)(block, scales, &xf[mi * kp..(mi + 1) * kp], w.group_size) }
+                });
             }
         }
-        T::from_f32_slice(&rows[..mb * n], y_block);
-    }
+    });
     Ok(())
 }
 
-/// GEMV path: for each block of [`ROWS`] rows call `dot(block, mi)` for every x row `mi`, writing `yt[n][mi]`.
-fn gemv_blocks<F>(w: &PreparedRef<'_>, m: usize, yt: &mut [f32], parallel: bool, dot: F)
-where
-    F: Fn(&RowBlock<'_>, usize) -> [f32; ROWS] + Sync,
-{
-    let run_block = |(bi, out): (usize, &mut [f32])| {
-        let block = w.block(bi * ROWS);
-        let rows_here = out.len() / m;
-        for mi in 0..m {
-            let sums = dot(&block, mi);
-            for (r, &s) in sums.iter().take(rows_here).enumerate() {
-                out[r * m + mi] = s;
-            }
-        }
-    };
-    if parallel {
-        crate::threads::install(|| {
-            yt.par_chunks_mut(ROWS * m)
-                .enumerate()
-                .with_min_len(GEMV_ROWS_PER_TASK / ROWS)
-                .for_each(run_block)
-        });
-    } else {
-        yt.chunks_mut(ROWS * m).enumerate().for_each(run_block);
-    }
+/// What every task of one [`gemm`] call shares.
+struct Job<'a, T> {
+    w: PreparedRef<'a>,
+    m: usize,
+    kernels: &'static Kernels,
+    bias: &'a [f32],
+    y: OutPtr<T>,
 }
 
-/// GEMM path: per tile of [`TILE_ROWS`] rows, decode [`TILE_K`] columns at a time to f32 (scale
-/// applied) and run the micro-kernel over all x rows; lane-partial sums live in `acc` until the end.
-fn gemm_tiles(
-    kernels: &Kernels,
-    w: &PreparedRef<'_>,
-    xf: &[f32],
-    m: usize,
-    yt: &mut [f32],
-    parallel: bool,
-) {
-    let kpad = layout::padded_cols(w.cols);
-    // Accumulators of one tile: m rounded up to whole micro-kernel blocks (repeated tail rows
-    // accumulate into slots never read).
-    let tile_acc = m.div_ceil(MICRO_M) * MICRO_M * ACC_STRIDE;
-    let task_rows = TILE_ROWS * TILES_PER_TASK;
-    let run_task = |(ti, out): (usize, &mut [f32]), wbuf: &mut Vec<f32>, acc: &mut Vec<f32>| {
-        let n0 = ti * task_rows;
-        let rows_task = out.len() / m;
-        let tiles = rows_task.div_ceil(TILE_ROWS);
-        wbuf.clear();
-        wbuf.resize(TILE_ROWS * TILE_K, 0.0);
-        acc.clear();
-        acc.resize(tiles * tile_acc, 0.0);
-        // K outermost: the x columns k0..k0+kc of all M rows stay in L2 while every tile of the
-        // task uses them (with x re-read per tile, large M streams x from L3 once per 16 rows).
-        for k0 in (0..kpad).step_by(TILE_K) {
-            let kc = TILE_K.min(kpad - k0);
-            for t in 0..tiles {
-                let rows_here = TILE_ROWS.min(rows_task - t * TILE_ROWS);
-                for r in 0..rows_here {
-                    let (planes, scales) = w.row(n0 + t * TILE_ROWS + r);
-                    // SAFETY: CPU features checked by `Variant::kernels`; lengths are multiples of 64.
-                    unsafe {
-                        (kernels.decode_row)(
-                            planes,
-                            scales,
-                            w.group_size,
-                            k0,
-                            &mut wbuf[r * TILE_K..r * TILE_K + kc],
-                        )
-                    };
-                }
-                // Rows past the end of a short tile feed accumulators nobody reads; keep them zero.
-                wbuf[rows_here * TILE_K..].fill(0.0);
-                let tacc = &mut acc[t * tile_acc..(t + 1) * tile_acc];
-                for mi in (0..m).step_by(MICRO_M) {
-                    let xs: [&[f32]; MICRO_M] = std::array::from_fn(|i| {
-                        let row = (mi + i).min(m - 1);
-                        &xf[row * kpad + k0..row * kpad + k0 + kc]
+impl<T: Activation> Job<'_, T> {
+    /// Split `units` units of `unit_weights` weights each into tasks on `par` (one task when small).
+    fn split(&self, units: usize, unit_weights: usize, par: &dyn ParallelFor, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+        let total = units.saturating_mul(unit_weights).saturating_mul(self.m.min(16));
+        let threads = par.threads().max(1);
+        if total < PARALLEL_MIN_WEIGHTS || threads == 1 || units < 2 {
+            f(0..units);
+            return;
+        }
+        // Enough tasks to balance (4 per thread), each at least TASK_MIN_WEIGHTS.
+        let per_task = (TASK_MIN_WEIGHTS / unit_weights.max(1)).max(units.div_ceil(4 * threads)).max(1);
+        let tasks = units.div_ceil(per_task);
+        par.run(tasks, &|range: std::ops::Range<usize>| {
+            for t in range {
+                f(t * per_task..((t + 1) * per_task).min(units));
+            }
+        });
+    }
+
+    /// Write `vals[t][r]` (+ bias) for row block `b`, tokens `m0 .. m0 + tokens`.
+    fn store(&self, b: usize, m0: usize, vals: &[[f32; ROWS]], tokens: usize) {
+        let n = self.w.rows;
+        let n0 = b * ROWS;
+        let rows = ROWS.min(n - n0);
+        for (t, v) in vals.iter().enumerate().take(tokens) {
+            let mut out = [0f32; ROWS];
+            for r in 0..rows {
+                out[r] = v[r] + self.bias[n0 + r];
+            }
+            // SAFETY: y has m·n elements; (m0 + t, n0 .. n0 + rows) is in bounds and written by this
+            // task only (tasks own disjoint row blocks).
+            let dst = unsafe { std::slice::from_raw_parts_mut(self.y.0.add((m0 + t) * n + n0), rows) };
+            T::from_f32_slice(&out[..rows], dst);
+        }
+    }
+
+    /// Int8 modes: every row block against token tiles of up to [`INT8_TILE`].
+    fn int8(&self, q: &[i8], xs4: &[f32], qsum4: &[f32], par: &dyn ParallelFor) {
+        let (k, g) = (self.w.cols, self.w.group_size);
+        let kp = layout::padded_cols(k);
+        let gp = layout::padded_groups(k, g);
+        let m = self.m;
+        let blocks = layout::row_blocks(self.w.rows);
+        self.split(blocks, ROWS * kp, par, &|range| {
+            let mut cs = vec![0f32; INT8_TILE * gp * ROWS];
+            let mut corr = [[0f32; ROWS]; INT8_TILE];
+            for b in range {
+                let (block, scales) = self.w.block(b);
+                for m0 in (0..m).step_by(INT8_TILE) {
+                    let tile = INT8_TILE.min(m - m0);
+                    for t in 0..tile {
+                        let r = (m0 + t) * gp * ROWS..(m0 + t + 1) * gp * ROWS;
+                        // SAFETY: CPU features checked by `Variant::kernels`; slices are Gp·4 long.
+                        corr[t] = unsafe {
+                            (self.kernels.prepass)(
+                                scales,
+                                &xs4[r.clone()],
+                                &qsum4[r],
+                                &mut cs[t * gp * ROWS..(t + 1) * gp * ROWS],
+                            )
+                        };
+                    }
+                    let x: [&[i8]; INT8_TILE] = std::array::from_fn(|t| {
+                        let mi = m0 + t.min(tile - 1);
+                        &q[mi * kp..(mi + 1) * kp]
                     });
-                    for r0 in (0..rows_here).step_by(ROWS) {
-                        let ws: [&[f32]; ROWS] = std::array::from_fn(|r| {
-                            &wbuf[(r0 + r) * TILE_K..(r0 + r) * TILE_K + kc]
+                    let args = Int8Tile {
+                        block,
+                        x,
+                        cs: &cs[..tile * gp * ROWS],
+                        group_size: g,
+                    };
+                    // SAFETY: as above; every slice is Kp / Gp·4 long as the kernels expect.
+                    let mut sums = unsafe { (self.kernels.int8[tile - 1])(&args) };
+                    for t in 0..tile {
+                        for r in 0..ROWS {
+                            sums[t][r] -= corr[t][r];
+                        }
+                    }
+                    self.store(b, m0, &sums, tile);
+                }
+            }
+        });
+    }
+
+    /// Exact GEMV: each row block streamed once per token (the block stays in L1 for the next token).
+    fn rows_per_token<F>(&self, par: &dyn ParallelFor, dot: F)
+    where
+        F: Fn(&[u8], &[f16], usize) -> [f32; ROWS] + Sync,
+    {
+        let kp = layout::padded_cols(self.w.cols);
+        let blocks = layout::row_blocks(self.w.rows);
+        self.split(blocks, ROWS * kp, par, &|range| {
+            for b in range {
+                let (block, scales) = self.w.block(b);
+                for mi in 0..self.m {
+                    self.store(b, mi, &[dot(block, scales, mi)], 1);
+                }
+            }
+        });
+    }
+
+    /// Exact GEMM: per tile of [`TILE_ROWS`] rows, decode [`TILE_K`] columns at a time to f32 (scale
+    /// applied) and run the micro-kernel over all x rows; lane-partial sums live in `acc` until the end.
+    fn exact_tiles(&self, xf: &[f32], par: &dyn ParallelFor) {
+        let kernels = self.kernels;
+        let (k, m) = (self.w.cols, self.m);
+        let kp = layout::padded_cols(k);
+        let blocks = layout::row_blocks(self.w.rows);
+        const BLOCKS_PER_TILE: usize = TILE_ROWS / ROWS;
+        let tiles = blocks.div_ceil(BLOCKS_PER_TILE);
+        // Accumulators of one tile: m rounded up to whole micro-kernel blocks (repeated tail rows
+        // accumulate into slots never read).
+        let tile_acc = m.div_ceil(MICRO_M) * MICRO_M * ACC_STRIDE;
+        self.split(tiles, TILE_ROWS * kp, par, &|range| {
+            let mut wbuf = vec![0f32; TILE_ROWS * TILE_K];
+            let mut acc = vec![0f32; tile_acc];
+            let mut vals = vec![[0f32; ROWS]; m];
+            for ti in range {
+                acc.fill(0.0);
+                let b0 = ti * BLOCKS_PER_TILE;
+                let nb = BLOCKS_PER_TILE.min(blocks - b0);
+                for k0 in (0..kp).step_by(TILE_K) {
+                    let kc = TILE_K.min(kp - k0);
+                    for bi in 0..nb {
+                        let (block, scales) = self.w.block(b0 + bi);
+                        // SAFETY: CPU features checked; k0, kc are multiples of 256 inside Kp, and the
+                        // output window holds ROWS rows of stride TILE_K.
+                        unsafe {
+                            (kernels.decode)(
+                                block,
+                                scales,
+                                self.w.group_size,
+                                k0,
+                                &mut wbuf[bi * ROWS * TILE_K..][..ROWS * TILE_K - (TILE_K - kc)],
+                                TILE_K,
+                            )
+                        };
+                    }
+                    for mi in (0..m).step_by(MICRO_M) {
+                        let xs: [&[f32]; MICRO_M] = std::array::from_fn(|i| {
+                            let row = (mi + i).min(m - 1);
+                            &xf[row * kp + k0..row * kp + k0 + kc]
                         });
-                        let start = (mi * TILE_ROWS + r0) * LANES;
-                        let window = &mut tacc[start..start + ACC_WINDOW];
-                        // SAFETY: as above; every slice is kc long and the window spans MICRO_M strides.
-                        unsafe { (kernels.micro)(xs, ws, window) };
+                        for bi in 0..nb {
+                            let ws: [&[f32]; ROWS] = std::array::from_fn(|r| {
+                                let o = (bi * ROWS + r) * TILE_K;
+                                &wbuf[o..o + kc]
+                            });
+                            let start = (mi * TILE_ROWS + bi * ROWS) * LANES;
+                            let window = &mut acc[start..start + ACC_WINDOW];
+                            // SAFETY: as above; every slice is kc long and the window spans MICRO_M strides.
+                            unsafe { (kernels.micro)(xs, ws, window) };
+                        }
                     }
                 }
+                for bi in 0..nb {
+                    for (mi, v) in vals.iter_mut().enumerate() {
+                        for r in 0..ROWS {
+                            let lanes = &acc[(mi * TILE_ROWS + bi * ROWS + r) * LANES..][..LANES];
+                            v[r] = sum_lanes(lanes);
+                        }
+                    }
+                    self.store(b0 + bi, 0, &vals, m);
+                }
             }
-        }
-        for r in 0..rows_task {
-            let (t, rt) = (r / TILE_ROWS, r % TILE_ROWS);
-            for mi in 0..m {
-                let lanes = &acc[t * tile_acc + (mi * TILE_ROWS + rt) * LANES..][..LANES];
-                out[r * m + mi] = sum_lanes(lanes);
-            }
-        }
-    };
-    if parallel {
-        crate::threads::install(|| {
-            yt.par_chunks_mut(task_rows * m).enumerate().for_each_init(
-                || (Vec::new(), Vec::new()),
-                |(wbuf, acc), item| run_task(item, wbuf, acc),
-            )
         });
-    } else {
-        let (mut wbuf, mut acc) = (Vec::new(), Vec::new());
-        for item in yt.chunks_mut(task_rows * m).enumerate() {
-            run_task(item, &mut wbuf, &mut acc);
-        }
     }
 }
 

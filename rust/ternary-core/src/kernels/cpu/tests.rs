@@ -8,6 +8,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::canonical::CanonicalRef;
+use crate::threads::Rayon;
 
 struct Case {
     n: usize,
@@ -87,13 +88,17 @@ impl Case {
         (y, mag)
     }
 
+    fn prepared(&self) -> (Vec<u8>, Vec<f16>) {
+        layout::prepare(self.canonical(), "w").unwrap()
+    }
+
     fn run<T: Activation + Default + Clone>(
         &self,
         x: &[T],
         bias: Option<&[T]>,
         variant: Variant,
         precision: Precision,
-        planes: &[u8],
+        prepared: &(Vec<u8>, Vec<f16>),
     ) -> Vec<T> {
         let m = x.len() / self.k;
         let mut y = vec![T::default(); m * self.n];
@@ -101,10 +106,10 @@ impl Case {
             rows: self.n,
             cols: self.k,
             group_size: self.g,
-            planes,
-            scales: &self.scales,
+            planes: &prepared.0,
+            scales: &prepared.1,
         };
-        gemm(w, x, m, bias, &mut y, variant, precision).unwrap();
+        gemm(w, x, m, bias, &mut y, variant, precision, &Rayon).unwrap();
         y
     }
 }
@@ -119,7 +124,7 @@ fn supported() -> Vec<Variant> {
 /// Exact mode, f32: within the documented f32-accumulation bound of float64.
 fn check_exact_f32(m: usize, n: usize, k: usize, g: usize, seed: u64) {
     let c = case(m, n, k, g, seed);
-    let planes = layout::prepare(c.canonical(), "w").unwrap();
+    let planes = c.prepared();
     let (want, mag) = c.reference(&c.x, true);
     let mut scalar_out = None;
     for v in supported() {
@@ -168,48 +173,139 @@ fn exact_f32_shapes() {
     }
 }
 
+/// |W| summed per group: `l1[n][gi]`.
+fn group_l1(c: &Case) -> Vec<Vec<f64>> {
+    let w = c.canonical();
+    (0..c.n)
+        .map(|nn| {
+            (0..c.k / c.g)
+                .map(|gi| {
+                    (gi * c.g..(gi + 1) * c.g)
+                        .map(|kk| (w.trit(nn, kk) as f64 * w.scale(nn, kk).to_f64()).abs())
+                        .sum()
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Int8 modes vs float64: within the documented quantization bound (each x moves by at most xs/2),
+/// and the SIMD variants agree with the scalar reference (identical integer sums, f32 combination).
+fn check_int8(m: usize, n: usize, k: usize, g: usize, seed: u64, precision: Precision) {
+    let c = case(m, n, k, g, seed);
+    let planes = c.prepared();
+    let (want, mag) = c.reference(&c.x, false);
+    let l1 = group_l1(&c);
+    let mut outs = vec![];
+    for v in supported() {
+        let got = c.run(&c.x, None, v, precision, &planes);
+        for mi in 0..m {
+            let xr = &c.x[mi * k..(mi + 1) * k];
+            let token_amax = xr.iter().fold(0f32, |a, v| a.max(v.abs())) as f64;
+            for nn in 0..n {
+                let bound: f64 = (0..k / g)
+                    .map(|gi| {
+                        let amax = match precision {
+                            Precision::Int8Token => token_amax.max(1e-5),
+                            _ => xr[gi * g..(gi + 1) * g].iter().fold(0f32, |a, v| a.max(v.abs())) as f64,
+                        };
+                        amax / 127.0 / 2.0 * l1[nn][gi]
+                    })
+                    .sum();
+                let i = mi * n + nn;
+                let tol = bound * 1.0001 + 1e-5 * mag[i] + 1e-6;
+                assert!(
+                    (got[i] as f64 - want[i]).abs() <= tol,
+                    "{v:?} {precision:?} m{m} n{n} k{k} g{g} [{i}] {} vs {} (tol {tol})",
+                    got[i],
+                    want[i]
+                );
+            }
+        }
+        outs.push((v, got));
+    }
+    let (_, scalar) = &outs[0];
+    for (v, o) in &outs[1..] {
+        for (i, (a, b)) in o.iter().zip(scalar).enumerate() {
+            assert!((a - b).abs() as f64 <= 2e-6 * (1.0 + mag[i]), "{v:?} vs scalar [{i}]: {a} vs {b}");
+        }
+    }
+}
+
 #[test]
 fn int8_within_quantization_bound() {
-    for &(m, n, k, g) in &[
-        (1, 5, 32, 32),
-        (2, 9, 96, 32),
-        (1, 33, 512, 128),
-        (3, 7, 768, 256),
-        (1, 6, 192, 64),
-    ] {
-        let c = case(m, n, k, g, 7 + n as u64);
-        let planes = layout::prepare(c.canonical(), "w").unwrap();
-        let (want, _) = c.reference(&c.x, false);
-        let mut outs = vec![];
-        for v in supported() {
-            let got = c.run(&c.x, None, v, Precision::Int8, &planes);
-            for mi in 0..m {
-                let xr = &c.x[mi * k..(mi + 1) * k];
-                let xs = xr.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 127.0;
-                for nn in 0..n {
-                    let l1: f64 = (0..k)
-                        .map(|kk| {
-                            (c.canonical().trit(nn, kk) as f64
-                                * c.canonical().scale(nn, kk).to_f64())
-                            .abs()
-                        })
-                        .sum();
-                    let i = mi * n + nn;
-                    let tol = xs / 2.0 * l1 * 1.0001 + 1e-4 * want[i].abs() + 1e-6;
-                    assert!(
-                        (got[i] as f64 - want[i]).abs() <= tol,
-                        "{v:?} int8 [{i}] {} vs {}",
-                        got[i],
-                        want[i]
-                    );
-                }
-            }
-            outs.push(got);
+    for precision in [Precision::Int8Group, Precision::Int8Token] {
+        for &(m, n, k, g) in &[
+            (1, 5, 32, 32),
+            (2, 9, 96, 32),
+            (1, 33, 512, 128),
+            (3, 7, 768, 256),
+            (1, 6, 192, 64),
+            (4, 8, 256, 128),
+            (5, 13, 1280, 64),
+            (9, 6, 544, 32),
+            (17, 21, 640, 128),
+        ] {
+            check_int8(m, n, k, g, 7 + n as u64 + m as u64, precision);
         }
-        // Integer sums are identical across variants; only the f32 combination order differs.
-        for o in &outs[1..] {
-            for (a, b) in o.iter().zip(&outs[0]) {
-                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+    }
+}
+
+#[test]
+fn int8_token_mode_is_bitnet_activation_quant() {
+    // transformers' BitLinear.activation_quant, written out: scale = 127 / clamp(max|x|, 1e-5),
+    // q = clamp(round_half_even(x · scale), −128, 127), y = (q · W) / scale.
+    let (m, n, k, g) = (3, 10, 512, 128);
+    let mut c = case(m, n, k, g, 77);
+    c.x[..k].fill(0.0); // an all-zero token: the 1e-5 floor, y = 0
+    c.x[k + 3] = 0.5 / 127.0 * 3.0; // a tie-free but small value
+    let planes = c.prepared();
+    let w = c.canonical();
+    for v in supported() {
+        let got = c.run(&c.x, None, v, Precision::Int8Token, &planes);
+        for mi in 0..m {
+            let xr = &c.x[mi * k..(mi + 1) * k];
+            let amax = xr.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-5);
+            let scale = 127.0 / amax;
+            let q: Vec<f64> = xr
+                .iter()
+                .map(|&x| ((x * scale).round_ties_even().clamp(-128.0, 127.0)) as f64)
+                .collect();
+            for nn in 0..n {
+                let y: f64 = (0..k)
+                    .map(|kk| q[kk] * w.trit(nn, kk) as f64 * w.scale(nn, kk).to_f64())
+                    .sum::<f64>()
+                    / scale as f64;
+                let mag: f64 = (0..k)
+                    .map(|kk| (q[kk] * w.scale(nn, kk).to_f64()).abs())
+                    .sum::<f64>()
+                    / scale as f64;
+                let got_v = got[mi * n + nn] as f64;
+                assert!((got_v - y).abs() <= 1e-6 * mag + 1e-12, "{v:?} [{mi},{nn}] {got_v} vs {y}");
+            }
+        }
+    }
+}
+
+#[test]
+fn quantizers_match_the_reference_bit_for_bit() {
+    let mut st = 5u64;
+    for &(kp, g) in &[(256usize, 32usize), (512, 64), (768, 128), (1024, 256)] {
+        for per_token in [false, true] {
+            let mut x: Vec<f32> = (0..kp)
+                .map(|i| ((xorshift(&mut st) >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * (1 + i % 7) as f32)
+                .collect();
+            x[3] = 0.5 * 127.0 / 64.0; // exact halves after scaling hit the ties-to-even rule
+            x[kp - 1] = 0.0;
+            x[g..2 * g].fill(0.0); // an all-zero group
+            let gp = kp / g;
+            let mut want = (vec![0i8; kp], vec![0f32; gp * 4], vec![0f32; gp * 4]);
+            quantize_row(&x, &mut want.0, g, per_token, &mut want.1, &mut want.2);
+            for v in supported() {
+                let kern = v.kernels().unwrap();
+                let mut got = (vec![0i8; kp], vec![0f32; gp * 4], vec![0f32; gp * 4]);
+                unsafe { (kern.quantize)(&x, &mut got.0, g, per_token, &mut got.1, &mut got.2) };
+                assert_eq!(got, want, "{v:?} kp{kp} g{g} token {per_token}");
             }
         }
     }
@@ -219,7 +315,7 @@ fn int8_within_quantization_bound() {
 fn half_dtypes_round_once() {
     let (m, n, k, g) = (2, 11, 256, 64);
     let c = case(m, n, k, g, 3);
-    let planes = layout::prepare(c.canonical(), "w").unwrap();
+    let planes = c.prepared();
     let xb: Vec<bf16> = c.x.iter().map(|&v| bf16::from_f32(v)).collect();
     let xh: Vec<f16> = c.x.iter().map(|&v| f16::from_f32(v)).collect();
     let bb: Vec<bf16> = c.bias.iter().map(|&v| bf16::from_f32(v)).collect();
@@ -255,13 +351,13 @@ fn parallel_path_matches_single_thread_shape() {
 #[test]
 fn rejects_bad_sizes_and_variants() {
     let c = case(1, 4, 64, 32, 1);
-    let planes = layout::prepare(c.canonical(), "w").unwrap();
+    let (planes, scales) = c.prepared();
     let w = PreparedRef {
         rows: 4,
         cols: 64,
         group_size: 32,
         planes: &planes,
-        scales: &c.scales,
+        scales: &scales,
     };
     let mut y = vec![0f32; 4];
     assert!(gemm(
@@ -271,7 +367,8 @@ fn rejects_bad_sizes_and_variants() {
         None,
         &mut y,
         Variant::Scalar,
-        Precision::Exact
+        Precision::Exact,
+        &Rayon
     )
     .is_err());
     assert!(gemm(
@@ -281,7 +378,8 @@ fn rejects_bad_sizes_and_variants() {
         Some(&c.bias[..3]),
         &mut y,
         Variant::Scalar,
-        Precision::Exact
+        Precision::Exact,
+        &Rayon
     )
     .is_err());
     let short = PreparedRef {
@@ -295,7 +393,8 @@ fn rejects_bad_sizes_and_variants() {
         None,
         &mut y,
         Variant::Scalar,
-        Precision::Exact
+        Precision::Exact,
+        &Rayon
     )
     .is_err());
     let bad_g = PreparedRef {
@@ -309,7 +408,8 @@ fn rejects_bad_sizes_and_variants() {
         None,
         &mut y,
         Variant::Scalar,
-        Precision::Exact
+        Precision::Exact,
+        &Rayon
     )
     .is_err());
     assert!(Variant::parse("neon").is_err());
@@ -319,15 +419,15 @@ fn rejects_bad_sizes_and_variants() {
 #[test]
 fn nan_activation_propagates() {
     let c = case(1, 3, 64, 32, 2);
-    let planes = layout::prepare(c.canonical(), "w").unwrap();
+    let planes = c.prepared();
     let mut x = c.x.clone();
     x[5] = f32::NAN;
     for v in supported() {
-        for p in [Precision::Exact, Precision::Int8] {
+        for p in [Precision::Exact, Precision::Int8Group, Precision::Int8Token] {
             let y = c.run(&x, None, v, p, &planes);
             // Rows whose weight at column 5 is nonzero must be NaN in exact mode; int8 poisons the row.
             for nn in 0..3 {
-                if p == Precision::Int8 || c.canonical().trit(nn, 5) != 0 {
+                if p != Precision::Exact || c.canonical().trit(nn, 5) != 0 {
                     assert!(y[nn].is_nan(), "{v:?} {p:?} row {nn}");
                 }
             }
@@ -346,98 +446,43 @@ proptest! {
 
 const GROUP_SIZES_FOR_TEST: [usize; 4] = crate::canonical::GROUP_SIZES;
 
-/// Throughput of the inner loops on cache-resident weights (run by hand:
-/// `cargo test --release -p ternary-core kernel_throughput -- --ignored --nocapture`).
+/// Throughput of the whole kernel at M = 1..16 on a weight larger than the caches, single-threaded
+/// (run by hand: `cargo test --release -p ternary-core kernel_throughput -- --ignored --nocapture`).
+/// The benchmarks in `benches/` are the numbers to quote; this is for quick iteration on the kernel.
 #[test]
 #[ignore]
 fn kernel_throughput() {
-    let (n, k, g) = (64, 4096, 128);
-    let c = case(1, n, k, g, 9);
-    let planes = layout::prepare(c.canonical(), "w").unwrap();
+    let (n, k, g) = (4096, 5120, 128);
+    let c = case(16, n, k, g, 9);
+    let prepared = c.prepared();
     let w = PreparedRef {
         rows: n,
         cols: k,
         group_size: g,
-        planes: &planes,
-        scales: &c.scales,
+        planes: &prepared.0,
+        scales: &prepared.1,
     };
-    let kern = Variant::best().kernels().unwrap();
-    let xb: Vec<u16> = c.x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
-    let mut q = vec![0i8; k];
-    let mut nq = vec![0i8; k];
-    quantize_row_int8(&c.x, &mut q, &mut nq);
-    let reps = 4000;
-    // On-CPU time of this thread (ns), so a loaded machine does not skew the numbers.
-    let cpu_ns = || -> f64 {
-        std::fs::read_to_string("/proc/thread-self/schedstat")
-            .ok()
-            .and_then(|s| s.split_whitespace().next()?.parse().ok())
-            .unwrap_or(f64::NAN)
-    };
-    let time = |name: &str, f: &dyn Fn(&RowBlock<'_>) -> f32| {
-        let t = cpu_ns();
-        let mut s = 0f32;
-        for _ in 0..reps {
-            for b in (0..n).step_by(ROWS) {
-                s += f(&w.block(b));
+    let xb: Vec<bf16> = c.x.iter().map(|&v| bf16::from_f32(v)).collect();
+    let mut y = vec![bf16::ZERO; 16 * n];
+    for (precision, ms) in [
+        (Precision::Int8Group, &[1usize, 2, 4, 8, 16][..]),
+        (Precision::Exact, &[1, 4, 16][..]),
+    ] {
+        for &m in ms {
+            let reps = 20;
+            gemm(w, &xb[..m * k], m, None, &mut y[..m * n], Variant::best(), precision, &crate::threads::Serial).unwrap();
+            let t = std::time::Instant::now();
+            for _ in 0..reps {
+                gemm(w, &xb[..m * k], m, None, &mut y[..m * n], Variant::best(), precision, &crate::threads::Serial)
+                    .unwrap();
             }
+            let dt = t.elapsed().as_secs_f64() / reps as f64;
+            println!(
+                "{precision:?} M={m:2}: {:6.1} G weights/s, {:6.1} G weight-tokens/s, {:5.2} GB/s packed",
+                (n * k) as f64 / dt / 1e9,
+                (m * n * k) as f64 / dt / 1e9,
+                (prepared.0.len() + 2 * prepared.1.len()) as f64 / dt / 1e9
+            );
         }
-        let dt = (cpu_ns() - t) / 1e9;
-        println!(
-            "{name:>10}: {:.1} G weights/s ({s})",
-            (reps * n * k) as f64 / dt / 1e9
-        );
-    };
-    time("f32 mask", &|b| unsafe { (kern.gemv_exact)(b, &c.x, g)[0] });
-    if let Some(f) = kern.gemv_bf16 {
-        time("bf16 dot", &|b| unsafe { f(b, &xb, g)[0] });
     }
-    time("int8", &|b| unsafe { (kern.gemv_int8)(b, &q, &nq, g)[0] });
-    // GEMM micro-kernel alone on L1-resident operands (MACs/s), and the tile decode (weights/s).
-    let xs = vec![1.0f32; MICRO_M * TILE_K];
-    let ws = vec![0.5f32; ROWS * TILE_K];
-    let mut acc = vec![0f32; ACC_WINDOW];
-    let t = cpu_ns();
-    let calls = 200_000;
-    for _ in 0..calls {
-        let xa: [&[f32]; MICRO_M] = std::array::from_fn(|i| &xs[i * TILE_K..(i + 1) * TILE_K]);
-        let wa: [&[f32]; ROWS] = std::array::from_fn(|r| &ws[r * TILE_K..(r + 1) * TILE_K]);
-        unsafe { (kern.micro)(xa, wa, &mut acc) };
-    }
-    let dt = (cpu_ns() - t) / 1e9;
-    let macs = (calls * MICRO_M * ROWS * TILE_K) as f64;
-    println!("     micro: {:.1} GMAC/s ({})", macs / dt / 1e9, acc[0]);
-    let mut out = vec![0f32; TILE_K];
-    let t = cpu_ns();
-    let (planes0, scales0) = w.row(0);
-    for i in 0..calls {
-        unsafe { (kern.decode_row)(planes0, scales0, g, (i % 8) * TILE_K, &mut out) };
-    }
-    let dt = (cpu_ns() - t) / 1e9;
-    println!(
-        "    decode: {:.1} G weights/s ({})",
-        (calls * TILE_K) as f64 / dt / 1e9,
-        out[3]
-    );
-    // Whole GEMM path, single-threaded (N·K below PARALLEL_MIN_WEIGHTS), M = 128.
-    let (m, n, k) = (128, 128, 5120);
-    let c = case(m, n, k, g, 10);
-    let planes = layout::prepare(c.canonical(), "w").unwrap();
-    let w = PreparedRef {
-        rows: n,
-        cols: k,
-        group_size: g,
-        planes: &planes,
-        scales: &c.scales,
-    };
-    let mut y = vec![0f32; m * n];
-    let t = cpu_ns();
-    for _ in 0..20 {
-        gemm(w, &c.x, m, None, &mut y, Variant::best(), Precision::Exact).unwrap();
-    }
-    let dt = (cpu_ns() - t) / 1e9;
-    println!(
-        "  gemm 128: {:.1} GMAC/s",
-        (20 * m * n * k) as f64 / dt / 1e9
-    );
 }

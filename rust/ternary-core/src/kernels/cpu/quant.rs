@@ -1,0 +1,82 @@
+//! Activation quantization for the int8 modes: one row (token) of f32 activations → int8 codes, the
+//! scale of each weight group and the sum of each group's codes (which cancels the `+1` of the weight
+//! codes). The scalar [`quantize_row`] is the reference; SIMD variants match it bit for bit (both round
+//! half to even, as `vcvtps2dq` does under the default MXCSR).
+
+/// Largest |q| of the per-group mode (symmetric, so −q is an int8 too).
+pub const INT8_MAX: f32 = 127.0;
+/// BitNet's `activation_quant` clamps max|x| at this before `scale = 127 / max|x|`.
+pub const TOKEN_SCALE_FLOOR: f32 = 1e-5;
+
+/// `(x, q, group_size, per_token, xs4, qsum4)`: `x` and `q` are `Kp` long (x zero padded past K);
+/// `xs4[g·4 + r]` and `qsum4[g·4 + r]` (`Gp·4` long) receive the group's scale and code sum, repeated
+/// for the four rows of a row block so the prepass reads them as vectors.
+pub(crate) type QuantizeFn = unsafe fn(&[f32], &mut [i8], usize, bool, &mut [f32], &mut [f32]);
+
+/// max |x| that propagates NaN (`f32::max` would drop it) and Inf.
+pub(crate) fn abs_max(x: &[f32]) -> f32 {
+    x.iter().fold(0f32, |a, &v| {
+        if v.is_nan() || v.abs() > a {
+            v.abs()
+        } else {
+            a
+        }
+    })
+}
+
+/// Scale for a quantization domain with maximum `amax`: `(multiplier, xs)` with `x ≈ xs · q`,
+/// `q = round(x · multiplier)`. A non-finite activation gives `xs = NaN`, so the whole output row is
+/// NaN as the exact path would make it.
+pub(crate) fn domain_scale(amax: f32, per_token: bool) -> (f32, f32) {
+    if !amax.is_finite() {
+        return (0.0, f32::NAN);
+    }
+    if per_token {
+        let scale = INT8_MAX / amax.max(TOKEN_SCALE_FLOOR);
+        (scale, 1.0 / scale)
+    } else if amax == 0.0 {
+        (0.0, 0.0)
+    } else {
+        (INT8_MAX / amax, amax / INT8_MAX)
+    }
+}
+
+/// Quantize one activation row (see [`QuantizeFn`]); the reference every variant matches exactly.
+pub fn quantize_row(
+    x: &[f32],
+    q: &mut [i8],
+    group_size: usize,
+    per_token: bool,
+    xs4: &mut [f32],
+    qsum4: &mut [f32],
+) {
+    let token = per_token.then(|| domain_scale(abs_max(x), true));
+    for (gi, (xg, qg)) in x
+        .chunks_exact(group_size)
+        .zip(q.chunks_exact_mut(group_size))
+        .enumerate()
+    {
+        let (mul, xs) = token.unwrap_or_else(|| domain_scale(abs_max(xg), false));
+        let lo = if per_token { -128.0 } else { -INT8_MAX };
+        let mut sum = 0i32;
+        for (qv, &v) in qg.iter_mut().zip(xg) {
+            let r = (v * mul).round_ties_even().clamp(lo, INT8_MAX) as i8;
+            *qv = r;
+            sum += r as i32;
+        }
+        xs4[gi * 4..gi * 4 + 4].fill(xs);
+        qsum4[gi * 4..gi * 4 + 4].fill(sum as f32);
+    }
+}
+
+/// [`quantize_row`] as a [`QuantizeFn`] (the scalar and AVX2 variants use it).
+pub(crate) unsafe fn quantize_row_fn(
+    x: &[f32],
+    q: &mut [i8],
+    group_size: usize,
+    per_token: bool,
+    xs4: &mut [f32],
+    qsum4: &mut [f32],
+) {
+    quantize_row(x, q, group_size, per_token, xs4, qsum4)
+}
