@@ -100,11 +100,18 @@ fn checked_len(a: usize, b: usize, what: &str) -> PyResult<usize> {
 /// Shapes of the CPU kernel's prepared tensors for a `[rows, cols]` weight at `group_size`:
 /// `((row_blocks, Kp) uint8 codes, (row_blocks, Gp·4) float16 scales)`.
 #[pyfunction]
-fn cpu_prepared_shapes(rows: usize, cols: usize, group_size: usize) -> ((usize, usize), (usize, usize)) {
+fn cpu_prepared_shapes(
+    rows: usize,
+    cols: usize,
+    group_size: usize,
+) -> ((usize, usize), (usize, usize)) {
     let blocks = layout::row_blocks(rows);
     (
         (blocks, layout::block_bytes(cols)),
-        (blocks, layout::padded_groups(cols, group_size) * layout::ROWS),
+        (
+            blocks,
+            layout::padded_groups(cols, group_size) * layout::ROWS,
+        ),
     )
 }
 
@@ -193,8 +200,8 @@ fn ternary_gemm_cpu(
 ) -> PyResult<()> {
     check_shape(n, k, group_size).map_err(to_py)?;
     let variant = Variant::parse(variant).map_err(to_py)?;
-    let precision =
-        torch_abi::resolve_precision(activations, dtype == "float32").map_err(PyValueError::new_err)?;
+    let precision = torch_abi::resolve_precision(activations, dtype == "float32")
+        .map_err(PyValueError::new_err)?;
     let overflow = || PyValueError::new_err("prepared weight size overflows");
     let sizes = Sizes {
         x: checked_len(m, k, "x")?,

@@ -53,23 +53,38 @@ extern "C" {
 const RTLD_LAZY: i32 = 0x1;
 const RTLD_NOLOAD: i32 = 0x4;
 
+type InitImplFn =
+    unsafe extern "C" fn(*const c_char, *const c_char, *const c_char, u32, *mut Handle) -> Status;
+type ImplFn = unsafe extern "C" fn(Handle, *const c_char, BoxedFn, u64) -> Status;
+type PtrOutFn = unsafe extern "C" fn(Handle, *mut *mut c_void) -> Status;
+type I64OutFn = unsafe extern "C" fn(Handle, *mut i64) -> Status;
+type ArrayOutFn = unsafe extern "C" fn(Handle, *mut *mut i64) -> Status;
+type I32OutFn = unsafe extern "C" fn(Handle, *mut i32) -> Status;
+type EmptyStridedFn =
+    unsafe extern "C" fn(i64, *const i64, *const i64, i32, i32, i32, *mut Handle) -> Status;
+type CopyFn = unsafe extern "C" fn(Handle, Handle, i32) -> Status;
+type DeleteFn = unsafe extern "C" fn(Handle) -> Status;
+type ParallelForFn = unsafe extern "C" fn(i64, i64, i64, ParallelFunc, *mut c_void) -> Status;
+type U32OutFn = unsafe extern "C" fn(*mut u32) -> Status;
+type DeleteIValueFn = unsafe extern "C" fn(*mut u64) -> Status;
+type ConstFn = unsafe extern "C" fn() -> i32;
+
 /// The stable-ABI functions we call, resolved once.
 struct Api {
-    library_init_impl:
-        unsafe extern "C" fn(*const c_char, *const c_char, *const c_char, u32, *mut Handle) -> Status,
-    library_impl: unsafe extern "C" fn(Handle, *const c_char, BoxedFn, u64) -> Status,
-    get_data_ptr: unsafe extern "C" fn(Handle, *mut *mut c_void) -> Status,
-    get_dim: unsafe extern "C" fn(Handle, *mut i64) -> Status,
-    get_sizes: unsafe extern "C" fn(Handle, *mut *mut i64) -> Status,
-    get_strides: unsafe extern "C" fn(Handle, *mut *mut i64) -> Status,
-    get_dtype: unsafe extern "C" fn(Handle, *mut i32) -> Status,
-    get_device_type: unsafe extern "C" fn(Handle, *mut i32) -> Status,
-    empty_strided: unsafe extern "C" fn(i64, *const i64, *const i64, i32, i32, i32, *mut Handle) -> Status,
-    copy_: unsafe extern "C" fn(Handle, Handle, i32) -> Status,
-    delete_tensor: unsafe extern "C" fn(Handle) -> Status,
-    parallel_for: unsafe extern "C" fn(i64, i64, i64, ParallelFunc, *mut c_void) -> Status,
-    get_num_threads: unsafe extern "C" fn(*mut u32) -> Status,
-    delete_stable_ivalue: Option<unsafe extern "C" fn(*mut u64) -> Status>,
+    library_init_impl: InitImplFn,
+    library_impl: ImplFn,
+    get_data_ptr: PtrOutFn,
+    get_dim: I64OutFn,
+    get_sizes: ArrayOutFn,
+    get_strides: ArrayOutFn,
+    get_dtype: I32OutFn,
+    get_device_type: I32OutFn,
+    empty_strided: EmptyStridedFn,
+    copy_: CopyFn,
+    delete_tensor: DeleteFn,
+    parallel_for: ParallelForFn,
+    get_num_threads: U32OutFn,
+    delete_stable_ivalue: Option<DeleteIValueFn>,
     dtype_bf16: i32,
     dtype_f16: i32,
     dtype_f32: i32,
@@ -160,13 +175,20 @@ pub fn register(path: &str) -> Result<(), String> {
     let file = CString::new(file!()).unwrap_or_default();
     let mut lib: Handle = std::ptr::null_mut();
     // SAFETY: valid C strings; `lib` receives a new heap torch::Library we keep forever.
-    let status = unsafe { (api.library_init_impl)(ns.as_ptr(), key.as_ptr(), file.as_ptr(), line!(), &mut lib) };
+    let status = unsafe {
+        (api.library_init_impl)(ns.as_ptr(), key.as_ptr(), file.as_ptr(), line!(), &mut lib)
+    };
     if status != 0 || lib.is_null() {
         return Err("aoti_torch_library_init_impl(ternary_rs, CPU) failed".into());
     }
     // SAFETY: `lib` is the library just created; the entry point follows the boxed convention.
     let status = unsafe {
-        (api.library_impl)(lib, c"ternary_linear".as_ptr(), ternary_rs_cpu_linear_entry, BUILD_ABI_VERSION)
+        (api.library_impl)(
+            lib,
+            c"ternary_linear".as_ptr(),
+            ternary_rs_cpu_linear_entry,
+            BUILD_ABI_VERSION,
+        )
     };
     if status != 0 {
         return Err("torch_library_impl(ternary_linear) failed (is the schema defined?)".into());
@@ -185,7 +207,9 @@ fn load(path: &str) -> Result<Api, String> {
         let why = if why.is_null() {
             String::new()
         } else {
-            unsafe { CStr::from_ptr(why) }.to_string_lossy().into_owned()
+            unsafe { CStr::from_ptr(why) }
+                .to_string_lossy()
+                .into_owned()
         };
         return Err(format!("{path} is not loaded in this process ({why})"));
     }
@@ -193,41 +217,44 @@ fn load(path: &str) -> Result<Api, String> {
         // SAFETY: `lib` is a valid handle and `name` a C string.
         let p = unsafe { dlsym(lib, name.as_ptr()) };
         if p.is_null() {
-            Err(format!("{path} has no {} (torch < 2.10?)", name.to_string_lossy()))
+            Err(format!(
+                "{path} has no {} (torch < 2.10?)",
+                name.to_string_lossy()
+            ))
         } else {
             Ok(p)
         }
     };
     macro_rules! f {
-        ($name:literal) => {
-            // SAFETY: the symbol is the stable-ABI function of that name, whose C signature the field
-            // type spells out (torch/csrc/stable/c/shim.h, aoti_torch/c/shim.h).
-            unsafe { std::mem::transmute::<*mut c_void, _>(sym($name)?) }
+        ($name:literal, $ty:ty) => {
+            // SAFETY: the symbol is the stable-ABI function of that name, whose C signature `$ty`
+            // spells out (torch/csrc/stable/c/shim.h, aoti_torch/c/shim.h).
+            unsafe { std::mem::transmute::<*mut c_void, $ty>(sym($name)?) }
         };
     }
     let dtype = |name: &CStr| -> Result<i32, String> {
         let p = sym(name)?;
         // SAFETY: `int32_t aoti_torch_dtype_*(void)` / `aoti_torch_device_type_*(void)`.
-        Ok(unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn() -> i32>(p)() })
+        Ok(unsafe { std::mem::transmute::<*mut c_void, ConstFn>(p)() })
     };
     let delete_stable_ivalue = sym(c"torch_delete_stable_ivalue")
         .ok()
         // SAFETY: `AOTITorchError torch_delete_stable_ivalue(StableIValue*)` (torch ≥ 2.13).
-        .map(|p| unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn(*mut u64) -> Status>(p) });
+        .map(|p| unsafe { std::mem::transmute::<*mut c_void, DeleteIValueFn>(p) });
     Ok(Api {
-        library_init_impl: f!(c"aoti_torch_library_init_impl"),
-        library_impl: f!(c"torch_library_impl"),
-        get_data_ptr: f!(c"aoti_torch_get_data_ptr"),
-        get_dim: f!(c"aoti_torch_get_dim"),
-        get_sizes: f!(c"aoti_torch_get_sizes"),
-        get_strides: f!(c"aoti_torch_get_strides"),
-        get_dtype: f!(c"aoti_torch_get_dtype"),
-        get_device_type: f!(c"aoti_torch_get_device_type"),
-        empty_strided: f!(c"aoti_torch_empty_strided"),
-        copy_: f!(c"aoti_torch_copy_"),
-        delete_tensor: f!(c"aoti_torch_delete_tensor_object"),
-        parallel_for: f!(c"torch_parallel_for"),
-        get_num_threads: f!(c"torch_get_num_threads"),
+        library_init_impl: f!(c"aoti_torch_library_init_impl", InitImplFn),
+        library_impl: f!(c"torch_library_impl", ImplFn),
+        get_data_ptr: f!(c"aoti_torch_get_data_ptr", PtrOutFn),
+        get_dim: f!(c"aoti_torch_get_dim", I64OutFn),
+        get_sizes: f!(c"aoti_torch_get_sizes", ArrayOutFn),
+        get_strides: f!(c"aoti_torch_get_strides", ArrayOutFn),
+        get_dtype: f!(c"aoti_torch_get_dtype", I32OutFn),
+        get_device_type: f!(c"aoti_torch_get_device_type", I32OutFn),
+        empty_strided: f!(c"aoti_torch_empty_strided", EmptyStridedFn),
+        copy_: f!(c"aoti_torch_copy_", CopyFn),
+        delete_tensor: f!(c"aoti_torch_delete_tensor_object", DeleteFn),
+        parallel_for: f!(c"torch_parallel_for", ParallelForFn),
+        get_num_threads: f!(c"torch_get_num_threads", U32OutFn),
         delete_stable_ivalue,
         dtype_bf16: dtype(c"aoti_torch_dtype_bfloat16")?,
         dtype_f16: dtype(c"aoti_torch_dtype_float16")?,
@@ -271,7 +298,11 @@ impl<'a> Tensor<'a> {
         unsafe {
             check!((self.api.get_dim)(self.h, &mut dim), "get_dim");
             check!((self.api.get_sizes)(self.h, &mut p), "get_sizes");
-            Ok(if dim == 0 { &[] } else { std::slice::from_raw_parts(p, dim as usize) })
+            Ok(if dim == 0 {
+                &[]
+            } else {
+                std::slice::from_raw_parts(p, dim as usize)
+            })
         }
     }
 
@@ -281,7 +312,11 @@ impl<'a> Tensor<'a> {
         unsafe {
             check!((self.api.get_dim)(self.h, &mut dim), "get_dim");
             check!((self.api.get_strides)(self.h, &mut p), "get_strides");
-            Ok(if dim == 0 { &[] } else { std::slice::from_raw_parts(p, dim as usize) })
+            Ok(if dim == 0 {
+                &[]
+            } else {
+                std::slice::from_raw_parts(p, dim as usize)
+            })
         }
     }
 
@@ -295,14 +330,20 @@ impl<'a> Tensor<'a> {
     fn is_cpu(&self) -> Result<bool, String> {
         let mut d = 0;
         // SAFETY: valid handle.
-        check!(unsafe { (self.api.get_device_type)(self.h, &mut d) }, "get_device_type");
+        check!(
+            unsafe { (self.api.get_device_type)(self.h, &mut d) },
+            "get_device_type"
+        );
         Ok(d == self.api.device_cpu)
     }
 
     fn data(&self) -> Result<*mut c_void, String> {
         let mut p = std::ptr::null_mut();
         // SAFETY: valid handle.
-        check!(unsafe { (self.api.get_data_ptr)(self.h, &mut p) }, "get_data_ptr");
+        check!(
+            unsafe { (self.api.get_data_ptr)(self.h, &mut p) },
+            "get_data_ptr"
+        );
         Ok(p)
     }
 
@@ -332,7 +373,15 @@ impl<'a> Tensor<'a> {
         // SAFETY: sizes/strides arrays of ndim entries.
         check!(
             unsafe {
-                (api.empty_strided)(sizes.len() as i64, sizes.as_ptr(), strides.as_ptr(), dtype, api.device_cpu, 0, &mut h)
+                (api.empty_strided)(
+                    sizes.len() as i64,
+                    sizes.as_ptr(),
+                    strides.as_ptr(),
+                    dtype,
+                    api.device_cpu,
+                    0,
+                    &mut h,
+                )
             },
             "empty_strided"
         );
@@ -344,7 +393,7 @@ impl<'a> Tensor<'a> {
         if self.dtype()? == dtype && self.is_contiguous()? {
             return Ok(self);
         }
-        let out = Tensor::empty(self.api, &self.sizes()?.to_vec(), dtype)?;
+        let out = Tensor::empty(self.api, self.sizes()?, dtype)?;
         // SAFETY: both handles valid; copy_ converts dtype and layout.
         check!(unsafe { (self.api.copy_)(out.h, self.h, 0) }, "copy_");
         Ok(out)
@@ -363,7 +412,11 @@ unsafe extern "C" fn trampoline(begin: i64, end: i64, ctx: *mut c_void) {
     // SAFETY: ctx is the `Trampoline` `run` passes, alive for the whole parallel_for call.
     let t = unsafe { &*(ctx as *const Trampoline<'_>) };
     // A panic must never unwind into torch's C++ frames.
-    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (t.f)(begin as usize..end as usize))).is_err() {
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        (t.f)(begin as usize..end as usize)
+    }))
+    .is_err()
+    {
         t.panicked.store(true, Ordering::Relaxed);
     }
 }
@@ -382,7 +435,15 @@ impl ParallelFor for TorchPool<'_> {
             panicked: AtomicBool::new(false),
         };
         // SAFETY: `t` outlives the call; torch_parallel_for returns after every piece ran.
-        unsafe { (self.0.parallel_for)(0, n as i64, 1, trampoline, &t as *const Trampoline<'_> as *mut c_void) };
+        unsafe {
+            (self.0.parallel_for)(
+                0,
+                n as i64,
+                1,
+                trampoline,
+                &t as *const Trampoline<'_> as *mut c_void,
+            )
+        };
         if t.panicked.load(Ordering::Relaxed) {
             panic!("a ternary_rs kernel task panicked");
         }
@@ -423,7 +484,9 @@ pub unsafe extern "C" fn ternary_rs_cpu_linear_boxed(
 }
 
 unsafe fn boxed(stack: *mut u64, num_args: u64, num_outputs: u64) -> Result<(), String> {
-    let api = API.get().ok_or("ternary_rs: native kernel called before registration")?;
+    let api = API
+        .get()
+        .ok_or("ternary_rs: native kernel called before registration")?;
     if num_args != NUM_ARGS || num_outputs != 1 {
         return Err(format!(
             "ternary_rs::ternary_linear: the registered schema has {num_args} arguments and {num_outputs} outputs, \
@@ -433,9 +496,18 @@ unsafe fn boxed(stack: *mut u64, num_args: u64, num_outputs: u64) -> Result<(), 
     // SAFETY: the stack holds NUM_ARGS entries.
     let arg = |i: usize| unsafe { *stack.add(i) };
     // Take ownership of every handle first, so all are freed whatever fails below.
-    let x = Tensor { api, h: arg(0) as Handle };
-    let qweight = Tensor { api, h: arg(1) as Handle };
-    let scales = Tensor { api, h: arg(2) as Handle };
+    let x = Tensor {
+        api,
+        h: arg(0) as Handle,
+    };
+    let qweight = Tensor {
+        api,
+        h: arg(1) as Handle,
+    };
+    let scales = Tensor {
+        api,
+        h: arg(2) as Handle,
+    };
     let bias_box = arg(6) as *mut u64;
     let bias = if bias_box.is_null() {
         None
@@ -485,20 +557,30 @@ fn linear<'a>(
     } else if x.dtype()? == api.dtype_f32 {
         "float32"
     } else {
-        return Err("ternary_linear: x dtype is not supported; use bfloat16, float16 or float32".into());
+        return Err(
+            "ternary_linear: x dtype is not supported; use bfloat16, float16 or float32".into(),
+        );
     };
     for (t, what) in [(&x, "x"), (qweight, "qweight"), (scales, "scales")] {
         if !t.is_cpu()? {
-            return Err(format!("ternary_linear (CPU kernel): {what} is not a CPU tensor"));
+            return Err(format!(
+                "ternary_linear (CPU kernel): {what} is not a CPU tensor"
+            ));
         }
     }
     let xs = x.sizes()?.to_vec();
     if xs.is_empty() || xs[xs.len() - 1] as usize != k {
-        return Err(format!("ternary_linear: x has shape {xs:?}, expected [..., {k}]"));
+        return Err(format!(
+            "ternary_linear: x has shape {xs:?}, expected [..., {k}]"
+        ));
     }
-    ternary_core::canonical::check_shape(n.max(1), k, g).map_err(|e| format!("ternary_linear: {e}"))?;
+    ternary_core::canonical::check_shape(n.max(1), k, g)
+        .map_err(|e| format!("ternary_linear: {e}"))?;
     let want_q = [layout::row_blocks(n) as i64, layout::block_bytes(k) as i64];
-    let want_s = [layout::row_blocks(n) as i64, (layout::padded_groups(k, g) * layout::ROWS) as i64];
+    let want_s = [
+        layout::row_blocks(n) as i64,
+        (layout::padded_groups(k, g) * layout::ROWS) as i64,
+    ];
     if qweight.dtype()? != api.dtype_u8 || qweight.sizes()? != want_q || !qweight.is_contiguous()? {
         return Err(format!(
             "ternary_linear: qweight must be the prepared uint8 {want_q:?} (ops.prepare_weight), got shape {:?}",
@@ -516,7 +598,10 @@ fn linear<'a>(
     let bias = match bias {
         Some(b) => {
             if b.sizes()? != [n as i64] || !b.is_cpu()? {
-                return Err(format!("ternary_linear: bias must be a CPU tensor of shape [{n}], got {:?}", b.sizes()?));
+                return Err(format!(
+                    "ternary_linear: bias must be a CPU tensor of shape [{n}], got {:?}",
+                    b.sizes()?
+                ));
             }
             Some(b.contiguous_as(dtype)?)
         }
@@ -587,5 +672,6 @@ fn run<T: Activation>(
         planes,
         scales,
     };
-    cpu::gemm(w, x, m, bias, y, variant(), precision, pool).map_err(|e| format!("ternary_linear: {e}"))
+    cpu::gemm(w, x, m, bias, y, variant(), precision, pool)
+        .map_err(|e| format!("ternary_linear: {e}"))
 }

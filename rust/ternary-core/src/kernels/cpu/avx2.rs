@@ -159,7 +159,14 @@ unsafe fn exact(block: &[u8], scales: &[f16], x: &[f32], g: usize) -> [f32; ROWS
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn decode(block: &[u8], scales: &[f16], g: usize, k0: usize, out: &mut [f32], stride: usize) {
+unsafe fn decode(
+    block: &[u8],
+    scales: &[f16],
+    g: usize,
+    k0: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
     let kp = block.len();
     let kc = out.len() + stride - ROWS * stride;
     assert!(k0.is_multiple_of(SUPER_K) && kc.is_multiple_of(SUPER_K) && k0 + kc <= kp);
@@ -182,7 +189,10 @@ unsafe fn decode(block: &[u8], scales: &[f16], g: usize, k0: usize, out: &mut [f
                         for piece in 0..4 {
                             let t8 = _mm_loadl_epi64(trits.as_ptr().add(8 * piece).cast());
                             let v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(t8)), s);
-                            _mm256_storeu_ps(out.as_mut_ptr().add(r * stride + kb + 8 * piece - k0), v);
+                            _mm256_storeu_ps(
+                                out.as_mut_ptr().add(r * stride + kb + 8 * piece - k0),
+                                v,
+                            );
                         }
                     }
                 }

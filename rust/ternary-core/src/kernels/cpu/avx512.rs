@@ -102,7 +102,8 @@ unsafe fn int8<const T: usize>(a: &Int8Tile<'_>) -> [[f32; ROWS]; INT8_TILE] {
                             let x0 = _mm512_loadu_si512(xp[t].add(k0).cast());
                             let x1 = _mm512_loadu_si512(xp[t].add(k0 + SUB_K).cast());
                             let i = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, c0, x0), c1, x1);
-                            facc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), scale(t, gi, r), facc[t][r]);
+                            facc[t][r] =
+                                _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), scale(t, gi, r), facc[t][r]);
                         }
                     }
                 }
@@ -221,7 +222,24 @@ unsafe fn exact_bf16(block: &[u8], scales: &[f16], x: &[u16], g: usize) -> [f32;
     let xp = x.as_ptr();
     let mask = _mm512_set1_epi8(3);
     // word table indexed by the code: 0 → bf16 −1.0, 1 → 0, 2 → bf16 +1.0
-    let table = _mm512_setr_epi32(0x0000_BF80u32 as i32, 0x3F80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    let table = _mm512_setr_epi32(
+        0x0000_BF80u32 as i32,
+        0x3F80,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+    );
     let zero = _mm512_setzero_ps();
     let mut total = [zero; ROWS];
     let mut group = [zero; ROWS];
@@ -242,7 +260,11 @@ unsafe fn exact_bf16(block: &[u8], scales: &[f16], x: &[u16], g: usize) -> [f32;
                             _mm512_extracti64x4_epi64::<1>(c)
                         };
                         let tw = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(half), table);
-                        group[r] = _mm512_dpbf16_ps(group[r], std::mem::transmute::<__m512i, __m512bh>(tw), xv);
+                        group[r] = _mm512_dpbf16_ps(
+                            group[r],
+                            std::mem::transmute::<__m512i, __m512bh>(tw),
+                            xv,
+                        );
                     }
                     if (k + 32).is_multiple_of(g) {
                         let gi = k / g;
@@ -260,7 +282,14 @@ unsafe fn exact_bf16(block: &[u8], scales: &[f16], x: &[u16], g: usize) -> [f32;
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")]
-unsafe fn decode(block: &[u8], scales: &[f16], g: usize, k0: usize, out: &mut [f32], stride: usize) {
+unsafe fn decode(
+    block: &[u8],
+    scales: &[f16],
+    g: usize,
+    k0: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
     let kp = block.len();
     let kc = out.len() + stride - ROWS * stride;
     assert!(k0.is_multiple_of(SUPER_K) && kc.is_multiple_of(SUPER_K) && k0 + kc <= kp);
@@ -336,7 +365,14 @@ unsafe fn abs_bits_max(x: *const f32, n: usize) -> u32 {
 
 /// Bit-for-bit [`super::quant::quantize_row`] (`vcvtps2dq` rounds half to even under the default MXCSR).
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl")]
-unsafe fn quantize(x: &[f32], q: &mut [i8], g: usize, per_token: bool, xs4: &mut [f32], qsum4: &mut [f32]) {
+unsafe fn quantize(
+    x: &[f32],
+    q: &mut [i8],
+    g: usize,
+    per_token: bool,
+    xs4: &mut [f32],
+    qsum4: &mut [f32],
+) {
     use super::quant::{domain_scale, INT8_MAX};
     let kp = x.len();
     assert!(q.len() >= kp && kp.is_multiple_of(g) && g.is_multiple_of(16));
@@ -356,10 +392,17 @@ unsafe fn quantize(x: &[f32], q: &mut [i8], g: usize, per_token: bool, xs4: &mut
                 let v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg.add(i)), mulv));
                 // NaN · 0 converts to the "integer indefinite" 0x80000000: the clamp makes it −128/−127,
                 // but such a group's scale is NaN, so its value never matters — match the scalar 0 anyway.
-                let v = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(v, _mm512_set1_epi32(i32::MIN)), v, _mm512_setzero_si512());
+                let v = _mm512_mask_blend_epi32(
+                    _mm512_cmpeq_epi32_mask(v, _mm512_set1_epi32(i32::MIN)),
+                    v,
+                    _mm512_setzero_si512(),
+                );
                 let v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
                 sum = _mm512_add_epi32(sum, v);
-                _mm_storeu_si128(q.as_mut_ptr().add(gi * g + i).cast(), _mm512_cvtepi32_epi8(v));
+                _mm_storeu_si128(
+                    q.as_mut_ptr().add(gi * g + i).cast(),
+                    _mm512_cvtepi32_epi8(v),
+                );
             }
             let total = _mm512_reduce_add_epi32(sum) as f32;
             xs4[gi * 4..gi * 4 + 4].fill(xs);

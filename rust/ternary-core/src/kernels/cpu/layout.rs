@@ -79,7 +79,10 @@ pub fn prepared_scales(rows: usize, cols: usize, group_size: usize) -> Option<us
 pub fn code_position(r: usize, k: usize) -> (usize, u32) {
     let (sb, within) = (k / SUPER_K, k % SUPER_K);
     let (sub, j) = (within / SUB_K, within % SUB_K);
-    (sb * ROWS * CHUNK_BYTES + r * CHUNK_BYTES + j, 2 * sub as u32)
+    (
+        sb * ROWS * CHUNK_BYTES + r * CHUNK_BYTES + j,
+        2 * sub as u32,
+    )
 }
 
 /// Code `t + 1` of weight `(r, k)` of a prepared row block (for tests and the scalar kernels).

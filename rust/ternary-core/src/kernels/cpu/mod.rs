@@ -429,7 +429,9 @@ pub fn gemm<T: Activation>(
             } else {
                 job.rows_per_token(par, |block, scales, mi| {
                     // SAFETY: as above.
-                    unsafe { (kernels.exact)(block, scales, &xf[mi * kp..(mi + 1) * kp], w.group_size) }
+                    unsafe {
+                        (kernels.exact)(block, scales, &xf[mi * kp..(mi + 1) * kp], w.group_size)
+                    }
                 });
             }
         }
@@ -448,15 +450,25 @@ struct Job<'a, T> {
 
 impl<T: Activation> Job<'_, T> {
     /// Split `units` units of `unit_weights` weights each into tasks on `par` (one task when small).
-    fn split(&self, units: usize, unit_weights: usize, par: &dyn ParallelFor, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
-        let total = units.saturating_mul(unit_weights).saturating_mul(self.m.min(16));
+    fn split(
+        &self,
+        units: usize,
+        unit_weights: usize,
+        par: &dyn ParallelFor,
+        f: &(dyn Fn(std::ops::Range<usize>) + Sync),
+    ) {
+        let total = units
+            .saturating_mul(unit_weights)
+            .saturating_mul(self.m.min(16));
         let threads = par.threads().max(1);
         if total < PARALLEL_MIN_WEIGHTS || threads == 1 || units < 2 {
             f(0..units);
             return;
         }
         // Enough tasks to balance (4 per thread), each at least TASK_MIN_WEIGHTS.
-        let per_task = (TASK_MIN_WEIGHTS / unit_weights.max(1)).max(units.div_ceil(4 * threads)).max(1);
+        let per_task = (TASK_MIN_WEIGHTS / unit_weights.max(1))
+            .max(units.div_ceil(4 * threads))
+            .max(1);
         let tasks = units.div_ceil(per_task);
         par.run(tasks, &|range: std::ops::Range<usize>| {
             for t in range {
@@ -477,7 +489,8 @@ impl<T: Activation> Job<'_, T> {
             }
             // SAFETY: y has m·n elements; (m0 + t, n0 .. n0 + rows) is in bounds and written by this
             // task only (tasks own disjoint row blocks).
-            let dst = unsafe { std::slice::from_raw_parts_mut(self.y.0.add((m0 + t) * n + n0), rows) };
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut(self.y.0.add((m0 + t) * n + n0), rows) };
             T::from_f32_slice(&out[..rows], dst);
         }
     }

@@ -2,6 +2,9 @@
 //! CPUs without AVX2. Plain loops over the layout's `code(r, k)`, in the order the module docs describe
 //! (per-group sums × scale).
 
+// Outputs are indexed by (token, row) in lockstep with the inputs; index loops say that most plainly.
+#![allow(clippy::needless_range_loop)]
+
 use half::f16;
 
 use super::layout::{code, padded_groups, ROWS, SUPER_K};
@@ -69,7 +72,14 @@ unsafe fn exact(block: &[u8], scales: &[f16], x: &[f32], g: usize) -> [f32; ROWS
     })
 }
 
-unsafe fn decode(block: &[u8], scales: &[f16], g: usize, k0: usize, out: &mut [f32], stride: usize) {
+unsafe fn decode(
+    block: &[u8],
+    scales: &[f16],
+    g: usize,
+    k0: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
     let gp = padded_groups(block_cols(block), g);
     debug_assert!(k0.is_multiple_of(SUPER_K) && gp * g == block_cols(block));
     let kc = out.len() - (ROWS - 1) * stride;

@@ -207,7 +207,10 @@ fn check_int8(m: usize, n: usize, k: usize, g: usize, seed: u64, precision: Prec
                     .map(|gi| {
                         let amax = match precision {
                             Precision::Int8Token => token_amax.max(1e-5),
-                            _ => xr[gi * g..(gi + 1) * g].iter().fold(0f32, |a, v| a.max(v.abs())) as f64,
+                            _ => xr[gi * g..(gi + 1) * g]
+                                .iter()
+                                .fold(0f32, |a, v| a.max(v.abs()))
+                                as f64,
                         };
                         amax / 127.0 / 2.0 * l1[nn][gi]
                     })
@@ -227,7 +230,10 @@ fn check_int8(m: usize, n: usize, k: usize, g: usize, seed: u64, precision: Prec
     let (_, scalar) = &outs[0];
     for (v, o) in &outs[1..] {
         for (i, (a, b)) in o.iter().zip(scalar).enumerate() {
-            assert!((a - b).abs() as f64 <= 2e-6 * (1.0 + mag[i]), "{v:?} vs scalar [{i}]: {a} vs {b}");
+            assert!(
+                (a - b).abs() as f64 <= 2e-6 * (1.0 + mag[i]),
+                "{v:?} vs scalar [{i}]: {a} vs {b}"
+            );
         }
     }
 }
@@ -281,7 +287,10 @@ fn int8_token_mode_is_bitnet_activation_quant() {
                     .sum::<f64>()
                     / scale as f64;
                 let got_v = got[mi * n + nn] as f64;
-                assert!((got_v - y).abs() <= 1e-6 * mag + 1e-12, "{v:?} [{mi},{nn}] {got_v} vs {y}");
+                assert!(
+                    (got_v - y).abs() <= 1e-6 * mag + 1e-12,
+                    "{v:?} [{mi},{nn}] {got_v} vs {y}"
+                );
             }
         }
     }
@@ -293,7 +302,10 @@ fn quantizers_match_the_reference_bit_for_bit() {
     for &(kp, g) in &[(256usize, 32usize), (512, 64), (768, 128), (1024, 256)] {
         for per_token in [false, true] {
             let mut x: Vec<f32> = (0..kp)
-                .map(|i| ((xorshift(&mut st) >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * (1 + i % 7) as f32)
+                .map(|i| {
+                    ((xorshift(&mut st) >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+                        * (1 + i % 7) as f32
+                })
                 .collect();
             x[3] = 0.5 * 127.0 / 64.0; // exact halves after scaling hit the ties-to-even rule
             x[kp - 1] = 0.0;
@@ -470,11 +482,30 @@ fn kernel_throughput() {
     ] {
         for &m in ms {
             let reps = 20;
-            gemm(w, &xb[..m * k], m, None, &mut y[..m * n], Variant::best(), precision, &crate::threads::Serial).unwrap();
+            gemm(
+                w,
+                &xb[..m * k],
+                m,
+                None,
+                &mut y[..m * n],
+                Variant::best(),
+                precision,
+                &crate::threads::Serial,
+            )
+            .unwrap();
             let t = std::time::Instant::now();
             for _ in 0..reps {
-                gemm(w, &xb[..m * k], m, None, &mut y[..m * n], Variant::best(), precision, &crate::threads::Serial)
-                    .unwrap();
+                gemm(
+                    w,
+                    &xb[..m * k],
+                    m,
+                    None,
+                    &mut y[..m * n],
+                    Variant::best(),
+                    precision,
+                    &crate::threads::Serial,
+                )
+                .unwrap();
             }
             let dt = t.elapsed().as_secs_f64() / reps as f64;
             println!(
