@@ -3,7 +3,10 @@
 //! (the crate then reports the CUDA path as unavailable and needs no toolkit).
 //!
 //! The toolkit is found from `CUDA_HOME` / `CUDA_PATH`, then `nvcc` on `PATH`, then the PyPI toolkit
-//! (`nvidia-cuda-nvcc` & co. install it into `site-packages/nvidia/cu13`).
+//! (`nvidia-cuda-nvcc` & co. install it into `site-packages/nvidia/cu13`) of the interpreter maturin
+//! builds for (`PYO3_PYTHON`, `PYTHON_SYS_EXECUTABLE`) or of `python3` / `python` on `PATH`, then
+//! `/usr/local/cuda`; a failure lists every place tried. Kernels carry `-lineinfo` (line tables only, no
+//! code change) so compute-sanitizer and profilers point at source lines.
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -22,6 +25,8 @@ fn main() {
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=CUDA_PATH");
     println!("cargo:rerun-if-env-changed=NVCC_CCBIN");
+    println!("cargo:rerun-if-env-changed=PYO3_PYTHON");
+    println!("cargo:rerun-if-env-changed=PYTHON_SYS_EXECUTABLE");
     if env::var_os("CARGO_FEATURE_NVCC").is_none() {
         return;
     }
@@ -31,11 +36,12 @@ fn main() {
     for f in KERNEL_SOURCES.iter().chain(KERNEL_HEADERS.iter()) {
         println!("cargo:rerun-if-changed={}", cuda_dir.join(f).display());
     }
-    let toolkit = find_toolkit().unwrap_or_else(|| {
+    let toolkit = find_toolkit().unwrap_or_else(|tried| {
         panic!(
-            "feature `nvcc` is on but no CUDA toolkit was found: set CUDA_HOME, put nvcc on PATH, or \
-             `pip install nvidia-cuda-nvcc nvidia-cuda-runtime nvidia-cuda-crt nvidia-cuda-cccl nvidia-nvvm` \
-             (see scripts/setup_env.sh)"
+            "feature `nvcc` is on but no CUDA toolkit was found; tried:\n  {}\nset CUDA_HOME, put nvcc on \
+             PATH, or `pip install nvidia-cuda-nvcc nvidia-cuda-runtime nvidia-cuda-crt nvidia-cuda-cccl \
+             nvidia-nvvm` into the Python you build for (see scripts/setup_env.sh)",
+            tried.join("\n  ")
         )
     });
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
@@ -51,6 +57,7 @@ fn main() {
             .args([
                 "-std=c++17",
                 "-O3",
+                "-lineinfo",
                 "-Werror",
                 "all-warnings",
                 "-Xcompiler",
@@ -90,45 +97,63 @@ fn is_toolkit(dir: &Path) -> bool {
     dir.join("bin/nvcc").is_file()
 }
 
-fn find_toolkit() -> Option<PathBuf> {
+/// The toolkit directory, or every place looked at.
+fn find_toolkit() -> Result<PathBuf, Vec<String>> {
+    let mut tried = Vec::new();
     for var in ["CUDA_HOME", "CUDA_PATH"] {
-        if let Some(d) = env::var_os(var).map(PathBuf::from) {
-            if is_toolkit(&d) {
-                return Some(d);
-            }
+        match env::var_os(var).map(PathBuf::from) {
+            Some(d) if is_toolkit(&d) => return Ok(d),
+            Some(d) => tried.push(format!("{var}={} (no bin/nvcc)", d.display())),
+            None => tried.push(format!("{var} (not set)")),
         }
     }
     if let Some(path) = env::var_os("PATH") {
         for d in env::split_paths(&path) {
             if d.join("nvcc").is_file() {
-                return d.parent().map(Path::to_path_buf);
+                if let Some(root) = d.parent() {
+                    return Ok(root.to_path_buf());
+                }
             }
         }
     }
-    for python in ["python3", "python"] {
-        let Ok(out) = Command::new(python)
+    tried.push("nvcc on PATH (none)".into());
+    // The interpreter maturin builds for first: its site-packages is where setup_env.sh installs nvcc.
+    let mut pythons: Vec<String> = ["PYO3_PYTHON", "PYTHON_SYS_EXECUTABLE"]
+        .iter()
+        .filter_map(|v| env::var(v).ok())
+        .collect();
+    pythons.extend(["python3".to_string(), "python".to_string()]);
+    for python in pythons {
+        let Ok(out) = Command::new(&python)
             .args([
                 "-c",
                 "import nvidia, os; print('\\n'.join(nvidia.__path__))",
             ])
             .output()
         else {
+            tried.push(format!("{python} (cannot run)"));
             continue;
         };
         if !out.status.success() {
+            tried.push(format!("{python}: no `nvidia` package"));
             continue;
         }
         for line in String::from_utf8_lossy(&out.stdout).lines() {
             for sub in ["cu13", "cu12", "cuda_nvcc"] {
                 let d = Path::new(line.trim()).join(sub);
                 if is_toolkit(&d) {
-                    return Some(d);
+                    return Ok(d);
                 }
+                tried.push(format!("{python}: {} (no bin/nvcc)", d.display()));
             }
         }
     }
     let d = PathBuf::from("/usr/local/cuda");
-    is_toolkit(&d).then_some(d)
+    if is_toolkit(&d) {
+        return Ok(d);
+    }
+    tried.push("/usr/local/cuda (no bin/nvcc)".into());
+    Err(tried)
 }
 
 /// Where `libcudart_static.a` lives (`lib64` in system toolkits, `lib` in the PyPI one).
