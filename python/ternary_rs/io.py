@@ -31,9 +31,8 @@ import builtins
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 import numpy as np
 
@@ -79,14 +78,17 @@ _NUMPY_DTYPES = _numpy_dtypes()
 _GGUF_PLAIN = ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")
 
 
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    """One tensor of an open file.
+class TensorInfo(NamedTuple):
+    """One tensor of an open file (an immutable record).
 
     ``shape`` is in PyTorch order (GGUF ``ne`` reversed); ``ggml_ne`` is GGUF's own order (None for
     safetensors). ``type`` is the GGUF type name ("F16", "TQ2_0", "Q2_0", "Q2_0_G128", "PQ2_0",
     "PTQ1_0", "Q1_0", "I2_S", "Q8_0", …) or the safetensors dtype ("F16", "BF16", "U8", …).
     ``offset`` is the absolute byte offset in ``file`` (the file or shard holding the bytes).
+
+    A NamedTuple, not a dataclass: the Rust core hands over rows in this field order and each becomes a
+    TensorInfo with one ``tuple.__new__`` — building thousands of dataclass instances used to be most of
+    the time of opening a file.
     """
 
     name: str
@@ -106,25 +108,8 @@ class TensorInfo:
         return n
 
 
-_new_object = object.__new__
-(_set_name, _set_shape, _set_type, _set_type_id, _set_nbytes, _set_offset, _set_file, _set_ne) = (
-    getattr(TensorInfo, f).__set__ for f in TensorInfo.__slots__
-)
-
-
-def _tensor_info(name, shape, type_, type_id, nbytes, offset, file, ggml_ne) -> TensorInfo:
-    """Build a TensorInfo without the frozen dataclass __init__, which is ~10x slower and would
-    dominate opening a file with thousands of tensors. Sets exactly the dataclass's fields."""
-    info = _new_object(TensorInfo)
-    _set_name(info, name)
-    _set_shape(info, shape)
-    _set_type(info, type_)
-    _set_type_id(info, type_id)
-    _set_nbytes(info, nbytes)
-    _set_offset(info, offset)
-    _set_file(info, file)
-    _set_ne(info, ggml_ne)
-    return info
+# Rows from the Rust core always have exactly TensorInfo's fields: skip _make's length check.
+_new_tuple = tuple.__new__
 
 
 def _find_in_directory(d: Path) -> Path:
@@ -206,18 +191,12 @@ class TernaryFile:
         """Name -> :class:`TensorInfo`, in file order (shards in name order for an index)."""
         if self._tensors is None:
             self._check_open()
-            out: dict[str, TensorInfo] = {}
             if self._gguf is not None:
-                f = self._files[0]
-                for name, ne, tname, tid, nbytes, offset in self._gguf.tensor_infos():
-                    out[name] = _tensor_info(name, ne[::-1], tname, tid, nbytes, offset, f, ne)
+                rows = self._gguf.tensor_infos(self._files[0])
             else:
-                files = self._files
-                shard_of = self._shard_of
-                for name, shape, dtype, nbytes, offset, shard in self._st.tensor_infos():
-                    out[name] = _tensor_info(name, shape, dtype, None, nbytes, offset, files[shard], None)
-                    shard_of[name] = shard
-            self._tensors = out
+                rows, shards = self._st.tensor_infos(self._files)
+                self._shard_of = dict(zip((r[0] for r in rows), shards))
+            self._tensors = {row[0]: _new_tuple(TensorInfo, row) for row in rows}
         return self._tensors
 
     @property

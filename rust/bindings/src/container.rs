@@ -204,17 +204,38 @@ impl PyGgufFile {
     }
 
     /// [(name, ne (GGUF order), type name, type id, nbytes, absolute offset)] in file order.
-    fn tensor_infos<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+    /// One row per tensor, in file order, already in `TensorInfo`'s field order: (name, shape in
+    /// PyTorch order, type name, type id, nbytes, absolute offset, `file`, ggml ne) — Python turns a row
+    /// into a TensorInfo with one `tuple.__new__`, which keeps opening a file of thousands of tensors fast.
+    fn tensor_infos<'py>(
+        &self,
+        py: Python<'py>,
+        file: Bound<'py, PyString>,
+    ) -> PyResult<Bound<'py, PyList>> {
         let list = PyList::empty(py);
+        // One Python string per distinct type name (a model has a handful), not one per tensor.
+        let mut type_names: Vec<(&'static str, Bound<'py, PyString>)> = Vec::new();
         for t in self.inner.tensors() {
             let ne = PyTuple::new(py, &t.ne)?;
+            let shape = PyTuple::new(py, t.ne.iter().rev())?;
+            let tname = t.ggml_type.name();
+            let type_name = match type_names.iter().find(|(n, _)| *n == tname) {
+                Some((_, s)) => s.clone(),
+                None => {
+                    let s = PyString::new(py, tname);
+                    type_names.push((tname, s.clone()));
+                    s
+                }
+            };
             list.append((
                 t.name.as_str(),
-                ne,
-                t.ggml_type.name(),
+                shape,
+                type_name,
                 t.type_id,
                 t.nbytes,
                 t.abs_offset,
+                file.clone(),
+                ne,
             ))?;
         }
         Ok(list)
@@ -292,20 +313,33 @@ impl PySafetensors {
     }
 
     /// [(name, shape, dtype, nbytes, absolute offset, shard index)] in checkpoint order.
-    fn tensor_infos<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+    /// Rows in `TensorInfo`'s field order (name, shape, dtype, None, nbytes, absolute offset, shard file,
+    /// None) and, separately, each tensor's shard index; `files` are the shard paths as Python strings.
+    fn tensor_infos<'py>(
+        &self,
+        py: Python<'py>,
+        files: Vec<Bound<'py, PyString>>,
+    ) -> PyResult<(Bound<'py, PyList>, Vec<usize>)> {
         let list = PyList::empty(py);
+        let mut shards = Vec::new();
         for (s, t) in self.inner.tensors() {
             let shape = PyTuple::new(py, &t.shape)?;
+            let file = files.get(s).ok_or_else(|| {
+                PyValueError::new_err(format!("tensor_infos: shard {s} has no file name"))
+            })?;
             list.append((
                 t.name.as_str(),
                 shape,
                 t.dtype.name(),
+                py.None(),
                 t.nbytes,
                 t.abs_offset,
-                s,
+                file.clone(),
+                py.None(),
             ))?;
+            shards.push(s);
         }
-        Ok(list)
+        Ok((list, shards))
     }
 
     /// `__metadata__` (merged over shards), or None.
