@@ -368,15 +368,17 @@ pub fn gemm<T: Activation>(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let mut bias_f = vec![0f32; n];
-    if let Some(b) = bias {
-        T::to_f32_slice(b, &mut bias_f);
-    }
+    // f32 bias only when there is one (an lm_head has 150k outputs: no per-call zeroed buffer).
+    let bias_f = bias.map(|b| {
+        let mut f = vec![0f32; n];
+        T::to_f32_slice(b, &mut f);
+        f
+    });
     let job = Job {
         w,
         m,
         kernels,
-        bias: &bias_f,
+        bias: bias_f.as_deref(),
         y: OutPtr(y.as_mut_ptr()),
     };
     SCRATCH.with(|s| {
@@ -444,7 +446,7 @@ struct Job<'a, T> {
     w: PreparedRef<'a>,
     m: usize,
     kernels: &'static Kernels,
-    bias: &'a [f32],
+    bias: Option<&'a [f32]>,
     y: OutPtr<T>,
 }
 
@@ -483,9 +485,11 @@ impl<T: Activation> Job<'_, T> {
         let n0 = b * ROWS;
         let rows = ROWS.min(n - n0);
         for (t, v) in vals.iter().enumerate().take(tokens) {
-            let mut out = [0f32; ROWS];
-            for r in 0..rows {
-                out[r] = v[r] + self.bias[n0 + r];
+            let mut out = *v;
+            if let Some(b) = self.bias {
+                for r in 0..rows {
+                    out[r] += b[n0 + r];
+                }
             }
             // SAFETY: y has m·n elements; (m0 + t, n0 .. n0 + rows) is in bounds and written by this
             // task only (tasks own disjoint row blocks).
