@@ -28,7 +28,8 @@ from ternary_rs.checkpoint import (
     sha256_file,
     write_manifest,
 )
-from ternary_rs.convert import dense_to_canonical, dense_ternary_group, float_view
+from ternary_rs.convert import dense_to_canonical
+from ternary_rs.storage import dense_ternary_group, float_view
 
 import contract_writer as cw
 

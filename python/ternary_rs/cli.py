@@ -131,7 +131,9 @@ def _run(args) -> int:
             print(f"wrote {r}")
         return EXIT_OK
     if args.command == "inspect":
-        r = conv.inspect(args.path)
+        from .report import inspect
+
+        r = inspect(args.path)
         if args.json:
             if not args.tensors:
                 r = {k: v for k, v in r.items() if k != "tensor_table"}
@@ -140,11 +142,15 @@ def _run(args) -> int:
             _print_inspect(r)
         return EXIT_OK
     if args.command == "verify":
-        rep = conv.verify(args.path)
+        from .report import verify
+
+        rep = verify(args.path)
         print(json.dumps(rep.to_dict(), indent=2) if args.json else str(rep))
         return EXIT_OK if rep.ok else EXIT_FAIL
     if args.command == "plan":
-        p = conv.plan(args.path, context=args.context, concurrency=args.concurrency,
+        from .planner import plan
+
+        p = plan(args.path, context=args.context, concurrency=args.concurrency,
                       gpu_memory=args.gpu_memory, kv_dtype=args.kv_dtype)
         print(json.dumps(p, indent=2)) if args.json else _print_plan(p)
         return EXIT_OK

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import parse_size
+from .report import inspect
 
 GPU_MEMORY_UTILIZATION = 0.9
 RUNTIME_OVERHEAD = 1 << 30
@@ -74,8 +75,6 @@ def served_weight_bytes(report: dict[str, Any]) -> tuple[int, int]:
 def plan(path, context: int = 8192, concurrency: int = 8, gpu_memory: int | str = "24GiB",
          kv_dtype: str = "fp16") -> dict[str, Any]:
     """Memory budget for serving ``path`` (see the module doc for every formula)."""
-    from .report import inspect
-
     if context <= 0 or concurrency <= 0:
         raise ValueError("context and concurrency must be positive")
     if kv_dtype not in KV_DTYPE_BYTES:

@@ -19,7 +19,7 @@ import numpy as np
 
 from ._core import TernaryError
 from .checkpoint import INDEX_NAME, MANIFEST_NAME, sha256_file
-from .convert import FLOAT_BYTES, GGUF_TERNARY_GROUPS, dense_ternary_group, packed_safetensors
+from .storage import FLOAT_BYTES, GGUF_TERNARY_GROUPS, dense_ternary_group, float_view, packed_safetensors
 
 INSPECT_SAMPLE_ROWS = 256
 SCAN_CHUNK_BYTES = 64 << 20
@@ -254,8 +254,6 @@ class _Skip(Exception):
 
 
 def float_of(f, name: str, typ: str) -> np.ndarray:
-    from .convert import float_view
-
     return float_view(f.raw(name), typ)
 
 
