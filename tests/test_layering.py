@@ -99,3 +99,9 @@ def test_shared_storage_helpers_sit_below_convert_report_and_planner():
 
 def test_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_test_only_code_is_not_in_the_package():
+    # The NumPy reference codecs are the tests' oracle; the wheel ships what the package needs only.
+    assert not (PACKAGE_DIR / "_reference.py").exists()
+    assert (Path(__file__).parent / "format_reference.py").is_file()

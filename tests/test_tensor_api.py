@@ -1,6 +1,6 @@
 """The Python TernaryTensor API: dequantization, ternarization, regrouping, helpers, errors, threads.
 
-References: the NumPy codecs of ``ternary_rs._reference`` (from FORMATS.md), torch / ml_dtypes for
+References: the NumPy codecs of ``tests/format_reference.py`` (from FORMATS.md), torch / ml_dtypes for
 float rounding, and torch re-statements of the ternary-qat / BitNet ternarization formulas.
 """
 
@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ternary_rs
-from ternary_rs import _reference as ref
+import format_reference as ref
 from ternary_rs.tensor import TernaryTensor, decode_bytes, encode
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
