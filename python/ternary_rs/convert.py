@@ -24,9 +24,9 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,6 @@ from .storage import (
     dense_ternary_group,
     float_view,
     packed_safetensors,
-    row_chunks,
 )
 from .hf_gguf import (
     GENERATION_CONFIG,
@@ -84,30 +83,6 @@ GGUF_OUTPUT_TYPES = {
 GGUF_FILE_TYPES = {"TQ1_0": 36, "TQ2_0": 37}
 # A source tensor's scales for a per-tensor format broadcast to this group when nothing else decides.
 DEFAULT_GROUP_SIZE = 128
-
-
-# ------------------------------------------------------------------------------------------ numerics
-def pack_codes_np(codes: np.ndarray) -> np.ndarray:
-    """``[N, K]`` codes in {0,1,2} -> ``[N, K/4]`` bytes, column 4j+i at bits 2i (canonical order)."""
-    n, k = codes.shape
-    c = codes.reshape(n, k // 4, 4)
-    return (c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)).astype(np.uint8)
-
-
-def dense_to_canonical(raw: np.ndarray, dtype: str, shape: Sequence[int], group_size: int):
-    """Exactly-ternary float matrix -> (qweight uint8 [N, K/4], scales fp16 [N, K/g]); zero groups get 1.0."""
-    n, k = int(shape[0]), int(shape[1])
-    row_bytes = k * FLOAT_BYTES[dtype]
-    raw = np.asarray(raw).reshape(n, row_bytes)
-    qweight = np.empty((n, k // 4), dtype=np.uint8)
-    scales = np.empty((n, k // group_size), dtype=np.float16)
-    for r0, r1 in row_chunks(n, row_bytes):
-        w = float_view(raw[r0:r1], dtype).reshape(r1 - r0, k // group_size, group_size)
-        a = np.abs(w).max(axis=-1)
-        codes = (np.sign(w) + 1).astype(np.uint8).reshape(r1 - r0, k)
-        qweight[r0:r1] = pack_codes_np(codes)
-        scales[r0:r1] = np.where(a == 0, np.float32(1.0), a).astype(np.float16)
-    return qweight, scales
 
 
 # ------------------------------------------------------------------------------------------ sources
@@ -145,6 +120,8 @@ class ConvertOptions:
     source_paths: list[Path] = field(default_factory=list)
     use_transformers: bool = True   # GGUF -> HF config/tokenizer via transformers (else built-in)
     digests: dict[str, Any] = field(default_factory=dict)  # SHA-256 (futures) of files already written
+    # Set when the conversion is abandoned (error, Ctrl-C): long-running jobs check it between chunks.
+    stop: threading.Event = field(default_factory=threading.Event)
 
 
 class Source:
@@ -272,7 +249,7 @@ class Source:
     # -- decoding to canonical form
     def canonical(self, st: SourceTensor, group_size: int):
         """``TernaryTensor`` of ``st`` at ``group_size`` in Hugging Face row order."""
-        from .tensor import TernaryTensor, decode, repack
+        from .tensor import TernaryTensor, decode, recover_dense, repack
 
         n, k = st.shape
         if k % group_size:
@@ -282,8 +259,8 @@ class Source:
                 raise ValidationError(
                     f"{self.path}: tensor {st.name} is exactly ternary only for groups <= {st.group}; "
                     f"group size {group_size} would requantize it")
-            q, s = dense_to_canonical(self.file.raw(st.name), st.dtype, st.shape, group_size)
-            t = TernaryTensor(q, s, group_size, name=st.name)
+            t = recover_dense(self.file.raw(st.name), st.dtype, n, k, group_size, name=st.name,
+                              stop=self.options.stop)
         elif st.kind == "canonical":
             q = np.asarray(self.file.raw(st.name)).reshape(n, k // 4)
             s = np.asarray(self.file.raw(st.aux[0])).view(np.float16).reshape(n, k // st.group)
@@ -682,6 +659,7 @@ def _convert_one(src: Path, dst: Path, options: ConvertOptions) -> Path:
             staging.commit()
         return dst
     except BaseException:
+        options.stop.set()
         hasher.cancel()
         raise
 
@@ -735,7 +713,7 @@ def convert(src, dst, to: str = "vllm", gguf_type: str | None = None, group_size
     for s, target in zip(sources, targets):
         try:
             results.append(_convert_one(s, target, ConvertOptions(**{**options.__dict__, "source_paths": [],
-                                                                     "digests": {}})))
+                                                                     "digests": {}, "stop": threading.Event()})))
         except (TernaryError, OSError, ValueError, KeyError) as e:
             log.error("%s: %s", s, e)
             failures.append((s, e))

@@ -283,6 +283,56 @@ def _dense_bytes(data: Any, dtype: str | None) -> tuple[np.ndarray, str]:
     return _as_u8(data), dtype.upper()
 
 
+# -- dense recovery -------------------------------------------------------------------------------
+
+# Rows handed to the Rust recovery per call: about this many bytes of source (see recover_dense).
+DENSE_CHUNK_BYTES = 64 << 20
+
+
+def recover_dense(raw: np.ndarray, dtype: str, rows: int, cols: int, group_size: int, *, name: str = "<bytes>",
+                  stop=None) -> "TernaryTensor":
+    """The one dense → canonical recovery (``decode_bytes("DENSE")`` and ``convert`` both use it).
+
+    Every group of ``group_size`` values must be exactly ``{-a, 0, +a}`` with ``a = max|group|`` exactly
+    representable in fp16; the canonical scale is that ``a``. An all-zero group gets scale **0**
+    (``max|group|``, what llama.cpp's quantizers and :func:`ternarize` write too), never an invented 1.0,
+    so the stored scales say exactly what the source held. Anything else is refused (Rust
+    ``dense::recover``: first offending index, count).
+
+    Runs ``dense::recover`` (reads the little-endian bytes in place: no float copy) on row chunks of
+    about :data:`DENSE_CHUNK_BYTES` of source into one preallocated output, so the working set stays at
+    the canonical output plus one chunk, and ``stop`` (a ``threading.Event``) is checked between chunks:
+    an interrupted conversion does not wait for a multi-GB tensor. A chunk that fails is re-checked over
+    the whole tensor, so the error's first index and count are the tensor's, not the chunk's.
+    """
+    from concurrent.futures import CancelledError
+
+    raw = np.asarray(raw).reshape(-1)
+    elem = {"F16": 2, "BF16": 2, "F32": 4}.get(dtype.upper())
+    if elem is None or raw.size != rows * cols * elem or rows == 0 or cols % group_size:
+        # not chunkable: let the Rust checks word the error
+        return _from_core(_core.recover_dense(raw, dtype, rows, cols, group_size, tensor=name), name)
+    row_bytes = cols * elem
+    step = max(1, DENSE_CHUNK_BYTES // row_bytes)
+    if step >= rows:
+        return _from_core(_core.recover_dense(raw, dtype, rows, cols, group_size, tensor=name), name)
+    qweight = np.empty((rows, cols // 4), dtype=np.uint8)
+    scales = np.empty((rows, cols // group_size), dtype=np.float16)
+    for r0 in range(0, rows, step):
+        if stop is not None and stop.is_set():
+            raise CancelledError(f"tensor '{name}': stopped")
+        r1 = min(rows, r0 + step)
+        try:
+            q, sb, _ = _core.recover_dense(raw[r0 * row_bytes:r1 * row_bytes], dtype, r1 - r0, cols, group_size,
+                                           tensor=name)
+        except _core.ValidationError:
+            _core.recover_dense(raw, dtype, rows, cols, group_size, tensor=name)  # raises the whole-tensor error
+            raise
+        qweight[r0:r1] = q
+        scales[r0:r1] = sb.view(np.float16)
+    return TernaryTensor(qweight, scales, group_size, name=name, validate=False)
+
+
 # -- decoding -------------------------------------------------------------------------------------
 
 def decode_bytes(format: str, data: Any, shape, *, group_size: int | None = None,
@@ -340,8 +390,7 @@ def decode_bytes(format: str, data: Any, shape, *, group_size: int | None = None
         return tensor
     if fmt in ("DENSE",) + _DENSE_TYPES:
         raw, dt = _dense_bytes(data, dtype or (fmt if fmt != "DENSE" else None))
-        g = group_size or _default_group(cols)
-        return _from_core(_core.recover_dense(raw, dt, rows, cols, g, tensor=name), name)
+        return recover_dense(raw, dt, rows, cols, group_size or _default_group(cols), name=name)
     raise _core.UnsupportedTypeError(
         f"tensor '{name}': unsupported format {format!r}; supported: {', '.join(GGUF_FORMATS)}, BITNET, MLX, DENSE")
 
