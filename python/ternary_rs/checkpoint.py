@@ -13,10 +13,11 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -280,39 +281,44 @@ def _sleep_hook() -> None:
 def run_jobs(jobs: Sequence[Job], consume: Callable[[int, Job, Sequence[Any]], None], progress=None) -> None:
     """Produce jobs on a worker thread (decoders release the GIL) ``PREFETCH_DEPTH`` ahead of ``consume``.
 
-    Errors are re-raised as :class:`ConversionError` naming the source tensor.
+    Errors are re-raised as :class:`ConversionError` naming the source tensor. On any exception
+    (Ctrl-C included) queued jobs are cancelled and the running one is not waited for: its result
+    would be thrown away, and waiting for a large tensor's decode is what made an interrupt slow.
     """
     pending: deque[tuple[int, Future]] = deque()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ternary_rs-decode") as pool:
-        it = iter(range(len(jobs)))
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ternary_rs-decode")
+    it = iter(range(len(jobs)))
 
-        def submit_next() -> None:
-            i = next(it, None)
-            if i is not None:
-                pending.append((i, pool.submit(jobs[i].produce)))
+    def submit_next() -> None:
+        i = next(it, None)
+        if i is not None:
+            pending.append((i, pool.submit(jobs[i].produce)))
 
+    try:
         for _ in range(PREFETCH_DEPTH):
             submit_next()
-        try:
-            while pending:
-                i, fut = pending.popleft()
-                try:
-                    buffers = fut.result()
-                except TernaryError as e:
-                    if isinstance(e, ConversionError):
-                        raise
-                    raise type(e)(f"{jobs[i].source}: {e}") from e
-                except (ValueError, KeyError, OSError) as e:
-                    raise ConversionError(f"{jobs[i].source}: {e}") from e
-                submit_next()
-                consume(i, jobs[i], buffers)
-                if progress is not None:
-                    progress.update(jobs[i].source_bytes or jobs[i].nbytes)
-                    progress.set_postfix_str(f"tensor {i + 1}/{len(jobs)}", refresh=False)
-                _sleep_hook()
-        finally:
-            for _, fut in pending:
-                fut.cancel()
+        while pending:
+            i, fut = pending.popleft()
+            try:
+                buffers = fut.result()
+            except TernaryError as e:
+                if isinstance(e, ConversionError):
+                    raise
+                raise type(e)(f"{jobs[i].source}: {e}") from e
+            except (ValueError, KeyError, OSError) as e:
+                raise ConversionError(f"{jobs[i].source}: {e}") from e
+            submit_next()
+            consume(i, jobs[i], buffers)
+            if progress is not None:
+                progress.update(jobs[i].source_bytes or jobs[i].nbytes)
+                progress.set_postfix_str(f"tensor {i + 1}/{len(jobs)}", refresh=False)
+            _sleep_hook()
+    except BaseException:
+        for _, fut in pending:
+            fut.cancel()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)  # nothing is left in flight here
 
 
 def write_shards(out_dir: Path, jobs: Sequence[Job], shard_size: int, progress=None,
@@ -323,10 +329,11 @@ def write_shards(out_dir: Path, jobs: Sequence[Job], shard_size: int, progress=N
     shards are written, from the page cache) and its future stored under the shard's file name.
     """
     hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ternary_rs-hash") if digests is not None else None
+    stop_hashing = threading.Event()
 
     def finished(s: int) -> None:
         if hash_pool is not None:
-            digests[files[s]] = hash_pool.submit(sha256_file, out_dir / files[s])
+            digests[files[s]] = hash_pool.submit(sha256_file, out_dir / files[s], stop_hashing)
 
     from .io import SafetensorsWriter
 
@@ -380,6 +387,7 @@ def write_shards(out_dir: Path, jobs: Sequence[Job], shard_size: int, progress=N
                 finished(s)
     except BaseException:
         if hash_pool is not None:
+            stop_hashing.set()  # a running hash stops within one chunk
             hash_pool.shutdown(wait=False, cancel_futures=True)
         raise
     finally:
@@ -397,21 +405,31 @@ def write_shards(out_dir: Path, jobs: Sequence[Job], shard_size: int, progress=N
 
 
 # ------------------------------------------------------------------------------------------ manifest
-def sha256_file(path: str | os.PathLike) -> str:
+def sha256_file(path: str | os.PathLike, stop: threading.Event | None = None) -> str:
+    """SHA-256 hex digest of a file, read in ``HASH_CHUNK_BYTES`` chunks.
+
+    With ``stop``, the event is checked between chunks and :class:`concurrent.futures.CancelledError`
+    raised once it is set: hashing a multi-GB file on a background thread must not hold up an
+    interrupted conversion (the interpreter joins such threads before it exits).
+    """
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(HASH_CHUNK_BYTES):
+            if stop is not None and stop.is_set():
+                raise CancelledError(f"{path}: hashing stopped")
             h.update(chunk)  # hashlib releases the GIL for large buffers
     return h.hexdigest()
 
 
 class SourceHasher:
-    """Hashes source files on a background thread while the conversion runs."""
+    """Hashes source files on a background thread while the conversion runs; :meth:`cancel` stops it
+    within one chunk."""
 
     def __init__(self, paths: Iterable[str | os.PathLike]):
         self.paths = [Path(p).absolute() for p in paths]
+        self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ternary_rs-hash")
-        self._futures = [self._pool.submit(sha256_file, p) for p in self.paths]
+        self._futures = [self._pool.submit(sha256_file, p, self._stop) for p in self.paths]
 
     def result(self) -> list[dict[str, Any]]:
         try:
@@ -423,6 +441,7 @@ class SourceHasher:
             self._pool.shutdown(wait=False)
 
     def cancel(self) -> None:
+        self._stop.set()
         for f in self._futures:
             f.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -354,27 +354,15 @@ def _config_dtype(source: Source) -> str:
     return "bfloat16" if "BF16" in float_types else "float16"
 
 
-def _gguf_side_files(source: Source, dtype: str, options: ConvertOptions,
-                     out_dir: Path) -> tuple[dict[str, Any], Path]:
-    """config.json dict and tokenizer files rebuilt from GGUF metadata, in a private scratch folder
-    (``<scratch>/tokenizer``); runs on a worker thread while the tensors stream. The scratch folder is a
-    sibling named after the staging folder, so a killed run's leftovers are swept with it."""
-    scratch = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}-meta-", dir=out_dir.parent))
-    try:
-        config, meta_copy = config_from_gguf(
-            source.path, source.metadata, list(source.file.tensors), source.arch, dtype, scratch,
-            use_transformers=options.use_transformers)
-        (scratch / "tokenizer").mkdir()
-        tokenizer_from_gguf(meta_copy, source.metadata, scratch / "tokenizer")
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    return config, scratch
-
-
-def _drop_side_files(future) -> None:
-    if not future.cancelled() and future.exception() is None:
-        shutil.rmtree(future.result()[1], ignore_errors=True)
+def _gguf_side_files(source: Source, dtype: str, options: ConvertOptions, scratch: Path) -> dict[str, Any]:
+    """config.json dict, with the tokenizer files rebuilt from GGUF metadata into ``scratch/tokenizer``;
+    runs on a worker thread while the tensors stream."""
+    config, meta_copy = config_from_gguf(
+        source.path, source.metadata, list(source.file.tensors), source.arch, dtype, scratch,
+        use_transformers=options.use_transformers)
+    (scratch / "tokenizer").mkdir()
+    tokenizer_from_gguf(meta_copy, source.metadata, scratch / "tokenizer")
+    return config
 
 
 def write_vllm_dir(source: Source, out_dir: Path, options: ConvertOptions) -> dict[str, Any]:
@@ -386,17 +374,21 @@ def write_vllm_dir(source: Source, out_dir: Path, options: ConvertOptions) -> di
     total = sum(j.source_bytes for j in jobs)
     t1 = time.perf_counter()
     dtype = _config_dtype(source)
-    side_pool = side = None
-    if source.is_gguf:  # config + tokenizer (transformers import and all) overlap the tensor streaming
+    side_pool = side = scratch = None
+    if source.is_gguf:  # config + tokenizer overlap the tensor streaming
+        # A private scratch folder, a sibling named after the staging folder: a killed run's leftovers
+        # are swept with it (remove_stale_temporaries).
+        scratch = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}-meta-", dir=out_dir.parent))
         side_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ternary_rs-meta")
-        side = side_pool.submit(_gguf_side_files, source, dtype, options, out_dir)
+        side = side_pool.submit(_gguf_side_files, source, dtype, options, scratch)
     try:
         with _progress(total, f"convert {source.path.name}", options.progress) as bar:
             write_shards(out_dir, jobs, options.shard_size, bar, digests=options.digests)
     except BaseException:
         if side is not None:
-            side.add_done_callback(_drop_side_files)
+            side.cancel()
             side_pool.shutdown(wait=False)
+            shutil.rmtree(scratch, ignore_errors=True)  # a still-running side job fails on its own
         raise
     t2 = time.perf_counter()
     log.info("%s: classified %d tensors in %.1f s, wrote shards in %.1f s (%.2f GB/s of source)",
@@ -407,7 +399,10 @@ def write_vllm_dir(source: Source, out_dir: Path, options: ConvertOptions) -> di
 
     if source.is_gguf:
         try:
-            config, scratch = side.result()
+            config = side.result()
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
         finally:
             side_pool.shutdown(wait=False)
         try:
