@@ -407,9 +407,39 @@ def _linear_class_from(config: Mapping | None) -> str | None:
     return qc.get("linear_class")
 
 
+def _canonical_prefix(tensors: Mapping[str, Any], name: str) -> str | None:
+    """``<prefix>`` when ``name`` names one of our own canonical pairs (``<prefix>.qweight`` +
+    ``<prefix>.scales``): the qweight itself, the bare prefix, or ``<prefix>.weight`` the pair replaces."""
+    for prefix in (name[: -len(".qweight")] if name.endswith(".qweight") else None,
+                   name if name not in tensors else None,
+                   name[: -len(".weight")] if name.endswith(".weight") and name not in tensors else None):
+        if prefix and f"{prefix}.qweight" in tensors and f"{prefix}.scales" in tensors:
+            return prefix
+    return None
+
+
+def _decode_canonical(f: Any, prefix: str, group_size: int | None, requantize: bool) -> TernaryTensor:
+    """A ternary_rs checkpoint's pair, zero-copy, validated (code 3, non-finite scales), regrouped on request."""
+    qinfo, sinfo = f.tensors[f"{prefix}.qweight"], f.tensors[f"{prefix}.scales"]
+    if qinfo.type != "U8" or sinfo.type != "F16" or len(qinfo.shape) != 2 or len(sinfo.shape) != 2:
+        raise _core.UnsupportedTypeError(
+            f"tensor '{prefix}': a canonical pair is {prefix}.qweight U8 [N, K/4] + {prefix}.scales F16 [N, K/g], "
+            f"got {qinfo.type} {list(qinfo.shape)} + {sinfo.type} {list(sinfo.shape)}")
+    try:
+        t = TernaryTensor(f.tensor(f"{prefix}.qweight"), f.tensor(f"{prefix}.scales"), name=prefix)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, _core.TernaryError):
+            raise
+        raise _core.ValidationError(f"tensor '{prefix}': {e}") from None
+    return t if group_size is None else repack(t, group_size, requantize)
+
+
 def decode(file_or_path: Any, name: str, *, group_size: int | None = None, format: str | None = None,
            linear_class: str | None = None, requantize: bool = False) -> TernaryTensor:
     """Decode tensor ``name`` of a file opened with :func:`ternary_rs.open` (or a path to one).
+
+    A ternary_rs checkpoint's own canonical pairs decode by ``<prefix>.qweight``, by the bare
+    ``<prefix>`` or by ``<prefix>.weight`` (the weight the pair replaces); the arrays are views.
 
     The format comes from the tensor's type unless ``format`` overrides it. Companion tensors are
     found by name: BitNet ``<prefix>.weight_scale`` (uint8 weights), MLX ``<prefix>.scales`` and
@@ -422,6 +452,9 @@ def decode(file_or_path: Any, name: str, *, group_size: int | None = None, forma
         from .io import open as _open
 
         f = _open(f)
+    prefix = _canonical_prefix(f.tensors, name)
+    if prefix is not None and format is None:
+        return _decode_canonical(f, prefix, group_size, requantize)
     try:
         info = f.tensors[name]
     except KeyError:
