@@ -42,7 +42,8 @@ GENERATION_CONFIG = "generation_config.json"
 def _gguf_kv_spans(blob: memoryview, path: str) -> tuple[int, list[tuple[str, int, int]]]:
     """``(version, [(key, start, end)])``: byte span of every key/value pair of a little-endian GGUF."""
     if bytes(blob[:4]) != _GGUF_MAGIC:
-        raise FormatError(f"{path}: not a GGUF file (magic {bytes(blob[:4])!r} at byte 0)")
+        magic = " ".join(f"0x{b:02x}" for b in bytes(blob[:4]))
+        raise FormatError(f"{path}: not a GGUF file (magic {magic} at byte 0; expected 0x47 0x47 0x55 0x46)")
     version, _, kv_count = struct.unpack_from("<IQQ", blob, 4)
     if version & 0xFFFF == 0:
         raise UnsupportedTypeError(f"{path}: big-endian GGUF metadata copy is not supported")
