@@ -50,6 +50,32 @@ class ConversionError(TernaryError):
     """A conversion could not be completed (the message names the file and tensor)."""
 
 
+def describe_error(e: BaseException, path: str | os.PathLike | None = None) -> str:
+    """One line for an error, as the command line prints it: a missing file in one wording
+    (``<path>: no such file or directory``), the class name for ternary_rs and OS errors, and ``path``
+    not repeated when the message already starts with it (bulk reports name each input once)."""
+    if isinstance(e, FileNotFoundError) and e.filename:
+        text = f"{e.filename}: no such file or directory"
+    elif isinstance(e, OSError):
+        # Rust I/O errors arrive as OSError(errno, "<path>: <io error>"), with the std wording
+        text = re.sub(r"No such file or directory \(os error 2\)", "no such file or directory",
+                      e.strerror if e.strerror and not e.filename else str(e))
+        if not isinstance(e, FileNotFoundError):
+            text = f"{type(e).__name__}: {text}"
+    elif isinstance(e, KeyError) and e.args:
+        text = str(e.args[0])
+    elif isinstance(e, TernaryError) and not isinstance(e, ConversionError):
+        text = f"{type(e).__name__}: {e}"
+    else:
+        text = str(e)
+    if path is not None:
+        for prefix in (f"{os.fspath(path)}: ", f"{type(e).__name__}: {os.fspath(path)}: "):
+            if text.startswith(prefix):
+                head = f"{type(e).__name__}: " if prefix != f"{os.fspath(path)}: " else ""
+                return head + text[len(prefix):]
+    return text
+
+
 def parse_size(value: int | str) -> int:
     """``"5GB"`` -> 5·10⁹, ``"2GiB"`` -> 2·2³⁰, ints pass through (Hugging Face's convention)."""
     if isinstance(value, int):
@@ -170,10 +196,12 @@ class Staging:
     (:func:`is_ternary_rs_output`): a user's own files are never deleted, whatever the flags.
     """
 
-    def __init__(self, dst: str | os.PathLike, *, force: bool = False, directory: bool = True):
+    def __init__(self, dst: str | os.PathLike, *, force: bool = False, directory: bool = True,
+                 parents: bool = False):
         self.dst = Path(dst).absolute()
         self.force = force
         self.directory = directory
+        self.parents = parents
         self.tmp = self.dst.parent / f".{self.dst.name}{TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}"
         self.committed = False
 
@@ -186,7 +214,11 @@ class Staging:
 
     def __enter__(self) -> Path:
         self._check_replaceable("already exists")
-        self.dst.parent.mkdir(parents=True, exist_ok=True)
+        if not self.dst.parent.is_dir():
+            if not self.parents:  # a mistyped folder is not created silently
+                raise ConversionError(f"{self.dst.parent}: no such file or directory (the folder of the destination "
+                                      f"{self.dst.name}; pass --parents to create it)")
+            self.dst.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(self.dst)
         if self.directory:
             self.tmp.mkdir()
@@ -272,6 +304,17 @@ def plan_shards(jobs: Sequence[Job], shard_size: int) -> list[list[int]]:
     return shards
 
 
+def in_context(label: str, message: str) -> str:
+    """``"<file>: tensor <t>: <what>"``, naming the tensor once even when ``message`` (a codec error)
+    starts with ``tensor '<t>':`` itself."""
+    m = re.search(r"tensor (\S+)$", label)
+    if m:
+        for own in (f"tensor '{m.group(1)}': ", f"tensor {m.group(1)}: "):
+            if message.startswith(own):
+                return f"{label}: {message[len(own):]}"
+    return f"{label}: {message}"
+
+
 def _sleep_hook() -> None:
     delay = os.environ.get(SLEEP_ENV)
     if delay:
@@ -304,9 +347,9 @@ def run_jobs(jobs: Sequence[Job], consume: Callable[[int, Job, Sequence[Any]], N
             except TernaryError as e:
                 if isinstance(e, ConversionError):
                     raise
-                raise type(e)(f"{jobs[i].source}: {e}") from e
+                raise type(e)(in_context(jobs[i].source, str(e))) from e
             except (ValueError, KeyError, OSError) as e:
-                raise ConversionError(f"{jobs[i].source}: {e}") from e
+                raise ConversionError(in_context(jobs[i].source, str(e))) from e
             submit_next()
             consume(i, jobs[i], buffers)
             if progress is not None:

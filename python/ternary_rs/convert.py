@@ -22,6 +22,7 @@ import glob
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -39,6 +40,7 @@ from .checkpoint import (
     GGUF_MARK_KEY,
     INDEX_NAME,
     SUPPORTED_GROUP_SIZES,
+    TMP_MARK,
     ConversionError,
     Job,
     OutTensor,
@@ -47,6 +49,7 @@ from .checkpoint import (
     parse_size,
     quantization_config,
     check_disjoint,
+    describe_error,
     run_jobs,
     write_manifest,
     write_shards,
@@ -60,6 +63,7 @@ from .storage import (
     float_view,
     packed_safetensors,
 )
+from .io import not_found
 from .hf_gguf import (
     GENERATION_CONFIG,
     TOKENIZER_FILES,
@@ -118,7 +122,9 @@ class ConvertOptions:
     force: bool = False
     progress: bool = True
     source_paths: list[Path] = field(default_factory=list)
-    use_transformers: bool = True   # GGUF -> HF config/tokenizer via transformers (else built-in)
+    use_transformers: bool = True   # transformers may rebuild GGUF tokenizers the built-in rebuild does not cover
+    requantize: bool = False        # allow a lossy regroup (re-ternarize with absmax) where a lossless one fails
+    parents: bool = False           # create missing parent folders of the destination
     digests: dict[str, Any] = field(default_factory=dict)  # SHA-256 (futures) of files already written
     # Set when the conversion is abandoned (error, Ctrl-C): long-running jobs check it between chunks.
     stop: threading.Event = field(default_factory=threading.Event)
@@ -255,11 +261,12 @@ class Source:
         if k % group_size:
             raise ValidationError(f"{self.path}: tensor {st.name}: K = {k} is not a multiple of group size {group_size}")
         if st.kind == "dense":
-            if st.group is None or st.group < group_size:
+            exact = group_size if st.group is not None and st.group >= group_size else None
+            if exact is None and not self.options.requantize:
                 raise ValidationError(
                     f"{self.path}: tensor {st.name} is exactly ternary only for groups <= {st.group}; "
-                    f"group size {group_size} would requantize it")
-            t = recover_dense(self.file.raw(st.name), st.dtype, n, k, group_size, name=st.name,
+                    f"group size {group_size} would requantize it (pass --requantize to allow that)")
+            t = recover_dense(self.file.raw(st.name), st.dtype, n, k, exact or st.group, name=st.name,
                               stop=self.options.stop)
         elif st.kind == "canonical":
             q = np.asarray(self.file.raw(st.name)).reshape(n, k // 4)
@@ -270,7 +277,7 @@ class Source:
         if t.shape != (n, k):
             raise ValidationError(f"{self.path}: tensor {st.name} decoded to {t.shape}, expected {(n, k)}")
         if t.group_size != group_size:
-            t = repack(t, group_size)
+            t = repack(t, group_size, requantize=self.options.requantize)
         perm = self.arch.rows_from_gguf(st.hf_name, self.shape_config, n) if self.is_gguf else None
         if perm is not None:
             t = TernaryTensor(np.ascontiguousarray(t.qweight[perm]), np.ascontiguousarray(t.scales[perm]),
@@ -302,10 +309,13 @@ def choose_group_size(source: Source, requested: int | None) -> int:
 
 # ------------------------------------------------------------------------------------------ vLLM output
 def _progress(total: int, desc: str, enabled: bool):
+    """A progress bar on stderr, only when stderr is a terminal (a log file gets no redraw frames)."""
+    import sys
+
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                disable=not enabled, leave=False)
+                disable=not enabled or not sys.stderr.isatty(), leave=False)
 
 
 def _vllm_jobs(source: Source, group_size: int) -> tuple[list[Job], list[str]]:
@@ -314,10 +324,10 @@ def _vllm_jobs(source: Source, group_size: int) -> tuple[list[Job], list[str]]:
         src_label = f"{source.path}: tensor {st.name}"
         if st.ternary and st.dtype in FLOAT_BYTES and st.shape[1] % group_size:
             st.kind = "copy"  # dense weight whose K does not split into groups: keep it float
-        if st.kind == "dense" and st.group is not None and st.group < group_size:
+        if st.kind == "dense" and st.group is not None and st.group < group_size and not source.options.requantize:
             raise ValidationError(
                 f"{src_label} is exactly ternary only for groups <= {st.group}; group size {group_size} "
-                f"would requantize it (pass a group size <= {st.group})")
+                f"would requantize it (pass --group-size {st.group} or smaller, or --requantize)")
         if st.ternary:
             n, k = st.shape
             prefix = st.hf_name[: -len(".weight")] if st.hf_name.endswith(".weight") else st.hf_name
@@ -486,7 +496,7 @@ def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> 
             def produce(st=st, perm=perm):
                 t = source.canonical(st, min(target_group, st.group or target_group))
                 if t.group_size != target_group:
-                    t = repack(t, target_group)
+                    t = repack(t, target_group, requantize=source.options.requantize)
                 if perm is not None:  # HF rows -> llama.cpp rows
                     from .tensor import TernaryTensor
 
@@ -590,7 +600,7 @@ def _expand_sources(src) -> tuple[list[Path], bool]:
         if glob.has_magic(text):
             matches = sorted(glob.glob(text))
             if not matches:
-                raise FileNotFoundError(f"no file matches {text}")
+                raise not_found(text)
             paths += [Path(m) for m in matches]
             bulk = True
         else:
@@ -611,9 +621,47 @@ def _may_be_rotated(meta: dict[str, Any]) -> bool:
             or (isinstance(qc, dict) and "hadamard" in qc))
 
 
+def _hide_staging(e: BaseException, dst: Path) -> BaseException:
+    """``e`` with the hidden staging folder (``.<name>.ternary_rs-tmp-<pid>-<nonce>``, and its
+    ``-meta-`` scratch sibling) replaced by the user's destination in its message: errors name the
+    path the user asked for, never a temporary they cannot see."""
+    hidden = r"\." + re.escape(dst.name + TMP_MARK) + r"\d+-[0-9a-f]+(?:-meta-[A-Za-z0-9_]+)?"
+    pattern = re.compile(f"(?:{re.escape(str(dst.absolute().parent) + os.sep)})?{hidden}")
+
+    def fix(text):
+        return pattern.sub(lambda m: str(dst) if m.group(0).startswith(os.sep) else dst.name, text) \
+            if isinstance(text, str) else text
+
+    if isinstance(e, OSError):
+        if e.errno is not None and (e.filename or e.strerror):
+            fixed = type(e)(e.errno, fix(e.strerror), fix(e.filename)) if e.filename else type(e)(e.errno, fix(e.strerror))
+        else:
+            fixed = type(e)(fix(str(e)))
+        return e if str(fixed) == str(e) else fixed
+    if isinstance(e, (TernaryError, ValueError)):
+        text = str(e)
+        if fix(text) == text:
+            return e
+        try:
+            return type(e)(fix(text))
+        except TypeError:  # an exception class that takes other arguments: keep it as it is
+            return e
+    return e
+
+
 def _convert_one(src: Path, dst: Path, options: ConvertOptions) -> Path:
+    try:
+        return _convert_one_unchecked(src, dst, options)
+    except BaseException as e:
+        fixed = _hide_staging(e, dst)
+        if fixed is e:
+            raise
+        raise fixed from e
+
+
+def _convert_one_unchecked(src: Path, dst: Path, options: ConvertOptions) -> Path:
     if not src.exists():
-        raise FileNotFoundError(f"{src}: no such file or directory")
+        raise not_found(src)
     check_disjoint([src], dst)
     source = Source(src, options)
     # Bonsai 2 rotation: only paths that keep it may run (a dropped rotation serves garbage, silently).
@@ -628,12 +676,12 @@ def _convert_one(src: Path, dst: Path, options: ConvertOptions) -> Path:
     hasher = SourceHasher(options.source_paths)
     try:
         if options.to == "gguf":
-            with (staging := Staging(dst, force=options.force, directory=False)) as tmp:
+            with (staging := Staging(dst, force=options.force, directory=False, parents=options.parents)) as tmp:
                 write_gguf_file(source, tmp, options)
                 hasher.cancel()  # a GGUF carries no manifest: no need to finish hashing the sources
                 staging.commit()
             return dst
-        with (staging := Staging(dst, force=options.force, directory=True)) as tmp:
+        with (staging := Staging(dst, force=options.force, directory=True, parents=options.parents)) as tmp:
             hook = getattr(source.arch, "write_vllm_checkpoint", None)
             if hook is not None:
                 hook(source.file, tmp, options)
@@ -647,7 +695,8 @@ def _convert_one(src: Path, dst: Path, options: ConvertOptions) -> Path:
                 "architecture": source.arch.gguf_arch,
                 "source_format": source.format,
                 "conversion": {"to": "vllm", **details},
-                "options": {"group_size": options.group_size, "shard_size": options.shard_size},
+                "options": {"group_size": options.group_size, "shard_size": options.shard_size,
+                            "requantize": options.requantize},
             }, digests=options.digests)
             log.info("%s: waited %.1f s for source SHA-256, output SHA-256 + manifest in %.1f s",
                      src.name, t1 - t0, time.perf_counter() - t1)
@@ -672,37 +721,69 @@ def _refuse_colliding_outputs(sources: list[Path], targets: list[Path]) -> None:
                               f"destination):\n{lines}")
 
 
-def convert(src, dst, to: str = "vllm", gguf_type: str | None = None, group_size: int | None = None,
+def output_kind(dst, to: str | None, bulk: bool = False) -> str:
+    """``"vllm"`` or ``"gguf"``: ``to`` if given, else GGUF for a destination named ``*.gguf`` (a single
+    conversion), a vLLM directory otherwise. ``to="vllm"`` with a ``*.gguf`` name is refused: it would
+    make a directory that looks like a file."""
+    looks_gguf = os.fspath(dst).lower().endswith(".gguf")
+    if to is None:
+        return "gguf" if looks_gguf and not bulk else "vllm"
+    if to not in ("vllm", "gguf"):
+        raise ValueError(f"--to {to}: expected vllm or gguf")
+    if to == "vllm" and looks_gguf and not bulk:
+        raise ConversionError(f"{dst}: --to vllm writes a directory, but this name ends in .gguf; drop --to vllm "
+                              "to write a GGUF file, or choose a folder name")
+    return to
+
+
+def convert(src, dst, to: str | None = None, gguf_type: str | None = None, group_size: int | None = None,
             threads: int | None = None, shard_size: int | str = "5GB", force: bool = False,
-            progress: bool = True, *, use_transformers: bool = True):
-    """Convert a ternary checkpoint into a vLLM directory (``to="vllm"``) or a ternary GGUF (``to="gguf"``).
+            progress: bool = True, *, use_transformers: bool = True, requantize: bool = False,
+            parents: bool = False):
+    """Convert a ternary checkpoint into a vLLM directory (``to="vllm"``) or a ternary GGUF (``to="gguf"``;
+    the default when ``dst`` ends in ``.gguf``, see :func:`output_kind`).
 
     ``src`` is a GGUF, a safetensors file, a sharded ``*.index.json`` or a Hugging Face directory; a list or
     a glob makes a *bulk job*: ``dst`` is then a folder receiving one output per input, a failing input
     does not stop the others, and :class:`BulkConversionError` lists the failures at the end.
+    ``requantize`` allows a lossy regroup (re-ternarized with absmax) where a lossless one is impossible;
+    ``parents`` creates a missing parent folder of ``dst`` (refused otherwise: a typo is not created).
     Returns the output path (bulk: the list of outputs).
     """
-    if to not in ("vllm", "gguf"):
-        raise ValueError(f"to={to!r}: expected 'vllm' or 'gguf'")
+    sources, bulk = _expand_sources(src)
+    if not bulk:
+        check_disjoint(sources, dst)  # first of all: a destination that is or holds the source is refused
+    to = output_kind(dst, to, bulk)
+    if gguf_type and to != "gguf":
+        raise ValueError(f"--gguf-type {gguf_type} applies to GGUF output only (--to gguf, or a destination "
+                         "ending in .gguf)")
     if threads is not None:
+        if int(threads) < 1:
+            raise ValueError(f"--threads {threads}: must be at least 1")
         from ._core import set_num_threads
 
         set_num_threads(int(threads))
     options = ConvertOptions(to=to, gguf_type=gguf_type.upper() if gguf_type else None, group_size=group_size,
                              threads=threads, shard_size=parse_size(shard_size), force=force,
-                             progress=progress, use_transformers=use_transformers)
-    sources, bulk = _expand_sources(src)
+                             progress=progress, use_transformers=use_transformers, requantize=requantize,
+                             parents=parents)
+    if requantize:
+        log.warning("--requantize: weights that cannot be regrouped losslessly are re-ternarized (they change)")
     if not bulk:
         target = Path(dst)
         if to == "gguf" and target.is_dir():  # a folder: the GGUF goes inside it
             target = target / default_output_name(sources[0], to, options.gguf_type)
         return _convert_one(sources[0], target, options)
     out_root = Path(dst)
-    if out_root.exists() and not out_root.is_dir():
-        raise ConversionError(f"{out_root}: a bulk job needs a destination folder")
+    if (out_root.exists() and not out_root.is_dir()) or out_root.suffix.lower() == ".gguf":
+        raise ConversionError(f"{out_root}: a bulk job writes one output per input into a folder; name a folder")
     targets = [out_root / default_output_name(s, to, options.gguf_type) for s in sources]
     _refuse_colliding_outputs(sources, targets)
-    out_root.mkdir(parents=True, exist_ok=True)
+    if not out_root.is_dir():
+        if not out_root.parent.is_dir() and not parents:
+            raise ConversionError(f"{out_root.parent}: no such file or directory (the folder of the destination "
+                                  f"{out_root.name}; pass --parents to create it)")
+        out_root.mkdir(parents=True, exist_ok=True)
     results: list[Path] = []
     failures: list[tuple[Path, BaseException]] = []
     for s, target in zip(sources, targets):
@@ -710,10 +791,9 @@ def convert(src, dst, to: str = "vllm", gguf_type: str | None = None, group_size
             results.append(_convert_one(s, target, ConvertOptions(**{**options.__dict__, "source_paths": [],
                                                                      "digests": {}, "stop": threading.Event()})))
         except (TernaryError, OSError, ValueError, KeyError) as e:
-            log.error("%s: %s", s, e)
-            failures.append((s, e))
+            failures.append((s, e))  # reported once, at the end
     if failures:
-        lines = "\n".join(f"  {p}: {type(e).__name__}: {e}" for p, e in failures)
+        lines = "\n".join(f"  {p}: {describe_error(e, p)}" for p, e in failures)
         raise BulkConversionError(f"{len(failures)} of {len(sources)} conversions failed:\n{lines}", results, failures)
     return results
 
