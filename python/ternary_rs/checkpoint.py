@@ -56,24 +56,17 @@ def describe_error(e: BaseException, path: str | os.PathLike | None = None) -> s
     not repeated when the message already starts with it (bulk reports name each input once)."""
     if isinstance(e, FileNotFoundError) and e.filename:
         text = f"{e.filename}: no such file or directory"
-    elif isinstance(e, OSError):
-        # Rust I/O errors arrive as OSError(errno, "<path>: <io error>"), with the std wording
-        text = re.sub(r"No such file or directory \(os error 2\)", "no such file or directory",
-                      e.strerror if e.strerror and not e.filename else str(e))
-        if not isinstance(e, FileNotFoundError):
-            text = f"{type(e).__name__}: {text}"
+    elif isinstance(e, OSError):  # Rust I/O errors: OSError(errno, "<path>: <io error>")
+        text = (e.strerror if e.strerror and not e.filename else str(e)).replace(
+            "No such file or directory (os error 2)", "no such file or directory")
     elif isinstance(e, KeyError) and e.args:
         text = str(e.args[0])
-    elif isinstance(e, TernaryError) and not isinstance(e, ConversionError):
-        text = f"{type(e).__name__}: {e}"
     else:
         text = str(e)
-    if path is not None:
-        for prefix in (f"{os.fspath(path)}: ", f"{type(e).__name__}: {os.fspath(path)}: "):
-            if text.startswith(prefix):
-                head = f"{type(e).__name__}: " if prefix != f"{os.fspath(path)}: " else ""
-                return head + text[len(prefix):]
-    return text
+    if path is not None and text.startswith(f"{os.fspath(path)}: "):
+        text = text[len(f"{os.fspath(path)}: "):]
+    named = isinstance(e, (TernaryError, OSError)) and not isinstance(e, (ConversionError, FileNotFoundError))
+    return f"{type(e).__name__}: {text}" if named else text
 
 
 def parse_size(value: int | str) -> int:
