@@ -8,7 +8,7 @@ absmax, as ``tests/models.py`` builds them) it writes, for each such ``<prefix>.
 
 * ``<prefix>.qweight``: ``uint8 [N, K/4]``, code ``t + 1`` of ``W[n, k]`` at bits ``2·(k % 4)`` of byte
   ``k // 4`` (least significant first);
-* ``<prefix>.scales``: ``float16 [N, K/g]``, ``a = max |w|`` over the group (1.0 for an all-zero group);
+* ``<prefix>.scales``: ``float16 [N, K/g]``, ``a = max |w|`` over the group (0 for an all-zero group);
 
 and copies every other tensor unchanged, split over ``num_shards`` files with a
 ``model.safetensors.index.json``. ``config.json`` gets the ``quantization_config`` block.
@@ -40,9 +40,9 @@ def ternarize_groups(w: np.ndarray, group_size: int, exact: bool = True):
     if k % group_size:
         raise ValueError(f"K = {k} is not a multiple of group_size = {group_size}")
     groups = w.astype(np.float32).reshape(n, k // group_size, group_size)
-    a = np.abs(groups).max(axis=-1)
-    a16 = np.where(a == 0, 1.0, a).astype(np.float16)
-    t = np.clip(np.rint(groups / a16.astype(np.float32)[..., None]), -1, 1)
+    a16 = np.abs(groups).max(axis=-1).astype(np.float16)
+    divisor = np.where(a16 == 0, 1.0, a16.astype(np.float32))[..., None]  # all-zero group: t = 0, scale 0
+    t = np.clip(np.rint(groups / divisor), -1, 1)
     if exact and not np.array_equal(t * a16.astype(np.float32)[..., None], groups):
         raise ValueError("weight is not ternary per group (w != t * fp16(absmax)); pass exact=False to requantize")
     return (t + 1).astype(np.uint8).reshape(n, k), a16

@@ -172,6 +172,79 @@ def test_interrupted_conversion_leaves_no_valid_destination(ggufs, sig):
     assert run("verify", dst).returncode == 0
 
 
+def _qwen3_gguf_with_sparse_tail(path: Path, tail_bytes: int) -> None:
+    """A small ternary (TQ2_0) qwen3 GGUF written with gguf-py, whose last tensor is a ``tail_bytes``
+    ``rope_freqs.weight`` (derived by llama.cpp, skipped by the conversion) left as a sparse hole: the
+    file is as big as a real model for the source SHA-256, without using the disk."""
+    import gguf
+    import numpy as np
+
+    from ternary_rs import TernaryTensor, encode, pack_codes
+    from ternary_rs.demo import DEMO_SHAPE, demo_tokenizer, qwen3_metadata
+
+    s = DEMO_SHAPE
+    tokens, types, merges = demo_tokenizer()
+    w = gguf.GGUFWriter(str(path), "qwen3", use_temp_file=False)
+    value_types = {"u32": gguf.GGUFValueType.UINT32, "f32": gguf.GGUFValueType.FLOAT32,
+                   "string": gguf.GGUFValueType.STRING}
+    for key, value, vtype in qwen3_metadata("sparse tail", s, s["layers"], s["context"], tokens, types, merges):
+        if key == "general.architecture":
+            continue
+        if vtype.startswith("array"):
+            sub = gguf.GGUFValueType.STRING if vtype == "array[string]" else gguf.GGUFValueType.INT32
+            w.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=sub)
+        else:
+            w.add_key_value(key, value, value_types[vtype])
+    rng = np.random.default_rng(0)
+    q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    shapes = {"token_embd.weight": (len(tokens), s["hidden"]), "output.weight": (len(tokens), s["hidden"])}
+    for b in range(s["layers"]):
+        shapes.update({f"blk.{b}.attn_q.weight": (q, s["hidden"]), f"blk.{b}.attn_k.weight": (kv, s["hidden"]),
+                       f"blk.{b}.attn_v.weight": (kv, s["hidden"]), f"blk.{b}.attn_output.weight": (s["hidden"], q),
+                       f"blk.{b}.ffn_gate.weight": (s["intermediate"], s["hidden"]),
+                       f"blk.{b}.ffn_up.weight": (s["intermediate"], s["hidden"]),
+                       f"blk.{b}.ffn_down.weight": (s["hidden"], s["intermediate"])})
+    blobs = {}
+    for name, (n, k) in shapes.items():
+        trits = rng.integers(-1, 2, size=(n, k)).astype(np.int8)
+        t = TernaryTensor(pack_codes(trits), rng.uniform(0.01, 0.05, (n, k // 256)).astype(np.float16), 256)
+        blobs[name] = np.asarray(encode(t, "TQ2_0"), dtype=np.uint8)
+        w.add_tensor_info(name, (n, k // 256 * 66), np.dtype(np.uint8), blobs[name].nbytes,
+                          raw_dtype=gguf.GGMLQuantizationType.TQ2_0)
+    blobs["output_norm.weight"] = np.ones(s["hidden"], dtype=np.float32)
+    w.add_tensor_info("output_norm.weight", (s["hidden"],), np.dtype(np.float32), 4 * s["hidden"])
+    w.add_tensor_info("rope_freqs.weight", (tail_bytes // 4,), np.dtype(np.float32), tail_bytes)
+    w.write_header_to_file(path=path)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for blob in blobs.values():
+        w.write_tensor_data(blob)
+    fout = w.fout[0]
+    start = fout.tell() + (-fout.tell() % 32)
+    fout.close()
+    with open(path, "r+b") as f:
+        f.truncate(start + tail_bytes)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_stops_within_a_second_while_a_big_source_is_hashed(tmp_path, sig):
+    """The source SHA-256 runs on a worker thread; an interrupt once waited for it to finish the file
+    (seconds on a multi-GB model) before the process could exit. Now it stops within one chunk."""
+    src = tmp_path / "big.gguf"
+    _qwen3_gguf_with_sparse_tail(src, 6 << 30)
+    dst = tmp_path / "out"
+    proc = subprocess.Popen(CLI + ["convert", str(src), str(dst), "--no-progress"], env={**os.environ, SLEEP_ENV: "0.2"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_temporary(tmp_path, "out", proc)
+    t0 = time.perf_counter()
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    stopped = time.perf_counter() - t0
+    assert proc.returncode == 130 and "interrupted" in err, err
+    assert stopped < 3.0, f"took {stopped:.1f} s to stop"  # generous: about 0.2 s when the machine is idle
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.gguf"]  # no staging or scratch left
+
+
 def test_inspect_json_and_verify_exit_status(ggufs):
     root, a, _, _ = ggufs
     r = run("inspect", a, "--json")

@@ -28,7 +28,10 @@ from ternary_rs.checkpoint import (
     sha256_file,
     write_manifest,
 )
-from ternary_rs.convert import dense_to_canonical, dense_ternary_group, float_view
+from ternary_rs import ValidationError
+from ternary_rs import tensor as tensor_module
+from ternary_rs.storage import dense_ternary_group, float_view
+from ternary_rs.tensor import decode_bytes, recover_dense
 
 import contract_writer as cw
 
@@ -112,14 +115,14 @@ def test_dense_detection_finds_largest_exact_group(g):
     rng = np.random.default_rng(g)
     w = _ternary_dense(rng, 16, 512, g)
     assert dense_ternary_group(w.view(np.uint8), "F16", w.shape) == g
-    q, s = dense_to_canonical(w.view(np.uint8), "F16", w.shape, g)
+    t = decode_bytes("DENSE", w.view(np.uint8), w.shape, group_size=g, dtype="F16")
     codes, scales = cw.ternarize_groups(w, g)
-    np.testing.assert_array_equal(q, cw.pack_codes_lsb_first(codes))
-    np.testing.assert_array_equal(s, scales)
+    np.testing.assert_array_equal(t.qweight, cw.pack_codes_lsb_first(codes))
+    np.testing.assert_array_equal(t.scales, scales)
     # a smaller group repeats the scale, still exact
     if g > 32:
-        q2, s2 = dense_to_canonical(w.view(np.uint8), "F16", w.shape, g // 2)
-        np.testing.assert_array_equal(cw.dequantize(q2, s2, g // 2), w.astype(np.float32))
+        t2 = decode_bytes("DENSE", w, w.shape, group_size=g // 2)
+        np.testing.assert_array_equal(cw.dequantize(t2.qweight, t2.scales, g // 2), w.astype(np.float32))
 
 
 def test_dense_detection_rejects_non_ternary_and_handles_bf16_f32():
@@ -148,8 +151,60 @@ def test_dense_roundtrip_property(rows, g, seed):
     w = _ternary_dense(rng, rows, 256, g)
     found = dense_ternary_group(w.view(np.uint8), "F16", w.shape)
     assert found is not None and found >= g
-    q, s = dense_to_canonical(w.view(np.uint8), "F16", w.shape, found)
-    np.testing.assert_array_equal(cw.dequantize(q, s, found), w.astype(np.float32))
+    t = decode_bytes("DENSE", w.view(np.uint8), w.shape, group_size=found, dtype="F16")
+    np.testing.assert_array_equal(cw.dequantize(t.qweight, t.scales, found), w.astype(np.float32))
+
+
+# One dense recovery (Rust dense::recover, chunked by rows): all-zero groups get scale 0 (= max|group|),
+# a scale that fp16 cannot hold exactly is refused, and chunking changes neither results nor errors.
+def test_dense_recovery_zero_group_scale_is_zero_and_matches_the_contract_writer():
+    rng = np.random.default_rng(7)
+    w = _ternary_dense(rng, 6, 256, 64)
+    w[2, 64:128] = 0  # one all-zero group
+    w[5, :] = 0       # an all-zero row
+    assert dense_ternary_group(w.view(np.uint8), "F16", w.shape) == 64
+    t = decode_bytes("DENSE", w, w.shape, group_size=64)
+    codes, scales = cw.ternarize_groups(w, 64)
+    assert scales[2, 1] == 0 and (scales[5] == 0).all()
+    np.testing.assert_array_equal(t.scales, scales)
+    np.testing.assert_array_equal(t.qweight, cw.pack_codes_lsb_first(codes))
+    np.testing.assert_array_equal(t.dequantize("float32"), w.astype(np.float32))
+
+
+def test_dense_recovery_refuses_a_scale_fp16_cannot_hold():
+    w = np.zeros((2, 128), dtype=np.float32)
+    w[1, 5], w[1, 9] = 0.1, -0.1  # exactly {-a, 0, +a} in f32, but 0.1 is not an fp16 value
+    assert dense_ternary_group(w.view(np.uint8), "F32", w.shape) is None
+    with pytest.raises(ValidationError, match=r"not exactly representable in fp16 \(first index is the group\)"
+                                              r" \(first at index 1, 1 in total\)"):
+        decode_bytes("DENSE", w, w.shape, group_size=128)
+
+
+def test_dense_recovery_chunked_equals_whole_tensor(monkeypatch):
+    import threading
+    from concurrent.futures import CancelledError
+
+    rng = np.random.default_rng(3)
+    w = _ternary_dense(rng, 37, 256, 128)
+    whole = decode_bytes("DENSE", w, w.shape, group_size=128)
+    monkeypatch.setattr(tensor_module, "DENSE_CHUNK_BYTES", 5 * 256 * 2)  # 5 rows per chunk
+    chunked = recover_dense(w.view(np.uint8), "F16", 37, 256, 128, name="w")
+    assert chunked.equal(whole)
+    bad = w.copy()
+    bad[23, 200] = np.abs(bad[23, 128:]).max() / 2  # neither 0 nor ±max of its group (the max stays)
+    bad[30, 3] = np.abs(bad[30, :128]).max() / 2
+    monkeypatch.setattr(tensor_module, "DENSE_CHUNK_BYTES", 1 << 30)
+    with pytest.raises(ValidationError) as whole_err:
+        recover_dense(bad.view(np.uint8), "F16", 37, 256, 128, name="w")
+    monkeypatch.setattr(tensor_module, "DENSE_CHUNK_BYTES", 5 * 256 * 2)
+    with pytest.raises(ValidationError) as chunk_err:
+        recover_dense(bad.view(np.uint8), "F16", 37, 256, 128, name="w")
+    assert str(chunk_err.value) == str(whole_err.value)
+    assert f"first at index {23 * 256 + 200}, 2 in total" in str(chunk_err.value)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(CancelledError):
+        recover_dense(w.view(np.uint8), "F16", 37, 256, 128, name="w", stop=stop)
 
 
 # ------------------------------------------------------------------------------------------ checkpoint pieces

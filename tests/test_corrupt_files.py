@@ -62,7 +62,7 @@ CORRUPT_GGUF = {
     "array longer than file": (gguf_file(kvs=[kv("k", 9, struct.pack("<IQ", 10, 10**6))]), "needs at least"),
     "unknown value type": (gguf_file(kvs=[kv("k", 13, b"")]), "unknown metadata value type 13"),
     "unknown array element type": (gguf_file(kvs=[kv("k", 9, struct.pack("<IQ", 99, 1))]), "unknown metadata value type 99"),
-    "bool not 0/1": (gguf_file(kvs=[kv("k", 7, b"\x02")]), "bool byte is 2"),
+    "bool not 0/1": (gguf_file(kvs=[kv("k", 7, b"\x02")]), "bool byte is 0x02"),
     "deeply nested arrays": (
         gguf_file(kvs=[kv("k", 9, struct.pack("<IQ", 9, 1) * 12 + struct.pack("<IQ", 4, 0))]), "MAX_ARRAY_DEPTH"),
     "key not UTF-8": (gguf_file(kvs=[gstr(b"\xff\xfe") + struct.pack("<IB", 0, 1)]), "not valid UTF-8"),

@@ -40,7 +40,10 @@ def _shard_with(d: Path, name: str) -> Path:
 
 def test_inspect_real_ternary_hf_dir(tiny):
     _, src, _ = tiny
-    r = ternary_rs.inspect(src)
+    head = ternary_rs.inspect(src)  # headers only: float weights are not read, so undecided
+    assert head["is_ternary"] is None and head["ternary"]["tensors"] == 0 and not head["problems"]
+    assert len(head["ternary"]["unchecked_float_linear_weights"]) == 2 + 2 * 7
+    r = ternary_rs.inspect(src, scan=True)
     assert r["format"] in ("directory", "safetensors")
     assert r["architecture"] == "qwen3"
     assert r["is_ternary"] and not r["problems"]
@@ -53,7 +56,8 @@ def test_inspect_real_ternary_hf_dir(tiny):
 
 def test_inspect_vllm_dir_stats(tiny):
     _, _, out = tiny
-    r = ternary_rs.inspect(out)
+    assert ternary_rs.inspect(out)["ternary"]["scales"] is None  # headers only
+    r = ternary_rs.inspect(out, scan=True)
     assert r["is_ternary"] and not r["problems"], r["problems"]
     assert r["quantization_config"]["quant_method"] == "ternary"
     s = r["ternary"]["scales"]
@@ -72,8 +76,8 @@ def test_fake_ternary_fp16_is_flagged(tiny):
             if v.ndim == 2:
                 tensors[k] = (rng.standard_normal(v.shape) * 0.02).astype(np.float16)
         save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
-        r = ternary_rs.inspect(d)
-        assert not r["is_ternary"]
+        r = ternary_rs.inspect(d, scan=True)
+        assert r["is_ternary"] is False
         assert r["ternary"]["tensors"] == 0
         if claims:
             assert any("fake ternary" in p for p in r["problems"]), r["problems"]

@@ -1,6 +1,6 @@
 """The Python TernaryTensor API: dequantization, ternarization, regrouping, helpers, errors, threads.
 
-References: the NumPy codecs of ``ternary_rs._reference`` (from FORMATS.md), torch / ml_dtypes for
+References: the NumPy codecs of ``tests/format_reference.py`` (from FORMATS.md), torch / ml_dtypes for
 float rounding, and torch re-statements of the ternary-qat / BitNet ternarization formulas.
 """
 
@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ternary_rs
-from ternary_rs import _reference as ref
+import format_reference as ref
 from ternary_rs.tensor import TernaryTensor, decode_bytes, encode
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -343,3 +343,44 @@ def test_heavy_calls_release_the_gil():
         sys.setswitchinterval(old)
     assert times["main"] < times["end"]
 
+
+
+# -- our own checkpoints ------------------------------------------------------------------------------
+
+def test_decode_reads_our_canonical_pairs_against_safetensors(tmp_path):
+    """``decode(f, "<prefix>.qweight")``, the bare prefix and ``<prefix>.weight`` give the checkpoint's own
+    qweight/scales (read independently with the ``safetensors`` package), zero-copy and validated."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from ternary_rs.demo import write_demo_gguf
+
+    src = tmp_path / "demo.gguf"
+    write_demo_gguf(src)
+    out = ternary_rs.convert(src, tmp_path / "out", progress=False, use_transformers=False)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    prefix = "model.layers.1.self_attn.o_proj"
+    theirs = load_file(out / index[f"{prefix}.qweight"])
+    with ternary_rs.open(out) as f:
+        for name in (f"{prefix}.qweight", prefix, f"{prefix}.weight"):
+            t = ternary_rs.decode(f, name)
+            assert t.name == prefix and t.group_size == 128
+            np.testing.assert_array_equal(t.qweight, theirs[f"{prefix}.qweight"])
+            np.testing.assert_array_equal(t.scales, theirs[f"{prefix}.scales"])
+        g64 = ternary_rs.decode(f, prefix, group_size=64)
+        np.testing.assert_array_equal(g64.dequantize("float32"), t.dequantize("float32"))
+        assert g64.scales.shape[1] == 2 * t.scales.shape[1]
+        with pytest.raises(KeyError, match="model.norm"):
+            ternary_rs.decode(f, "model.norm")
+    # a corrupted pair is refused by the same validation as any other input
+    shard = out / index[f"{prefix}.qweight"]
+    tensors = load_file(shard)
+    tensors[f"{prefix}.qweight"][2, 5] = 0xC0  # code 3 in lane 3
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(ternary_rs.ValidationError, match="code 3") as err:
+        ternary_rs.decode(out, prefix)
+    k = t.shape[1]
+    assert (err.value.tensor, err.value.first_index, err.value.count) == (prefix, 2 * k + 5 * 4 + 3, 1)

@@ -21,7 +21,9 @@ from ._core import (
 )
 from .io import TernaryFile, TensorInfo, open
 from .tensor import TernaryTensor, decode, decode_bytes, encode, pack_codes, repack, ternarize, unpack_codes
-from .convert import convert, dequantize_checkpoint, inspect, plan, verify
+from .convert import convert, dequantize_checkpoint
+from .planner import plan
+from .report import inspect, verify
 
 __all__ = [
     "FormatError",

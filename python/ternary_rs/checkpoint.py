@@ -13,10 +13,11 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,25 @@ _SIZE_UNITS = {
 
 class ConversionError(TernaryError):
     """A conversion could not be completed (the message names the file and tensor)."""
+
+
+def describe_error(e: BaseException, path: str | os.PathLike | None = None) -> str:
+    """One line for an error, as the command line prints it: a missing file in one wording
+    (``<path>: no such file or directory``), the class name for ternary_rs and OS errors, and ``path``
+    not repeated when the message already starts with it (bulk reports name each input once)."""
+    if isinstance(e, FileNotFoundError) and e.filename:
+        text = f"{e.filename}: no such file or directory"
+    elif isinstance(e, OSError):  # Rust I/O errors: OSError(errno, "<path>: <io error>")
+        text = (e.strerror if e.strerror and not e.filename else str(e)).replace(
+            "No such file or directory (os error 2)", "no such file or directory")
+    elif isinstance(e, KeyError) and e.args:
+        text = str(e.args[0])
+    else:
+        text = str(e)
+    if path is not None and text.startswith(f"{os.fspath(path)}: "):
+        text = text[len(f"{os.fspath(path)}: "):]
+    named = isinstance(e, (TernaryError, OSError)) and not isinstance(e, (ConversionError, FileNotFoundError))
+    return f"{type(e).__name__}: {text}" if named else text
 
 
 def parse_size(value: int | str) -> int:
@@ -169,10 +189,12 @@ class Staging:
     (:func:`is_ternary_rs_output`): a user's own files are never deleted, whatever the flags.
     """
 
-    def __init__(self, dst: str | os.PathLike, *, force: bool = False, directory: bool = True):
+    def __init__(self, dst: str | os.PathLike, *, force: bool = False, directory: bool = True,
+                 parents: bool = False):
         self.dst = Path(dst).absolute()
         self.force = force
         self.directory = directory
+        self.parents = parents
         self.tmp = self.dst.parent / f".{self.dst.name}{TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}"
         self.committed = False
 
@@ -185,7 +207,11 @@ class Staging:
 
     def __enter__(self) -> Path:
         self._check_replaceable("already exists")
-        self.dst.parent.mkdir(parents=True, exist_ok=True)
+        if not self.dst.parent.is_dir():
+            if not self.parents:  # a mistyped folder is not created silently
+                raise ConversionError(f"{self.dst.parent}: no such file or directory (the folder of the destination "
+                                      f"{self.dst.name}; pass --parents to create it)")
+            self.dst.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(self.dst)
         if self.directory:
             self.tmp.mkdir()
@@ -271,6 +297,17 @@ def plan_shards(jobs: Sequence[Job], shard_size: int) -> list[list[int]]:
     return shards
 
 
+def in_context(label: str, message: str) -> str:
+    """``"<file>: tensor <t>: <what>"``, naming the tensor once even when ``message`` (a codec error)
+    starts with ``tensor '<t>':`` itself."""
+    m = re.search(r"tensor (\S+)$", label)
+    if m:
+        for own in (f"tensor '{m.group(1)}': ", f"tensor {m.group(1)}: "):
+            if message.startswith(own):
+                return f"{label}: {message[len(own):]}"
+    return f"{label}: {message}"
+
+
 def _sleep_hook() -> None:
     delay = os.environ.get(SLEEP_ENV)
     if delay:
@@ -280,39 +317,44 @@ def _sleep_hook() -> None:
 def run_jobs(jobs: Sequence[Job], consume: Callable[[int, Job, Sequence[Any]], None], progress=None) -> None:
     """Produce jobs on a worker thread (decoders release the GIL) ``PREFETCH_DEPTH`` ahead of ``consume``.
 
-    Errors are re-raised as :class:`ConversionError` naming the source tensor.
+    Errors are re-raised as :class:`ConversionError` naming the source tensor. On any exception
+    (Ctrl-C included) queued jobs are cancelled and the running one is not waited for: its result
+    would be thrown away, and waiting for a large tensor's decode is what made an interrupt slow.
     """
     pending: deque[tuple[int, Future]] = deque()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ternary_rs-decode") as pool:
-        it = iter(range(len(jobs)))
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ternary_rs-decode")
+    it = iter(range(len(jobs)))
 
-        def submit_next() -> None:
-            i = next(it, None)
-            if i is not None:
-                pending.append((i, pool.submit(jobs[i].produce)))
+    def submit_next() -> None:
+        i = next(it, None)
+        if i is not None:
+            pending.append((i, pool.submit(jobs[i].produce)))
 
+    try:
         for _ in range(PREFETCH_DEPTH):
             submit_next()
-        try:
-            while pending:
-                i, fut = pending.popleft()
-                try:
-                    buffers = fut.result()
-                except TernaryError as e:
-                    if isinstance(e, ConversionError):
-                        raise
-                    raise type(e)(f"{jobs[i].source}: {e}") from e
-                except (ValueError, KeyError, OSError) as e:
-                    raise ConversionError(f"{jobs[i].source}: {e}") from e
-                submit_next()
-                consume(i, jobs[i], buffers)
-                if progress is not None:
-                    progress.update(jobs[i].source_bytes or jobs[i].nbytes)
-                    progress.set_postfix_str(f"tensor {i + 1}/{len(jobs)}", refresh=False)
-                _sleep_hook()
-        finally:
-            for _, fut in pending:
-                fut.cancel()
+        while pending:
+            i, fut = pending.popleft()
+            try:
+                buffers = fut.result()
+            except TernaryError as e:
+                if isinstance(e, ConversionError):
+                    raise
+                raise type(e)(in_context(jobs[i].source, str(e))) from e
+            except (ValueError, KeyError, OSError) as e:
+                raise ConversionError(in_context(jobs[i].source, str(e))) from e
+            submit_next()
+            consume(i, jobs[i], buffers)
+            if progress is not None:
+                progress.update(jobs[i].source_bytes or jobs[i].nbytes)
+                progress.set_postfix_str(f"tensor {i + 1}/{len(jobs)}", refresh=False)
+            _sleep_hook()
+    except BaseException:
+        for _, fut in pending:
+            fut.cancel()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)  # nothing is left in flight here
 
 
 def write_shards(out_dir: Path, jobs: Sequence[Job], shard_size: int, progress=None,
@@ -323,10 +365,11 @@ def write_shards(out_dir: Path, jobs: Sequence[Job], shard_size: int, progress=N
     shards are written, from the page cache) and its future stored under the shard's file name.
     """
     hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ternary_rs-hash") if digests is not None else None
+    stop_hashing = threading.Event()
 
     def finished(s: int) -> None:
         if hash_pool is not None:
-            digests[files[s]] = hash_pool.submit(sha256_file, out_dir / files[s])
+            digests[files[s]] = hash_pool.submit(sha256_file, out_dir / files[s], stop_hashing)
 
     from .io import SafetensorsWriter
 
@@ -380,6 +423,7 @@ def write_shards(out_dir: Path, jobs: Sequence[Job], shard_size: int, progress=N
                 finished(s)
     except BaseException:
         if hash_pool is not None:
+            stop_hashing.set()  # a running hash stops within one chunk
             hash_pool.shutdown(wait=False, cancel_futures=True)
         raise
     finally:
@@ -397,21 +441,31 @@ def write_shards(out_dir: Path, jobs: Sequence[Job], shard_size: int, progress=N
 
 
 # ------------------------------------------------------------------------------------------ manifest
-def sha256_file(path: str | os.PathLike) -> str:
+def sha256_file(path: str | os.PathLike, stop: threading.Event | None = None) -> str:
+    """SHA-256 hex digest of a file, read in ``HASH_CHUNK_BYTES`` chunks.
+
+    With ``stop``, the event is checked between chunks and :class:`concurrent.futures.CancelledError`
+    raised once it is set: hashing a multi-GB file on a background thread must not hold up an
+    interrupted conversion (the interpreter joins such threads before it exits).
+    """
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(HASH_CHUNK_BYTES):
+            if stop is not None and stop.is_set():
+                raise CancelledError(f"{path}: hashing stopped")
             h.update(chunk)  # hashlib releases the GIL for large buffers
     return h.hexdigest()
 
 
 class SourceHasher:
-    """Hashes source files on a background thread while the conversion runs."""
+    """Hashes source files on a background thread while the conversion runs; :meth:`cancel` stops it
+    within one chunk."""
 
     def __init__(self, paths: Iterable[str | os.PathLike]):
         self.paths = [Path(p).absolute() for p in paths]
+        self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ternary_rs-hash")
-        self._futures = [self._pool.submit(sha256_file, p) for p in self.paths]
+        self._futures = [self._pool.submit(sha256_file, p, self._stop) for p in self.paths]
 
     def result(self) -> list[dict[str, Any]]:
         try:
@@ -423,6 +477,7 @@ class SourceHasher:
             self._pool.shutdown(wait=False)
 
     def cancel(self) -> None:
+        self._stop.set()
         for f in self._futures:
             f.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)

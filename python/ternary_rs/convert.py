@@ -22,11 +22,12 @@ import glob
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from .checkpoint import (
     GGUF_MARK_KEY,
     INDEX_NAME,
     SUPPORTED_GROUP_SIZES,
+    TMP_MARK,
     ConversionError,
     Job,
     OutTensor,
@@ -47,10 +49,21 @@ from .checkpoint import (
     parse_size,
     quantization_config,
     check_disjoint,
+    describe_error,
     run_jobs,
     write_manifest,
     write_shards,
 )
+from .storage import (
+    DETECT_GROUP,
+    FLOAT_BYTES,
+    GGUF_FLOAT_TYPE_IDS,
+    GGUF_TERNARY_GROUPS,
+    dense_ternary_group,
+    float_view,
+    packed_safetensors,
+)
+from .io import not_found
 from .hf_gguf import (
     GENERATION_CONFIG,
     TOKENIZER_FILES,
@@ -63,9 +76,6 @@ from .hf_gguf import (
 
 log = logging.getLogger("ternary_rs.convert")
 
-# Float storage types: bytes per element.
-FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
-GGUF_FLOAT_TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30}
 # Ternary GGUF types we write: (type id, values per block, bytes per block, canonical group size).
 GGUF_OUTPUT_TYPES = {
     "TQ1_0": (34, 256, 54, 256),
@@ -75,115 +85,11 @@ GGUF_OUTPUT_TYPES = {
 }
 # llama.cpp ``general.file_type`` for the upstream types (LLAMA_FTYPE_MOSTLY_TQ1_0 / TQ2_0).
 GGUF_FILE_TYPES = {"TQ1_0": 36, "TQ2_0": 37}
-# Packed ternary GGUF source types and their native group size (None: one scale per tensor).
-GGUF_TERNARY_GROUPS = {
-    "TQ1_0": 256, "TQ2_0": 256, "PQ2_0": 128, "PTQ1_0": 128,
-    "Q2_0": 64, "Q2_0_G128": 128, "Q1_0": 128, "I2_S": None,
-}
-# Dense detection works on groups of this many values, then merges them into larger groups.
-DETECT_GROUP = 32
-DETECT_CHUNK_BYTES = 64 << 20
 # A source tensor's scales for a per-tensor format broadcast to this group when nothing else decides.
 DEFAULT_GROUP_SIZE = 128
 
 
-# ------------------------------------------------------------------------------------------ numerics
-def float_view(raw: np.ndarray, dtype: str) -> np.ndarray:
-    """Raw little-endian bytes of a float tensor -> float32 (bf16 widened by a 16-bit shift)."""
-    raw = np.asarray(raw).reshape(-1)
-    if dtype == "F32":
-        return raw.view(np.float32)
-    if dtype == "F16":
-        return raw.view(np.float16).astype(np.float32)
-    if dtype == "BF16":
-        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    raise UnsupportedTypeError(f"float type {dtype} (supported: {sorted(FLOAT_BYTES)})")
-
-
-def _row_chunks(n_rows: int, row_bytes: int):
-    step = max(1, DETECT_CHUNK_BYTES // max(1, row_bytes))
-    for r0 in range(0, n_rows, step):
-        yield r0, min(n_rows, r0 + step)
-
-
-def dense_ternary_group(raw: np.ndarray, dtype: str, shape: Sequence[int]) -> int | None:
-    """Largest group size g (from 32..256, dividing K) for which the float matrix is exactly
-    ``t · a`` with t ∈ {-1,0,+1} and one fp16-exact ``a`` per g values of a row; None if not ternary.
-
-    Every group of 32 must hold only 0 and ±(its absmax); a larger group is feasible when all non-zero
-    32-group scales inside it are equal (an all-zero 32-group fits any scale).
-    """
-    if len(shape) != 2:
-        return None
-    n, k = int(shape[0]), int(shape[1])
-    if k % DETECT_GROUP or n == 0:
-        return None
-    feasible = [g for g in SUPPORTED_GROUP_SIZES if k % g == 0]
-    row_bytes = k * FLOAT_BYTES[dtype]
-    raw = np.asarray(raw).reshape(n, row_bytes)
-    for r0, r1 in _row_chunks(n, row_bytes):
-        w = float_view(raw[r0:r1], dtype).reshape(r1 - r0, k // DETECT_GROUP, DETECT_GROUP)
-        mag = np.abs(w)
-        a = mag.max(axis=-1)
-        if not np.isfinite(a).all():
-            return None
-        if not np.all((mag == 0) | (mag == a[..., None])):
-            return None
-        if not np.array_equal(a.astype(np.float16).astype(np.float32), a):
-            return None  # the scale would not survive fp16
-        for g in list(feasible):
-            if g == DETECT_GROUP:
-                continue
-            s = a.reshape(r1 - r0, k // g, g // DETECT_GROUP)
-            top = s.max(axis=-1, keepdims=True)
-            if not np.all((s == top) | (s == 0)):
-                feasible.remove(g)
-    return max(feasible) if feasible else None
-
-
-def pack_codes_np(codes: np.ndarray) -> np.ndarray:
-    """``[N, K]`` codes in {0,1,2} -> ``[N, K/4]`` bytes, column 4j+i at bits 2i (canonical order)."""
-    n, k = codes.shape
-    c = codes.reshape(n, k // 4, 4)
-    return (c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)).astype(np.uint8)
-
-
-def dense_to_canonical(raw: np.ndarray, dtype: str, shape: Sequence[int], group_size: int):
-    """Exactly-ternary float matrix -> (qweight uint8 [N, K/4], scales fp16 [N, K/g]); zero groups get 1.0."""
-    n, k = int(shape[0]), int(shape[1])
-    row_bytes = k * FLOAT_BYTES[dtype]
-    raw = np.asarray(raw).reshape(n, row_bytes)
-    qweight = np.empty((n, k // 4), dtype=np.uint8)
-    scales = np.empty((n, k // group_size), dtype=np.float16)
-    for r0, r1 in _row_chunks(n, row_bytes):
-        w = float_view(raw[r0:r1], dtype).reshape(r1 - r0, k // group_size, group_size)
-        a = np.abs(w).max(axis=-1)
-        codes = (np.sign(w) + 1).astype(np.uint8).reshape(r1 - r0, k)
-        qweight[r0:r1] = pack_codes_np(codes)
-        scales[r0:r1] = np.where(a == 0, np.float32(1.0), a).astype(np.float16)
-    return qweight, scales
-
-
 # ------------------------------------------------------------------------------------------ sources
-def packed_safetensors(tensors) -> dict[str, tuple[str, tuple[str, ...]]]:
-    """Packed ternary weights of a safetensors checkpoint: main tensor -> (kind, auxiliary tensors).
-
-    ``<p>.qweight`` + ``<p>.scales`` (ternary_rs canonical), ``<p>.weight`` U32 + ``<p>.scales`` +
-    ``<p>.biases`` (MLX 2-bit), ``<p>.weight`` U8/I8 + ``<p>.weight_scale`` (transformers BitNet).
-    """
-    names = set(tensors)
-    packs: dict[str, tuple[str, tuple[str, ...]]] = {}
-    for name, info in tensors.items():
-        base = name.rsplit(".", 1)[0]
-        if name.endswith(".qweight") and f"{base}.scales" in names:
-            packs[name] = ("canonical", (f"{base}.scales",))
-        elif name.endswith(".weight") and info.type == "U32" and {f"{base}.scales", f"{base}.biases"} <= names:
-            packs[name] = ("MLX", (f"{base}.scales", f"{base}.biases"))
-        elif name.endswith(".weight") and info.type in ("U8", "I8") and f"{name}_scale" in names:
-            packs[name] = ("BITNET", (f"{name}_scale",))
-    return packs
-
-
 @dataclass
 class SourceTensor:
     """One weight of the source checkpoint, classified."""
@@ -216,8 +122,12 @@ class ConvertOptions:
     force: bool = False
     progress: bool = True
     source_paths: list[Path] = field(default_factory=list)
-    use_transformers: bool = True   # GGUF -> HF config/tokenizer via transformers (else built-in)
+    use_transformers: bool = True   # transformers may rebuild GGUF tokenizers the built-in rebuild does not cover
+    requantize: bool = False        # allow a lossy regroup (re-ternarize with absmax) where a lossless one fails
+    parents: bool = False           # create missing parent folders of the destination
     digests: dict[str, Any] = field(default_factory=dict)  # SHA-256 (futures) of files already written
+    # Set when the conversion is abandoned (error, Ctrl-C): long-running jobs check it between chunks.
+    stop: threading.Event = field(default_factory=threading.Event)
 
 
 class Source:
@@ -345,18 +255,19 @@ class Source:
     # -- decoding to canonical form
     def canonical(self, st: SourceTensor, group_size: int):
         """``TernaryTensor`` of ``st`` at ``group_size`` in Hugging Face row order."""
-        from .tensor import TernaryTensor, decode, repack
+        from .tensor import TernaryTensor, decode, recover_dense, repack
 
         n, k = st.shape
         if k % group_size:
             raise ValidationError(f"{self.path}: tensor {st.name}: K = {k} is not a multiple of group size {group_size}")
         if st.kind == "dense":
-            if st.group is None or st.group < group_size:
+            exact = group_size if st.group is not None and st.group >= group_size else None
+            if exact is None and not self.options.requantize:
                 raise ValidationError(
                     f"{self.path}: tensor {st.name} is exactly ternary only for groups <= {st.group}; "
-                    f"group size {group_size} would requantize it")
-            q, s = dense_to_canonical(self.file.raw(st.name), st.dtype, st.shape, group_size)
-            t = TernaryTensor(q, s, group_size, name=st.name)
+                    f"group size {group_size} would requantize it (pass --requantize to allow that)")
+            t = recover_dense(self.file.raw(st.name), st.dtype, n, k, exact or st.group, name=st.name,
+                              stop=self.options.stop)
         elif st.kind == "canonical":
             q = np.asarray(self.file.raw(st.name)).reshape(n, k // 4)
             s = np.asarray(self.file.raw(st.aux[0])).view(np.float16).reshape(n, k // st.group)
@@ -366,7 +277,7 @@ class Source:
         if t.shape != (n, k):
             raise ValidationError(f"{self.path}: tensor {st.name} decoded to {t.shape}, expected {(n, k)}")
         if t.group_size != group_size:
-            t = repack(t, group_size)
+            t = repack(t, group_size, requantize=self.options.requantize)
         perm = self.arch.rows_from_gguf(st.hf_name, self.shape_config, n) if self.is_gguf else None
         if perm is not None:
             t = TernaryTensor(np.ascontiguousarray(t.qweight[perm]), np.ascontiguousarray(t.scales[perm]),
@@ -398,10 +309,13 @@ def choose_group_size(source: Source, requested: int | None) -> int:
 
 # ------------------------------------------------------------------------------------------ vLLM output
 def _progress(total: int, desc: str, enabled: bool):
+    """A progress bar on stderr, only when stderr is a terminal (a log file gets no redraw frames)."""
+    import sys
+
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                disable=not enabled, leave=False)
+                disable=not enabled or not sys.stderr.isatty(), leave=False)
 
 
 def _vllm_jobs(source: Source, group_size: int) -> tuple[list[Job], list[str]]:
@@ -410,10 +324,10 @@ def _vllm_jobs(source: Source, group_size: int) -> tuple[list[Job], list[str]]:
         src_label = f"{source.path}: tensor {st.name}"
         if st.ternary and st.dtype in FLOAT_BYTES and st.shape[1] % group_size:
             st.kind = "copy"  # dense weight whose K does not split into groups: keep it float
-        if st.kind == "dense" and st.group is not None and st.group < group_size:
+        if st.kind == "dense" and st.group is not None and st.group < group_size and not source.options.requantize:
             raise ValidationError(
                 f"{src_label} is exactly ternary only for groups <= {st.group}; group size {group_size} "
-                f"would requantize it (pass a group size <= {st.group})")
+                f"would requantize it (pass --group-size {st.group} or smaller, or --requantize)")
         if st.ternary:
             n, k = st.shape
             prefix = st.hf_name[: -len(".weight")] if st.hf_name.endswith(".weight") else st.hf_name
@@ -450,27 +364,15 @@ def _config_dtype(source: Source) -> str:
     return "bfloat16" if "BF16" in float_types else "float16"
 
 
-def _gguf_side_files(source: Source, dtype: str, options: ConvertOptions,
-                     out_dir: Path) -> tuple[dict[str, Any], Path]:
-    """config.json dict and tokenizer files rebuilt from GGUF metadata, in a private scratch folder
-    (``<scratch>/tokenizer``); runs on a worker thread while the tensors stream. The scratch folder is a
-    sibling named after the staging folder, so a killed run's leftovers are swept with it."""
-    scratch = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}-meta-", dir=out_dir.parent))
-    try:
-        config, meta_copy = config_from_gguf(
-            source.path, source.metadata, list(source.file.tensors), source.arch, dtype, scratch,
-            use_transformers=options.use_transformers)
-        (scratch / "tokenizer").mkdir()
-        tokenizer_from_gguf(meta_copy, source.metadata, scratch / "tokenizer")
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    return config, scratch
-
-
-def _drop_side_files(future) -> None:
-    if not future.cancelled() and future.exception() is None:
-        shutil.rmtree(future.result()[1], ignore_errors=True)
+def _gguf_side_files(source: Source, dtype: str, options: ConvertOptions, scratch: Path) -> dict[str, Any]:
+    """config.json dict, with the tokenizer files rebuilt from GGUF metadata into ``scratch/tokenizer``;
+    runs on a worker thread while the tensors stream."""
+    config, meta_copy = config_from_gguf(
+        source.path, source.metadata, list(source.file.tensors), source.arch, dtype, scratch,
+        use_transformers=options.use_transformers)
+    (scratch / "tokenizer").mkdir()
+    tokenizer_from_gguf(meta_copy, source.metadata, scratch / "tokenizer")
+    return config
 
 
 def write_vllm_dir(source: Source, out_dir: Path, options: ConvertOptions) -> dict[str, Any]:
@@ -482,17 +384,21 @@ def write_vllm_dir(source: Source, out_dir: Path, options: ConvertOptions) -> di
     total = sum(j.source_bytes for j in jobs)
     t1 = time.perf_counter()
     dtype = _config_dtype(source)
-    side_pool = side = None
-    if source.is_gguf:  # config + tokenizer (transformers import and all) overlap the tensor streaming
+    side_pool = side = scratch = None
+    if source.is_gguf:  # config + tokenizer overlap the tensor streaming
+        # A private scratch folder, a sibling named after the staging folder: a killed run's leftovers
+        # are swept with it (remove_stale_temporaries).
+        scratch = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}-meta-", dir=out_dir.parent))
         side_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ternary_rs-meta")
-        side = side_pool.submit(_gguf_side_files, source, dtype, options, out_dir)
+        side = side_pool.submit(_gguf_side_files, source, dtype, options, scratch)
     try:
         with _progress(total, f"convert {source.path.name}", options.progress) as bar:
             write_shards(out_dir, jobs, options.shard_size, bar, digests=options.digests)
     except BaseException:
         if side is not None:
-            side.add_done_callback(_drop_side_files)
+            side.cancel()
             side_pool.shutdown(wait=False)
+            shutil.rmtree(scratch, ignore_errors=True)  # a still-running side job fails on its own
         raise
     t2 = time.perf_counter()
     log.info("%s: classified %d tensors in %.1f s, wrote shards in %.1f s (%.2f GB/s of source)",
@@ -503,7 +409,10 @@ def write_vllm_dir(source: Source, out_dir: Path, options: ConvertOptions) -> di
 
     if source.is_gguf:
         try:
-            config, scratch = side.result()
+            config = side.result()
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
         finally:
             side_pool.shutdown(wait=False)
         try:
@@ -587,7 +496,7 @@ def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> 
             def produce(st=st, perm=perm):
                 t = source.canonical(st, min(target_group, st.group or target_group))
                 if t.group_size != target_group:
-                    t = repack(t, target_group)
+                    t = repack(t, target_group, requantize=source.options.requantize)
                 if perm is not None:  # HF rows -> llama.cpp rows
                     from .tensor import TernaryTensor
 
@@ -691,7 +600,7 @@ def _expand_sources(src) -> tuple[list[Path], bool]:
         if glob.has_magic(text):
             matches = sorted(glob.glob(text))
             if not matches:
-                raise FileNotFoundError(f"no file matches {text}")
+                raise not_found(text)
             paths += [Path(m) for m in matches]
             bulk = True
         else:
@@ -712,9 +621,47 @@ def _may_be_rotated(meta: dict[str, Any]) -> bool:
             or (isinstance(qc, dict) and "hadamard" in qc))
 
 
+def _hide_staging(e: BaseException, dst: Path) -> BaseException:
+    """``e`` with the hidden staging folder (``.<name>.ternary_rs-tmp-<pid>-<nonce>``, and its
+    ``-meta-`` scratch sibling) replaced by the user's destination in its message: errors name the
+    path the user asked for, never a temporary they cannot see."""
+    hidden = r"\." + re.escape(dst.name + TMP_MARK) + r"\d+-[0-9a-f]+(?:-meta-[A-Za-z0-9_]+)?"
+    pattern = re.compile(f"(?:{re.escape(str(dst.absolute().parent) + os.sep)})?{hidden}")
+
+    def fix(text):
+        return pattern.sub(lambda m: str(dst) if m.group(0).startswith(os.sep) else dst.name, text) \
+            if isinstance(text, str) else text
+
+    if isinstance(e, OSError):
+        if e.errno is not None and (e.filename or e.strerror):
+            fixed = type(e)(e.errno, fix(e.strerror), fix(e.filename)) if e.filename else type(e)(e.errno, fix(e.strerror))
+        else:
+            fixed = type(e)(fix(str(e)))
+        return e if str(fixed) == str(e) else fixed
+    if isinstance(e, (TernaryError, ValueError)):
+        text = str(e)
+        if fix(text) == text:
+            return e
+        try:
+            return type(e)(fix(text))
+        except TypeError:  # an exception class that takes other arguments: keep it as it is
+            return e
+    return e
+
+
 def _convert_one(src: Path, dst: Path, options: ConvertOptions) -> Path:
+    try:
+        return _convert_one_unchecked(src, dst, options)
+    except BaseException as e:
+        fixed = _hide_staging(e, dst)
+        if fixed is e:
+            raise
+        raise fixed from e
+
+
+def _convert_one_unchecked(src: Path, dst: Path, options: ConvertOptions) -> Path:
     if not src.exists():
-        raise FileNotFoundError(f"{src}: no such file or directory")
+        raise not_found(src)
     check_disjoint([src], dst)
     source = Source(src, options)
     # Bonsai 2 rotation: only paths that keep it may run (a dropped rotation serves garbage, silently).
@@ -729,12 +676,12 @@ def _convert_one(src: Path, dst: Path, options: ConvertOptions) -> Path:
     hasher = SourceHasher(options.source_paths)
     try:
         if options.to == "gguf":
-            with (staging := Staging(dst, force=options.force, directory=False)) as tmp:
+            with (staging := Staging(dst, force=options.force, directory=False, parents=options.parents)) as tmp:
                 write_gguf_file(source, tmp, options)
                 hasher.cancel()  # a GGUF carries no manifest: no need to finish hashing the sources
                 staging.commit()
             return dst
-        with (staging := Staging(dst, force=options.force, directory=True)) as tmp:
+        with (staging := Staging(dst, force=options.force, directory=True, parents=options.parents)) as tmp:
             hook = getattr(source.arch, "write_vllm_checkpoint", None)
             if hook is not None:
                 hook(source.file, tmp, options)
@@ -748,13 +695,15 @@ def _convert_one(src: Path, dst: Path, options: ConvertOptions) -> Path:
                 "architecture": source.arch.gguf_arch,
                 "source_format": source.format,
                 "conversion": {"to": "vllm", **details},
-                "options": {"group_size": options.group_size, "shard_size": options.shard_size},
+                "options": {"group_size": options.group_size, "shard_size": options.shard_size,
+                            "requantize": options.requantize},
             }, digests=options.digests)
             log.info("%s: waited %.1f s for source SHA-256, output SHA-256 + manifest in %.1f s",
                      src.name, t1 - t0, time.perf_counter() - t1)
             staging.commit()
         return dst
     except BaseException:
+        options.stop.set()
         hasher.cancel()
         raise
 
@@ -772,48 +721,79 @@ def _refuse_colliding_outputs(sources: list[Path], targets: list[Path]) -> None:
                               f"destination):\n{lines}")
 
 
-def convert(src, dst, to: str = "vllm", gguf_type: str | None = None, group_size: int | None = None,
+def output_kind(dst, to: str | None, bulk: bool = False) -> str:
+    """``"vllm"`` or ``"gguf"``: ``to`` if given, else GGUF for a destination named ``*.gguf`` (a single
+    conversion), a vLLM directory otherwise. ``to="vllm"`` with a ``*.gguf`` name is refused: it would
+    make a directory that looks like a file."""
+    looks_gguf = os.fspath(dst).lower().endswith(".gguf")
+    if to is None:
+        return "gguf" if looks_gguf and not bulk else "vllm"
+    if to not in ("vllm", "gguf"):
+        raise ValueError(f"--to {to}: expected vllm or gguf")
+    if to == "vllm" and looks_gguf and not bulk:
+        raise ConversionError(f"{dst}: --to vllm writes a directory, but this name ends in .gguf; drop --to vllm "
+                              "to write a GGUF file, or choose a folder name")
+    return to
+
+
+def convert(src, dst, to: str | None = None, gguf_type: str | None = None, group_size: int | None = None,
             threads: int | None = None, shard_size: int | str = "5GB", force: bool = False,
-            progress: bool = True, *, use_transformers: bool = True):
-    """Convert a ternary checkpoint into a vLLM directory (``to="vllm"``) or a ternary GGUF (``to="gguf"``).
+            progress: bool = True, *, use_transformers: bool = True, requantize: bool = False,
+            parents: bool = False):
+    """Convert a ternary checkpoint into a vLLM directory (``to="vllm"``) or a ternary GGUF (``to="gguf"``;
+    the default when ``dst`` ends in ``.gguf``, see :func:`output_kind`).
 
     ``src`` is a GGUF, a safetensors file, a sharded ``*.index.json`` or a Hugging Face directory; a list or
     a glob makes a *bulk job*: ``dst`` is then a folder receiving one output per input, a failing input
     does not stop the others, and :class:`BulkConversionError` lists the failures at the end.
+    ``requantize`` allows a lossy regroup (re-ternarized with absmax) where a lossless one is impossible;
+    ``parents`` creates a missing parent folder of ``dst`` (refused otherwise: a typo is not created).
     Returns the output path (bulk: the list of outputs).
     """
-    if to not in ("vllm", "gguf"):
-        raise ValueError(f"to={to!r}: expected 'vllm' or 'gguf'")
+    sources, bulk = _expand_sources(src)
+    if not bulk:
+        check_disjoint(sources, dst)  # first of all: a destination that is or holds the source is refused
+    to = output_kind(dst, to, bulk)
+    if gguf_type and to != "gguf":
+        raise ValueError(f"--gguf-type {gguf_type} applies to GGUF output only (--to gguf, or a destination "
+                         "ending in .gguf)")
     if threads is not None:
+        if int(threads) < 1:
+            raise ValueError(f"--threads {threads}: must be at least 1")
         from ._core import set_num_threads
 
         set_num_threads(int(threads))
     options = ConvertOptions(to=to, gguf_type=gguf_type.upper() if gguf_type else None, group_size=group_size,
                              threads=threads, shard_size=parse_size(shard_size), force=force,
-                             progress=progress, use_transformers=use_transformers)
-    sources, bulk = _expand_sources(src)
+                             progress=progress, use_transformers=use_transformers, requantize=requantize,
+                             parents=parents)
+    if requantize:
+        log.warning("--requantize: weights that cannot be regrouped losslessly are re-ternarized (they change)")
     if not bulk:
         target = Path(dst)
         if to == "gguf" and target.is_dir():  # a folder: the GGUF goes inside it
             target = target / default_output_name(sources[0], to, options.gguf_type)
         return _convert_one(sources[0], target, options)
     out_root = Path(dst)
-    if out_root.exists() and not out_root.is_dir():
-        raise ConversionError(f"{out_root}: a bulk job needs a destination folder")
+    if (out_root.exists() and not out_root.is_dir()) or out_root.suffix.lower() == ".gguf":
+        raise ConversionError(f"{out_root}: a bulk job writes one output per input into a folder; name a folder")
     targets = [out_root / default_output_name(s, to, options.gguf_type) for s in sources]
     _refuse_colliding_outputs(sources, targets)
-    out_root.mkdir(parents=True, exist_ok=True)
+    if not out_root.is_dir():
+        if not out_root.parent.is_dir() and not parents:
+            raise ConversionError(f"{out_root.parent}: no such file or directory (the folder of the destination "
+                                  f"{out_root.name}; pass --parents to create it)")
+        out_root.mkdir(parents=True, exist_ok=True)
     results: list[Path] = []
     failures: list[tuple[Path, BaseException]] = []
     for s, target in zip(sources, targets):
         try:
             results.append(_convert_one(s, target, ConvertOptions(**{**options.__dict__, "source_paths": [],
-                                                                     "digests": {}})))
+                                                                     "digests": {}, "stop": threading.Event()})))
         except (TernaryError, OSError, ValueError, KeyError) as e:
-            log.error("%s: %s", s, e)
-            failures.append((s, e))
+            failures.append((s, e))  # reported once, at the end
     if failures:
-        lines = "\n".join(f"  {p}: {type(e).__name__}: {e}" for p, e in failures)
+        lines = "\n".join(f"  {p}: {describe_error(e, p)}" for p, e in failures)
         raise BulkConversionError(f"{len(failures)} of {len(sources)} conversions failed:\n{lines}", results, failures)
     return results
 
@@ -890,10 +870,6 @@ def dequantize_checkpoint(vllm_dir, out_dir, dtype: str = "float32") -> Path:
     return out_dir
 
 
-from .planner import plan  # noqa: E402  (re-exported: ternary_rs.plan)
-from .report import inspect, verify  # noqa: E402  (re-exported: ternary_rs.inspect / verify)
-
 __all__ = [
     "BulkConversionError", "ConversionError", "ConvertOptions", "convert", "dequantize_checkpoint",
-    "inspect", "plan", "verify",
 ]

@@ -72,9 +72,8 @@ def qwen3_metadata(
 def write_demo_gguf(path: Path, gguf_type: str = "PQ2_0", seed: int = 0) -> dict:
     """A small random ternary qwen3 GGUF; returns the HF-order canonical tensors written (for checks)."""
     from .io import GGUFWriter
-    from .tensor import TernaryTensor, encode
-
-    from .convert import GGUF_OUTPUT_TYPES, pack_codes_np
+    from .convert import GGUF_OUTPUT_TYPES
+    from .tensor import TernaryTensor, encode, pack_codes
 
     s = DEMO_SHAPE
     tokens, types, merges = demo_tokenizer()
@@ -105,9 +104,9 @@ def write_demo_gguf(path: Path, gguf_type: str = "PQ2_0", seed: int = 0) -> dict
             writer.add_metadata(key, value, vtype)
         blobs = {}
         for name, (n, k) in linear.items():
-            codes = rng.integers(0, 3, size=(n, k), dtype=np.uint8)
+            trits = rng.integers(0, 3, size=(n, k), dtype=np.uint8).astype(np.int8) - 1
             scales = (rng.uniform(0.01, 0.05, size=(n, k // group))).astype(np.float16)
-            t = TernaryTensor(pack_codes_np(codes), scales, group, name=name)
+            t = TernaryTensor(pack_codes(trits), scales, group, name=name)
             blobs[name] = np.frombuffer(memoryview(encode(t, gguf_type)), dtype=np.uint8)
             written[name] = t
             writer.add_tensor_info(name, (n, k), type_id, blobs[name].nbytes)

@@ -1,10 +1,11 @@
 """Hugging Face <-> GGUF metadata: config.json, tokenizer and generation config.
 
-GGUF -> HF prefers transformers' own GGUF integration (``AutoConfig`` / ``AutoTokenizer`` with
-``gguf_file=``), run on a *metadata-only copy* of the GGUF (same key/value bytes, zero tensors), so
-transformers never touches tensor data (it could not decode PQ2_0/PTQ1_0, and would be slow). What its
-mapping misses is filled per architecture (``config_fixups_from_gguf``: e.g. Qwen3's ``head_dim``).
-Without transformers/torch a built-in mapping is used (config keys below, gpt2-BPE tokenizers only).
+GGUF -> HF is built in: config.json from the llama.cpp keys transformers' GGUF mapping reads (plus
+per-architecture fixups, e.g. Qwen3's ``head_dim``), tokenizer.json rebuilt with ``tokenizers`` for
+byte-level BPE and Llama SentencePiece vocabularies, as transformers' GGUF loader builds them (the tests
+compare both). Only other tokenizers go through transformers (``AutoTokenizer`` machinery with
+``gguf_file=``), on a *metadata-only copy* of the GGUF (same key/value bytes, zero tensors), so
+transformers never touches tensor data (it could not decode PQ2_0/PTQ1_0, and would be slow).
 
 HF -> GGUF builds the keys with gguf-py's ``GGUFWriter`` methods and ``SpecialVocab`` (the code
 ``convert_hf_to_gguf.py`` uses), following ``get_vocab_base`` / ``_set_vocab_gpt2`` for the vocabulary.
@@ -41,7 +42,8 @@ GENERATION_CONFIG = "generation_config.json"
 def _gguf_kv_spans(blob: memoryview, path: str) -> tuple[int, list[tuple[str, int, int]]]:
     """``(version, [(key, start, end)])``: byte span of every key/value pair of a little-endian GGUF."""
     if bytes(blob[:4]) != _GGUF_MAGIC:
-        raise FormatError(f"{path}: not a GGUF file (magic {bytes(blob[:4])!r} at byte 0)")
+        magic = " ".join(f"0x{b:02x}" for b in bytes(blob[:4]))
+        raise FormatError(f"{path}: not a GGUF file (magic {magic} at byte 0; expected 0x47 0x47 0x55 0x46)")
     version, _, kv_count = struct.unpack_from("<IQQ", blob, 4)
     if version & 0xFFFF == 0:
         raise UnsupportedTypeError(f"{path}: big-endian GGUF metadata copy is not supported")
@@ -98,11 +100,6 @@ def write_metadata_only_gguf(src: str | Path, dst: str | Path, drop_keys: tuple[
         out.write(b"\0" * (-(24 + len(body)) % 32))
 
 
-# The big tokenizer arrays: transformers' config reader parses them slowly and the config needs none.
-TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
-                    "tokenizer.ggml.scores")
-
-
 def _transformers_available() -> bool:
     try:
         import torch  # noqa: F401  (transformers' GGUF loader requires it)
@@ -113,7 +110,9 @@ def _transformers_available() -> bool:
 
 
 def builtin_config_from_gguf(metadata: dict[str, Any], arch) -> dict[str, Any]:
-    """Config keys straight from llama.cpp metadata (no transformers): the dense-decoder subset."""
+    """Config keys straight from llama.cpp metadata: the keys transformers' GGUF config mapping reads for
+    the dense decoders (llama, qwen3), without importing it. A key the file does not state is left out,
+    so the config class's default applies, as with transformers."""
     a = arch.gguf_arch
     g = lambda key, default=None: metadata.get(f"{a}.{key}", default)  # noqa: E731
     hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
@@ -127,12 +126,14 @@ def builtin_config_from_gguf(metadata: dict[str, Any], arch) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": int(g("attention.head_count_kv", heads)),
         "head_dim": int(g("attention.key_length", g("rope.dimension_count", hidden // heads))),
-        "max_position_embeddings": int(g("context_length", 2048)),
-        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(g("rope.freq_base", 10000.0)),
         "vocab_size": int(g("vocab_size", len(tokens) if isinstance(tokens, list) else 0)),
         "hidden_act": "silu",
     }
+    for key, name, kind in (("context_length", "max_position_embeddings", int),
+                            ("attention.layer_norm_rms_epsilon", "rms_norm_eps", float),
+                            ("rope.freq_base", "rope_theta", float)):
+        if g(key) is not None:
+            config[name] = kind(g(key))
     for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("padding_token_id", "pad_token_id")):
         if f"tokenizer.ggml.{key}" in metadata:
@@ -153,52 +154,151 @@ def _shortest_f32_floats(config: dict[str, Any]) -> None:
 
 def config_from_gguf(gguf_path: Path, metadata: dict[str, Any], tensor_names, arch, dtype: str,
                      workdir: Path, use_transformers: bool = True) -> tuple[dict[str, Any], Path | None]:
-    """``(config dict, path of the metadata-only GGUF copy or None)``."""
-    meta_copy = None
-    if use_transformers and _transformers_available():
-        from transformers import AutoConfig
+    """``(config dict, metadata-only GGUF copy for transformers' tokenizer rebuild, or None)``.
 
+    The config always comes from :func:`builtin_config_from_gguf` (the same keys transformers maps, for
+    the architectures this writer handles). The tokenizer is rebuilt without transformers whenever
+    :func:`builtin_tokenizer_supported`; only other tokenizers need transformers (a few seconds of
+    imports), and then only with ``use_transformers``.
+    """
+    meta_copy = None
+    if ("tokenizer.ggml.tokens" in metadata and not builtin_tokenizer_supported(metadata)
+            and use_transformers and _transformers_available()):
         meta_copy = workdir / "metadata-only.gguf"
         write_metadata_only_gguf(gguf_path, meta_copy)
-        config_copy = workdir / "config-only.gguf"
-        write_metadata_only_gguf(gguf_path, config_copy, drop_keys=TOKENIZER_ARRAYS)
-        hf_config = AutoConfig.from_pretrained(str(workdir), gguf_file=config_copy.name)
-        config = hf_config.to_dict()
-        config.pop("_name_or_path", None)
-        config.pop("transformers_version", None)
-        a = arch.gguf_arch
-        tokens = metadata.get("tokenizer.ggml.tokens")
-        if f"{a}.vocab_size" in metadata:
-            config["vocab_size"] = int(metadata[f"{a}.vocab_size"])
-        elif isinstance(tokens, list):  # what transformers does when the arch has no vocab_size key
-            config["vocab_size"] = len(tokens)
-    else:
-        config = builtin_config_from_gguf(metadata, arch)
+    config = builtin_config_from_gguf(metadata, arch)
     arch.config_fixups_from_gguf(config, metadata)
     _shortest_f32_floats(config)
     config["architectures"] = [arch.hf_architectures[0]]
-    # transformers decides tying from the tensor list, which the metadata-only copy does not have.
+    # llama.cpp writes output.weight only when it is not the embedding matrix.
     config["tie_word_embeddings"] = "output.weight" not in set(tensor_names)
     config["dtype"] = dtype
     return config, meta_copy
 
 
-def _builtin_tokenizer_from_gguf(metadata: dict[str, Any], out_dir: Path) -> None:
-    """A gpt2 byte-level BPE ``tokenizer.json`` from ``tokenizer.ggml.*`` using only ``tokenizers``."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+# ``tokenizer.ggml.pre`` -> the regex that splits text before byte-level BPE (llama.cpp's pre-tokenizer
+# names; the same table transformers' GGUF loader uses, so both rebuild the same tokenizer).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZER_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "jina-v5-nano", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
+}
+# Pre-tokenizers the built-in gpt2 path reproduces: the table above, and GPT-2's own regex.
+_GPT2_DEFAULT_PRE = ("gpt-2", "gpt2", "default")
+# llama.cpp token types (gguf.TokenType).
+_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
+# Architectures whose SentencePiece ("llama") tokenizer is the plain Llama one (transformers has
+# per-architecture variants, e.g. Gemma's and Phi-3's, that the built-in path does not rebuild).
+_PLAIN_SENTENCEPIECE_ARCHES = ("llama",)
 
-    if metadata.get("tokenizer.ggml.model") != "gpt2":
+
+def builtin_tokenizer_supported(metadata: dict[str, Any]) -> bool:
+    """Whether :func:`builtin_tokenizer_from_gguf` rebuilds this GGUF's tokenizer exactly as transformers'
+    GGUF loader would: byte-level BPE (``gpt2``) with a known pre-tokenizer, or a Llama SentencePiece."""
+    model = metadata.get("tokenizer.ggml.model")
+    if model == "gpt2":
+        pre = metadata.get("tokenizer.ggml.pre")
+        return pre is None or pre in PRE_TOKENIZER_SPLITS or pre in _GPT2_DEFAULT_PRE
+    return model == "llama" and metadata.get("general.architecture") in _PLAIN_SENTENCEPIECE_ARCHES
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte value (``bytes_to_unicode``)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def _merges_from_vocab(vocab: dict[str, int], scores: dict[str, float] | None) -> list[tuple[str, str]]:
+    """BPE merges a vocabulary implies (SentencePiece GGUFs list none): every split of a token into two
+    tokens, best score first (transformers' ``generate_merges``, so both give the same order)."""
+    reverse = scores is not None
+    ranked = scores if reverse else vocab
+    merges = []
+    for merge, piece_score in ranked.items():
+        local = [(merge[:i], merge[i:], piece_score) for i in range(1, len(merge))
+                 if merge[:i] in vocab and merge[i:] in vocab]
+        merges.extend(sorted(local, key=lambda x: (vocab[x[0]], vocab[x[1]])))
+    merges.sort(key=lambda v: (v[2], len(v[0]), len(v[1])), reverse=reverse)
+    return [(a, b) for a, b, _ in merges]
+
+
+def builtin_tokenizer_from_gguf(metadata: dict[str, Any], out_dir: Path) -> None:
+    """``tokenizer.json`` + ``tokenizer_config.json`` from ``tokenizer.ggml.*`` with only ``tokenizers``.
+
+    Rebuilds what transformers' GGUF loader builds (``GPT2Tokenizer`` / ``LlamaTokenizer`` backends,
+    the pre-tokenizer split of ``tokenizer.ggml.pre``, control tokens as special tokens, user-defined
+    ones as added tokens) in a few milliseconds instead of seconds of imports; the tests compare the two.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    if not builtin_tokenizer_supported(metadata):
         raise UnsupportedTypeError(
-            f"rebuilding a {metadata.get('tokenizer.ggml.model')!r} tokenizer needs transformers; "
-            "only gpt2 byte-level BPE is built in")
-    tokens = list(metadata["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    types = metadata.get("tokenizer.ggml.token_type") or []
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == 3])
+            f"the built-in tokenizer rebuild handles byte-level BPE (gpt2) with a known pre-tokenizer and "
+            f"Llama SentencePiece, not tokenizer.ggml.model={metadata.get('tokenizer.ggml.model')!r} "
+            f"pre={metadata.get('tokenizer.ggml.pre')!r} (architecture {metadata.get('general.architecture')!r}); "
+            "install transformers and drop --no-transformers")
+    model = metadata["tokenizer.ggml.model"]
+    tokens = [str(t) for t in metadata["tokenizer.ggml.tokens"]]
+    types = list(metadata.get("tokenizer.ggml.token_type") or [])
+    file_merges = metadata.get("tokenizer.ggml.merges")
+    if model == "gpt2":
+        spelling = _byte_alphabet()
+        alphabet = set(spelling.values())
+        spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
+        vocab = {t: i for i, t in enumerate(spelled)}
+        merges = ([tuple(m.split(" ")) for m in file_merges] if file_merges is not None
+                  else _merges_from_vocab(vocab, dict(zip(spelled, metadata.get("tokenizer.ggml.scores") or []))
+                                          or None))
+        tok = Tokenizer(models.BPE(vocab, merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
+                                   fuse_unk=False))
+        split = PRE_TOKENIZER_SPLITS.get(metadata.get("tokenizer.ggml.pre"))
+        if split is None:
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        else:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                         pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                  use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        # a control token outside the byte alphabet is a llama.cpp mislabel: adding it would grow the vocab
+        control = [t for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL and set(t) <= alphabet]
+    else:  # Llama SentencePiece, as a byte-fallback BPE
+        vocab = {t: i for i, t in enumerate(tokens)}
+        merges = ([tuple(m.split(" ")) for m in file_merges] if file_merges is not None
+                  else _merges_from_vocab(vocab, dict(zip(tokens, metadata.get("tokenizer.ggml.scores") or []))))
+        tok = Tokenizer(models.BPE(vocab, merges, dropout=None, fuse_unk=True, byte_fallback=True))
+        prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
+                                                     split=False)
+        steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
+        named = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("unknown", "bos", "eos")]
+        control = [tokens[i] for i in named if i is not None and 0 <= i < len(tokens)]
+        control += [t for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL and t not in control]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == _TOKEN_USER_DEFINED and t in vocab])
     tok.save(str(out_dir / "tokenizer.json"))
     cfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
     for key, name in (("bos_token_id", "bos_token"), ("eos_token_id", "eos_token"),
@@ -219,7 +319,7 @@ def tokenizer_from_gguf(meta_copy: Path | None, metadata: dict[str, Any], out_di
         tok = _transformers_gguf_tokenizer(meta_copy, metadata)
         tok.save_pretrained(str(out_dir))
     else:
-        _builtin_tokenizer_from_gguf(metadata, out_dir)
+        builtin_tokenizer_from_gguf(metadata, out_dir)
 
 
 def _transformers_gguf_tokenizer(meta_copy: Path, metadata: dict[str, Any]):

@@ -28,6 +28,7 @@ Writing (constant memory; data streamed tensor by tensor in the declared order):
 from __future__ import annotations
 
 import builtins
+import errno
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -39,7 +40,10 @@ import numpy as np
 from . import _core
 from ._core import FormatError, UnsupportedTypeError
 
-__all__ = ["GGML_TYPE_IDS", "GGUFWriter", "SafetensorsWriter", "TensorInfo", "TernaryFile", "open"]
+__all__ = ["GGML_TYPE_IDS", "GGUFWriter", "SafetensorsWriter", "TensorInfo", "TernaryFile", "not_found", "open"]
+
+# What ``open`` accepts, for "not a model file" errors.
+MODEL_FILE_KINDS = "a .gguf file, a .safetensors file, a *.safetensors.index.json or a model directory"
 
 # ggml type name -> id for the types ternary_rs knows (Q2_0_G128 shares id 42 with upstream Q2_0).
 GGML_TYPE_IDS: dict[str, int] = {
@@ -135,9 +139,22 @@ def _find_in_directory(d: Path) -> Path:
     raise FormatError(f"{d}: no model.safetensors.index.json, *.safetensors or *.gguf file in this directory")
 
 
+def not_found(path: str | os.PathLike[str]) -> FileNotFoundError:
+    """The one "no such file" error of the package (``str()``: ``[Errno 2] no such file or directory: 'p'``;
+    the command line prints ``p: no such file or directory``)."""
+    return FileNotFoundError(errno.ENOENT, "no such file or directory", str(path))
+
+
 def _sniff_is_gguf(p: Path) -> bool:
     with builtins.open(p, "rb") as fh:
         return fh.read(4) == b"GGUF"
+
+
+def _looks_like_safetensors(p: Path) -> bool:
+    """A safetensors file starts with a little-endian u64 header length followed by ``{``."""
+    with builtins.open(p, "rb") as fh:
+        head = fh.read(9)
+    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (1 << 32)
 
 
 class TernaryFile:
@@ -152,7 +169,7 @@ class TernaryFile:
             directory = None
             target = p
             if not p.exists():
-                raise FileNotFoundError(2, "No such file or directory", str(p))
+                raise not_found(p)
         self.path: str = str(p)
         self._target = target
         self._config_dir = directory if directory is not None else target.parent
@@ -163,8 +180,10 @@ class TernaryFile:
             self._st = _core._SafetensorsCheckpoint.open_index(str(target))
         elif name.endswith(".gguf") or (not name.endswith(".safetensors") and _sniff_is_gguf(target)):
             self._gguf = _core._GgufFile(str(target))
-        else:
+        elif name.endswith(".safetensors") or _looks_like_safetensors(target):
             self._st = _core._SafetensorsCheckpoint.open_file(str(target))
+        else:  # e.g. config.json: say what it is not, rather than a header-size error
+            raise FormatError(f"{target}: not a model file (expected {MODEL_FILE_KINDS})")
         self.format: str = "gguf" if self._gguf is not None else "safetensors"
         if self._gguf is not None:
             self._mappings = [self._gguf.mapping()]

@@ -16,14 +16,18 @@ Memory model (bytes; every term is reported separately):
 * usable memory = ``gpu_memory · GPU_MEMORY_UTILIZATION`` (vLLM's default utilization).
 
 ``fits`` iff ``weights + overhead + activations + concurrency · (state + context · kv_per_token) ≤ usable``.
+
+GPU memory is counted in binary units, as vendors and ``nvidia-smi`` do (a "24 GB" card has 24 GiB): a
+bare number is GiB, and ``G``/``GB``/``GiB`` (likewise ``M``/``T``) all mean powers of 1024.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import parse_size
+from .report import _build_report
 
 GPU_MEMORY_UTILIZATION = 0.9
 RUNTIME_OVERHEAD = 1 << 30
@@ -32,6 +36,26 @@ ACTIVATION_BYTES = 2
 LOGIT_BYTES_PER_ENTRY = 8
 KV_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "auto": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 DEFAULT_GROUP_SIZE = 128
+# --gpu-memory units (case-insensitive); a bare number is GiB.
+GPU_MEMORY_UNITS = {
+    "": 2**30, "B": 1,
+    **dict.fromkeys(("K", "KB", "KIB"), 2**10), **dict.fromkeys(("M", "MB", "MIB"), 2**20),
+    **dict.fromkeys(("G", "GB", "GIB"), 2**30), **dict.fromkeys(("T", "TB", "TIB"), 2**40),
+}
+
+
+def parse_gpu_memory(value: int | float | str) -> int:
+    """GPU memory in bytes: ``24``, ``24G``, ``24GB`` and ``24GiB`` are all 24·2³⁰; ``80000MiB``, ``512B``."""
+    if isinstance(value, bool):
+        raise ValueError(f"GPU memory {value!r}: expected a size such as 24, 24G or 80GiB")
+    text = str(value)
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in GPU_MEMORY_UNITS:
+        raise ValueError(f"GPU memory {value!r}: expected a size such as 24 (GiB), 24G, 80GiB or 16000MiB")
+    size = int(float(m.group(1)) * GPU_MEMORY_UNITS[m.group(2).upper()])
+    if size <= 0:
+        raise ValueError(f"GPU memory {value!r} must be positive")
+    return size
 
 
 def _attention_layers(cfg: dict[str, Any]) -> int:
@@ -71,16 +95,15 @@ def served_weight_bytes(report: dict[str, Any]) -> tuple[int, int]:
     return total, g
 
 
-def plan(path, context: int = 8192, concurrency: int = 8, gpu_memory: int | str = "24GiB",
+def plan(path, context: int = 8192, concurrency: int = 8, gpu_memory: int | float | str = 24,
          kv_dtype: str = "fp16") -> dict[str, Any]:
-    """Memory budget for serving ``path`` (see the module doc for every formula)."""
-    from .report import inspect
-
+    """Memory budget for serving ``path`` (see the module doc for every formula and the units of
+    ``gpu_memory``). ``warnings`` lists what makes the numbers doubtful (a context above the model's)."""
     if context <= 0 or concurrency <= 0:
         raise ValueError("context and concurrency must be positive")
     if kv_dtype not in KV_DTYPE_BYTES:
         raise ValueError(f"kv_dtype {kv_dtype!r}: expected one of {sorted(KV_DTYPE_BYTES)}")
-    report = inspect(Path(path))
+    report, _, _ = _build_report(Path(path), "sample")  # float weights: would convert store them ternary?
     cfg = report["config"]
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads"):
         if not cfg.get(key):
@@ -93,7 +116,7 @@ def plan(path, context: int = 8192, concurrency: int = 8, gpu_memory: int | str 
     layers = int(cfg["num_hidden_layers"])
     attn_layers = _attention_layers(cfg)
     kv_bytes = KV_DTYPE_BYTES[kv_dtype]
-    gpu = parse_size(gpu_memory)
+    gpu = parse_gpu_memory(gpu_memory)
     usable = int(gpu * GPU_MEMORY_UTILIZATION)
 
     weights, group = served_weight_bytes(report)
@@ -109,8 +132,13 @@ def plan(path, context: int = 8192, concurrency: int = 8, gpu_memory: int | str 
     max_tokens = (free_for_seqs - concurrency * (state + logits_per_seq)) // kv_per_token if kv_per_token else 0
     per_seq = kv_per_token * context + state + logits_per_seq
     max_context = max(0, max_tokens // concurrency)
-    if cfg.get("max_position_embeddings"):
-        max_context = min(max_context, int(cfg["max_position_embeddings"]))
+    warnings = []
+    model_max = int(cfg["max_position_embeddings"]) if cfg.get("max_position_embeddings") else None
+    if model_max:
+        max_context = min(max_context, model_max)
+        if context > model_max:
+            warnings.append(f"context {context} exceeds the model's maximum of {model_max} tokens "
+                            "(max_position_embeddings); vLLM refuses a longer max_model_len")
     return {
         "path": str(path),
         "architecture": report["architecture"],
@@ -134,4 +162,6 @@ def plan(path, context: int = 8192, concurrency: int = 8, gpu_memory: int | str 
         "max_total_tokens": max(0, int(max_tokens)),
         "max_context_at_concurrency": int(max_context),
         "max_concurrency_at_context": max(0, int(free_for_seqs // per_seq)) if per_seq else 0,
+        "model_max_context": model_max,
+        "warnings": warnings,
     }

@@ -1,10 +1,16 @@
 """``ternary-rs inspect`` and ``ternary-rs verify``.
 
-``inspect`` is quick: headers, tensor table by type, parameter count, effective bits per weight, which
-linear weights are really ternary (float weights are sampled: the first ``INSPECT_SAMPLE_ROWS`` rows),
-group size and scale statistics, and consistency of tensor shapes with ``config.json`` / GGUF metadata.
-``verify`` does all of that over every byte — every float weight, every scale (NaN/Inf), every code
-(code 3 is invalid), tensor bounds, the index and the manifest's SHA-256 sums — and fails on any problem.
+How much of the file is read is a *level*:
+
+* ``header`` (``inspect``'s default, like ``gguf-dump``): headers only — tensor table by type, parameter
+  count, effective bits per weight, group sizes, the Hadamard rotation, consistency of tensor shapes with
+  ``config.json`` / GGUF metadata. Packed ternary types are ternary by their type; whether *float* linear
+  weights hold exactly ternary values needs the data, so it is left undecided (``is_ternary`` None).
+* ``sample`` (``plan``): as ``header``, plus the first ``INSPECT_SAMPLE_ROWS`` rows of each float linear
+  weight checked for exactly ternary values (``convert`` would store those as ternary).
+* ``full`` (``inspect --scan`` and ``verify``): every byte — every float weight, every scale (NaN/Inf,
+  all-zero, implausible), every code (code 3 is invalid), MLX biases. ``verify`` adds tensor bounds, the
+  index, the manifest's SHA-256 sums and the tokenizer, and fails on any problem.
 """
 
 from __future__ import annotations
@@ -17,12 +23,19 @@ from typing import Any
 
 import numpy as np
 
-from ._core import TernaryError
+from ._core import TernaryError, ValidationError
 from .checkpoint import INDEX_NAME, MANIFEST_NAME, sha256_file
-from .convert import FLOAT_BYTES, GGUF_TERNARY_GROUPS, dense_ternary_group, packed_safetensors
+from .io import not_found
+from .storage import FLOAT_BYTES, GGUF_TERNARY_GROUPS, dense_ternary_group, float_view, packed_safetensors
 
 INSPECT_SAMPLE_ROWS = 256
 SCAN_CHUNK_BYTES = 64 << 20
+LEVELS = ("header", "sample", "full")
+# A group scale is max|w| of its weights; trained layers stay far below this. A larger one means the
+# bytes were read at a wrong offset or a converter broke, so verify calls it implausible.
+MAX_PLAUSIBLE_SCALE = 1000.0
+# Files a tokenizer lives in; a vLLM directory without any needs --tokenizer to be served.
+TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # Where the fp16 scale sits in each block: (values per block, bytes per block, scale byte offset,
 # (first, last) byte range of 2-bit code fields or None for base-3 packings, where every byte is valid).
 GGUF_BLOCKS = {
@@ -72,15 +85,26 @@ def _code3_count(raw: np.ndarray) -> int:
     return count
 
 
+def _first(mask: np.ndarray) -> int | None:
+    hits = np.flatnonzero(mask)
+    return int(hits[0]) if hits.size else None
+
+
 def _scale_stats(scales: np.ndarray) -> dict[str, Any]:
     s = np.asarray(scales).astype(np.float32).reshape(-1)
-    finite = s[np.isfinite(s)]
+    fin = np.isfinite(s)
+    finite = s[fin]
+    implausible = fin & (np.abs(s) > MAX_PLAUSIBLE_SCALE)
     return {
         "count": int(s.size),
         "nan": int(np.isnan(s).sum()),
         "inf": int(np.isinf(s).sum()),
         "zero": int((s == 0).sum()),
         "negative": int((finite < 0).sum()),
+        "implausible": int(implausible.sum()),
+        "first_nonfinite": _first(~fin),
+        "first_negative": _first(fin & (s < 0)),
+        "first_implausible": _first(implausible),
         "min": float(finite.min()) if finite.size else None,
         "max": float(finite.max()) if finite.size else None,
         "mean_abs": float(np.abs(finite).mean()) if finite.size else None,
@@ -90,7 +114,7 @@ def _scale_stats(scales: np.ndarray) -> dict[str, Any]:
 def _merge_stats(total: dict | None, s: dict) -> dict:
     if total is None:
         return dict(s)
-    out = {k: total[k] + s[k] for k in ("count", "nan", "inf", "zero", "negative")}
+    out = {k: total[k] + s[k] for k in ("count", "nan", "inf", "zero", "negative", "implausible")}
     mins = [v for v in (total["min"], s["min"]) if v is not None]
     maxs = [v for v in (total["max"], s["max"]) if v is not None]
     out["min"] = min(mins) if mins else None
@@ -167,8 +191,10 @@ def shape_config(f, path: Path) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ scanning
-def _scan_tensors(f, full: bool, problems: list[str], warnings: list[str], path: Path) -> list[dict[str, Any]]:
-    """One entry per logical weight: name, type, shape, params, bytes, kind, group, scale stats, code-3 count."""
+def _scan_tensors(f, level: str, problems: list[str], warnings: list[str], path: Path) -> list[dict[str, Any]]:
+    """One entry per logical weight: name, type, shape, params, bytes, kind, group; with data read (see
+    the module doc for the levels), scale stats and the code-3 count."""
+    full = level == "full"
     tensors = f.tensors
     packs = {} if f.format == "gguf" else packed_safetensors(tensors)
     consumed: set[str] = {a for _, aux in packs.values() for a in aux}
@@ -187,6 +213,8 @@ def _scan_tensors(f, full: bool, problems: list[str], warnings: list[str], path:
         try:
             if is_gguf and typ in GGUF_TERNARY_GROUPS:
                 e["kind"], e["group_size"] = "ternary", GGUF_TERNARY_GROUPS[typ]
+                if not full:
+                    raise _Skip
                 raw = np.asarray(f.raw(name)).reshape(-1)
                 if typ in GGUF_BLOCKS:
                     _, bsize, soff, code_range = GGUF_BLOCKS[typ]
@@ -206,18 +234,22 @@ def _scan_tensors(f, full: bool, problems: list[str], warnings: list[str], path:
                 shape = (shape[0], shape[1] * 4)
                 e.update(kind="ternary", type="ternary_rs", shape=list(shape), bytes=int(info.nbytes) + int(sc.nbytes),
                          group_size=shape[1] // max(1, int(sc.shape[1])))
+                e["name"] = f"{base}.weight"
+                if not full:
+                    raise _Skip
                 scales = np.asarray(f.raw(f"{base}.scales")).view(np.float16)
                 codes = f.raw(name)
-                e["name"] = f"{base}.weight"
             elif packs.get(name, ("",))[0] == "MLX":
                 sc, bi = tensors[f"{base}.scales"], tensors[f"{base}.biases"]
                 shape = (shape[0], shape[1] * 16)
                 e.update(kind="ternary", type="MLX", shape=list(shape),
                          bytes=int(info.nbytes) + int(sc.nbytes) + int(bi.nbytes),
                          group_size=shape[1] // max(1, int(sc.shape[1])))
+                if not full:
+                    raise _Skip
                 scales = float_of(f, f"{base}.scales", sc.type)
                 biases = float_of(f, f"{base}.biases", bi.type)
-                if full and not np.array_equal(scales + biases, np.zeros_like(scales)):
+                if not np.array_equal(scales + biases, np.zeros_like(scales)):
                     bad = int(np.count_nonzero(scales + biases))
                     problems.append(f"{name}: {bad} MLX groups have bias != -scale (not a ternary pack)")
                 codes = f.raw(name)
@@ -225,15 +257,21 @@ def _scan_tensors(f, full: bool, problems: list[str], warnings: list[str], path:
                 sc = tensors[f"{name}_scale"]
                 shape = (shape[0] * 4, shape[1])
                 e.update(kind="ternary", type="BITNET", shape=list(shape), bytes=int(info.nbytes) + int(sc.nbytes))
+                if not full:
+                    raise _Skip
                 scales = float_of(f, f"{name}_scale", sc.type)
                 codes = f.raw(name)
             elif typ in FLOAT_BYTES and _linear_candidate(name, shape) and shape[1] % 32 == 0:
+                e["checked_rows"] = 0
+                if level == "header":
+                    raise _Skip
                 raw = f.raw(name)
                 rows = shape[0] if full else min(shape[0], INSPECT_SAMPLE_ROWS)
                 sample = np.asarray(raw).reshape(shape[0], -1)[:rows]
                 g = dense_ternary_group(sample, typ, (rows, shape[1]))
+                e["checked_rows"] = rows
                 if g is not None:
-                    e.update(kind="dense-ternary", group_size=g, checked_rows=rows)
+                    e.update(kind="dense-ternary", group_size=g)
         except _Skip:
             pass
         e["params"] = int(np.prod(shape)) if shape else 1
@@ -241,6 +279,8 @@ def _scan_tensors(f, full: bool, problems: list[str], warnings: list[str], path:
             e["scales"] = _scale_stats(scales)
         if codes is not None and full:
             e["code3"] = _code3_count(codes)
+        if full and e.get("code3"):  # where the code sits depends on the format: ask the decoder
+            e["api_error"] = _api_error(f, name, packs.get(name, ("",))[0], base)
         e["role"] = _role(e["name"])
         m = BLOCK_PATTERN.search(e["name"])
         e["block"] = int(m.group(1)) if m else None
@@ -253,9 +293,29 @@ class _Skip(Exception):
     pass
 
 
-def float_of(f, name: str, typ: str) -> np.ndarray:
-    from .convert import float_view
+def _api_error(f, name: str, pack: str, base: str) -> dict[str, Any] | None:
+    """What the decoding API reports for a tensor a scan found bad (message, first index, count), so
+    verify names the same first index a user of ``ternary_rs.decode`` would see."""
+    from .tensor import TernaryTensor, decode
 
+    try:
+        if pack == "canonical":
+            q = np.asarray(f.raw(name)).reshape(f.tensors[name].shape)
+            s = np.asarray(f.raw(f"{base}.scales")).view(np.float16).reshape(f.tensors[f"{base}.scales"].shape)
+            TernaryTensor(q, s, name=name)
+        else:
+            from . import _core
+
+            t = decode(f, name)
+            _core.validate(*t._args(), tensor=name)
+    except ValidationError as e:
+        return {"message": str(e), "first_index": getattr(e, "first_index", None), "count": getattr(e, "count", None)}
+    except (TernaryError, ValueError, KeyError):
+        return None
+    return None
+
+
+def float_of(f, name: str, typ: str) -> np.ndarray:
     return float_view(f.raw(name), typ)
 
 
@@ -293,15 +353,52 @@ def _consistency(entries: list[dict], cfg: dict[str, Any], problems: list[str], 
 
 
 # ------------------------------------------------------------------------------------------ inspect
-def _build_report(path, full: bool) -> tuple[dict[str, Any], list[str], list[str]]:
+def _hadamard_summary(f, cfg_qc: Any) -> dict[str, Any] | None:
+    """The activation rotation a checkpoint declares (GGUF ``prism.hadamard.*``, a converted checkpoint's
+    ``quantization_config.hadamard``, an MLX Bonsai 2 ``hadamard.json``), from metadata only."""
+    if f.format == "gguf":
+        kv = {k[len("prism.hadamard."):]: v for k, v in f.metadata.items() if k.startswith("prism.hadamard.")}
+        if not kv:
+            return None
+        return {"source": "prism.hadamard.*", "version": kv.get("version"), "transform": kv.get("transform"),
+                "block_size": kv.get("block_size"), "rotated_weights": len(kv.get("weight_names") or []),
+                "inverse_weights": len(kv.get("inverse_weight_names") or []),
+                "tied_output": bool(kv.get("tied_output", False))}
+    if isinstance(cfg_qc, dict) and isinstance(cfg_qc.get("hadamard"), dict):
+        h = cfg_qc["hadamard"]
+        return {"source": "quantization_config.hadamard", "version": h.get("version"),
+                "transform": h.get("transform"), "block_size": h.get("block_size"),
+                "rotated_weights": len(h.get("layers") or {}), "inverse_weights": len(h.get("inverse_embeddings") or [])}
+    config = getattr(f, "config", None) or {}
+    name = config.get("hadamard_config") if isinstance(config, dict) else None
+    if name:
+        p = Path(f.path if Path(f.path).is_dir() else Path(f.path).parent) / str(name)
+        try:
+            h = json.loads(p.read_text())
+        except (OSError, ValueError):
+            return {"source": str(name), "unreadable": True}
+        return {"source": str(name), "version": h.get("version"), "transform": h.get("transform"),
+                "block_size": h.get("block_size"), "rotated_weights": len(h.get("weight_names") or []),
+                "inverse_weights": len(h.get("inverse_weight_names") or [])}
+    return None
+
+
+def _build_report(path, level: str) -> tuple[dict[str, Any], list[str], list[str]]:
     from .io import open as open_checkpoint
 
+    if level not in LEVELS:
+        raise ValueError(f"level {level!r}: expected one of {LEVELS}")
     path = Path(path)
     f = open_checkpoint(path)
     problems: list[str] = []
     warnings: list[str] = []
     cfg = shape_config(f, path)
-    entries = _scan_tensors(f, full, problems, warnings, path)
+    entries = _scan_tensors(f, level, problems, warnings, path)
+    if not cfg.get("vocab_size"):  # no vocab key in the metadata: the embedding's rows say it
+        embed = next((e for e in entries if e["role"] == "embed" and len(e["shape"]) == 2), None)
+        if embed is not None:
+            cfg["vocab_size"] = embed["shape"][0]
+            cfg["vocab_size_from"] = embed["name"]
     _consistency(entries, cfg, problems, f.format == "gguf")
 
     by_type: dict[str, dict[str, int]] = {}
@@ -313,15 +410,29 @@ def _build_report(path, full: bool) -> tuple[dict[str, Any], list[str], list[str
     linear = [e for e in entries if e["linear"] and e["role"] is not None]
     ternary = [e for e in entries if e["kind"] in ("ternary", "dense-ternary")]
     float_linear = [e["name"] for e in linear if e["kind"] == "float"]
+    unchecked = [e["name"] for e in linear if e["kind"] == "float" and not e.get("checked_rows")]
     groups = sorted({e["group_size"] for e in ternary if e["group_size"]})
     stats = None
     for e in ternary:
         if "scales" in e:
-            stats = _merge_stats(stats, e["scales"])
-            if e["scales"]["nan"] or e["scales"]["inf"]:
-                problems.append(f"{e['name']}: {e['scales']['nan']} NaN and {e['scales']['inf']} Inf scales")
+            sc = e["scales"]
+            stats = _merge_stats(stats, sc)
+            if sc["nan"] or sc["inf"]:  # the index ternary_rs.decode's validation reports for a bad scale
+                problems.append(f"{e['name']}: {sc['nan']} NaN and {sc['inf']} Inf scales "
+                                f"(first at scale index {sc['first_nonfinite']})")
+            if sc["count"] and sc["zero"] == sc["count"]:
+                problems.append(f"{e['name']}: all {sc['count']} scales are 0: the weight is all zeros")
+            if sc["implausible"]:
+                problems.append(f"{e['name']}: {sc['implausible']} scales have |s| > {MAX_PLAUSIBLE_SCALE:g} "
+                                f"(first at scale index {sc['first_implausible']}): not a trained layer's scale")
+            if sc["negative"]:
+                warnings.append(f"{e['name']}: {sc['negative']} negative scales (first at scale index "
+                                f"{sc['first_negative']}); converters keep the sign in the codes")
         if e.get("code3"):
-            problems.append(f"{e['name']}: {e['code3']} codes equal 3 (invalid in a ternary tensor)")
+            api = e.get("api_error") or {}
+            at = f" (first at index {api['first_index']}, as ternary_rs.decode reports it)" \
+                if api.get("first_index") is not None else ""
+            problems.append(f"{e['name']}: {e['code3']} codes equal 3 (invalid in a ternary tensor){at}")
     total_params = sum(e["params"] for e in entries)
     total_bytes = sum(e["bytes"] for e in entries)
     lin_params = sum(e["params"] for e in linear)
@@ -336,8 +447,11 @@ def _build_report(path, full: bool) -> tuple[dict[str, Any], list[str], list[str
         or (isinstance(qc, dict) and qc.get("quant_method") in ("ternary", "bitnet"))
         or CLAIM_PATTERN.search(str(path.name)) or CLAIM_PATTERN.search(md_name)
     )
-    is_ternary = bool(linear) and not float_linear
-    if linear and len(float_linear) == len(linear):
+    # None: float linear weights whose values were not read (header level) decide it.
+    is_ternary: bool | None = bool(linear) and not float_linear
+    if unchecked and len(unchecked) == len(float_linear):
+        is_ternary = None
+    elif linear and len(float_linear) == len(linear):
         msg = (f"not a ternary checkpoint: all {len(linear)} linear weights are dense float "
                f"({', '.join(sorted({by for by in (e['type'] for e in linear)}))}) with non-ternary values")
         (problems if claims else warnings).append(("fake ternary: " if claims else "") + msg)
@@ -350,8 +464,10 @@ def _build_report(path, full: bool) -> tuple[dict[str, Any], list[str], list[str
         "path": str(path),
         "format": f.format,
         "architecture": cfg.get("architecture"),
+        "level": level,
         "config": {k: v for k, v in cfg.items() if k != "quantization_config"},
         "quantization_config": qc or None,
+        "hadamard": _hadamard_summary(f, qc),
         "tensors": len(entries),
         "by_type": by_type,
         "parameters": total_params,
@@ -366,7 +482,8 @@ def _build_report(path, full: bool) -> tuple[dict[str, Any], list[str], list[str
             "group_sizes": groups,
             "scales": stats,
             "float_linear_weights": float_linear,
-            "sampled_rows": None if full else INSPECT_SAMPLE_ROWS,
+            "unchecked_float_linear_weights": unchecked,
+            "sampled_rows": INSPECT_SAMPLE_ROWS if level == "sample" else None,
         },
         "is_ternary": is_ternary,
         "claims_ternary": claims,
@@ -375,9 +492,10 @@ def _build_report(path, full: bool) -> tuple[dict[str, Any], list[str], list[str
     return report, problems, warnings
 
 
-def inspect(path) -> dict[str, Any]:
-    """A summary of a checkpoint (see module doc); ``problems`` / ``warnings`` list what looks wrong."""
-    report, problems, warnings = _build_report(path, full=False)
+def inspect(path, scan: bool = False) -> dict[str, Any]:
+    """A summary of a checkpoint (see module doc): headers only, or with ``scan`` every byte (scale
+    statistics, code 3, exactly-ternary float weights). ``problems`` / ``warnings`` list what looks wrong."""
+    report, problems, warnings = _build_report(path, "full" if scan else "header")
     report["problems"], report["warnings"] = problems, warnings
     return report
 
@@ -391,16 +509,24 @@ class VerifyReport:
     warnings: list[str] = field(default_factory=list)
     checked_files: int = 0
     details: dict[str, Any] = field(default_factory=dict)
+    # Why file checksums were not compared (no manifest, or a GGUF, which carries none), else None.
+    checksums_not_checked: str | None = None
 
     def __bool__(self) -> bool:
         return self.ok
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "ok": self.ok, "problems": self.problems, "warnings": self.warnings,
-                "checked_files": self.checked_files}
+                "checked_files": self.checked_files, "checksums_not_checked": self.checksums_not_checked}
 
     def __str__(self) -> str:
-        head = f"{self.path}: {'OK' if self.ok else 'FAILED'}"
+        if not self.ok:
+            status = "FAILED"
+        elif self.checksums_not_checked:
+            status = f"OK, but SHA-256 not checked ({self.checksums_not_checked})"
+        else:
+            status = f"OK ({self.checked_files} files match the SHA-256 sums of {MANIFEST_NAME})"
+        head = f"{self.path}: {status}"
         lines = [head] + [f"  problem: {p}" for p in self.problems] + [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -463,24 +589,52 @@ def _check_vllm_contract(root: Path, report: dict[str, Any], problems: list[str]
             problems.append(f"{e['name']}: scales imply group size {e['group_size']}, config says {g}")
 
 
+def _check_tokenizer(path: Path, details: dict[str, Any], warnings: list[str]) -> None:
+    if details.get("format") == "gguf":
+        if not any(k == "tokenizer.ggml.tokens" for k in _gguf_keys(path)):
+            warnings.append("no tokenizer (tokenizer.ggml.tokens): llama.cpp and a converted checkpoint will lack one")
+        return
+    root = path if path.is_dir() else path.parent
+    if not any((root / name).is_file() for name in TOKENIZER_FILE_NAMES):
+        warnings.append(f"no tokenizer ({', '.join(TOKENIZER_FILE_NAMES)}) in {root}: vLLM needs --tokenizer "
+                        "to serve this checkpoint")
+
+
+def _gguf_keys(path: Path) -> list[str]:
+    from .io import open as open_checkpoint
+
+    with open_checkpoint(path) as f:
+        return list(f.metadata)
+
+
 def verify(path) -> VerifyReport:
-    """Full check (see module doc); ``bool(report)`` is True only when nothing is wrong."""
+    """Full check (see module doc); ``bool(report)`` is True only when nothing is wrong. A missing path
+    raises ``FileNotFoundError`` (like ``inspect``), a damaged file is a problem in the report."""
     path = Path(path)
+    if not path.exists():
+        raise not_found(path)
     problems: list[str] = []
     warnings: list[str] = []
     details: dict[str, Any] = {}
     root = path if path.is_dir() else path.parent
     checked = 0
+    not_checked = None
     if path.is_dir():
-        checked = _check_manifest(path, problems, warnings)
+        if (path / MANIFEST_NAME).is_file():
+            checked = _check_manifest(path, problems, warnings)
+        else:
+            not_checked = f"no {MANIFEST_NAME} manifest"
         _check_index(path, problems)
+    else:
+        not_checked = "a single file carries no manifest"
     try:
-        details, p2, w2 = _build_report(path, full=True)
+        details, p2, w2 = _build_report(path, "full")
         problems += p2
         warnings += w2
         _check_vllm_contract(root, details, problems)
+        _check_tokenizer(path, details, warnings)
     except TernaryError as e:
         problems.append(f"{type(e).__name__}: {e}")
     except (OSError, ValueError) as e:
         problems.append(f"{type(e).__name__}: {e}")
-    return VerifyReport(str(path), not problems, problems, warnings, checked, details)
+    return VerifyReport(str(path), not problems, problems, warnings, checked, details, not_checked)

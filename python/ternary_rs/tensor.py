@@ -283,6 +283,56 @@ def _dense_bytes(data: Any, dtype: str | None) -> tuple[np.ndarray, str]:
     return _as_u8(data), dtype.upper()
 
 
+# -- dense recovery -------------------------------------------------------------------------------
+
+# Rows handed to the Rust recovery per call: about this many bytes of source (see recover_dense).
+DENSE_CHUNK_BYTES = 64 << 20
+
+
+def recover_dense(raw: np.ndarray, dtype: str, rows: int, cols: int, group_size: int, *, name: str = "<bytes>",
+                  stop=None) -> "TernaryTensor":
+    """The one dense → canonical recovery (``decode_bytes("DENSE")`` and ``convert`` both use it).
+
+    Every group of ``group_size`` values must be exactly ``{-a, 0, +a}`` with ``a = max|group|`` exactly
+    representable in fp16; the canonical scale is that ``a``. An all-zero group gets scale **0**
+    (``max|group|``, what llama.cpp's quantizers and :func:`ternarize` write too), never an invented 1.0,
+    so the stored scales say exactly what the source held. Anything else is refused (Rust
+    ``dense::recover``: first offending index, count).
+
+    Runs ``dense::recover`` (reads the little-endian bytes in place: no float copy) on row chunks of
+    about :data:`DENSE_CHUNK_BYTES` of source into one preallocated output, so the working set stays at
+    the canonical output plus one chunk, and ``stop`` (a ``threading.Event``) is checked between chunks:
+    an interrupted conversion does not wait for a multi-GB tensor. A chunk that fails is re-checked over
+    the whole tensor, so the error's first index and count are the tensor's, not the chunk's.
+    """
+    from concurrent.futures import CancelledError
+
+    raw = np.asarray(raw).reshape(-1)
+    elem = {"F16": 2, "BF16": 2, "F32": 4}.get(dtype.upper())
+    if elem is None or raw.size != rows * cols * elem or rows == 0 or cols % group_size:
+        # not chunkable: let the Rust checks word the error
+        return _from_core(_core.recover_dense(raw, dtype, rows, cols, group_size, tensor=name), name)
+    row_bytes = cols * elem
+    step = max(1, DENSE_CHUNK_BYTES // row_bytes)
+    if step >= rows:
+        return _from_core(_core.recover_dense(raw, dtype, rows, cols, group_size, tensor=name), name)
+    qweight = np.empty((rows, cols // 4), dtype=np.uint8)
+    scales = np.empty((rows, cols // group_size), dtype=np.float16)
+    for r0 in range(0, rows, step):
+        if stop is not None and stop.is_set():
+            raise CancelledError(f"tensor '{name}': stopped")
+        r1 = min(rows, r0 + step)
+        try:
+            q, sb, _ = _core.recover_dense(raw[r0 * row_bytes:r1 * row_bytes], dtype, r1 - r0, cols, group_size,
+                                           tensor=name)
+        except _core.ValidationError:
+            _core.recover_dense(raw, dtype, rows, cols, group_size, tensor=name)  # raises the whole-tensor error
+            raise
+        qweight[r0:r1] = q
+        scales[r0:r1] = sb.view(np.float16)
+    return TernaryTensor(qweight, scales, group_size, name=name, validate=False)
+
+
 # -- decoding -------------------------------------------------------------------------------------
 
 def decode_bytes(format: str, data: Any, shape, *, group_size: int | None = None,
@@ -340,8 +390,7 @@ def decode_bytes(format: str, data: Any, shape, *, group_size: int | None = None
         return tensor
     if fmt in ("DENSE",) + _DENSE_TYPES:
         raw, dt = _dense_bytes(data, dtype or (fmt if fmt != "DENSE" else None))
-        g = group_size or _default_group(cols)
-        return _from_core(_core.recover_dense(raw, dt, rows, cols, g, tensor=name), name)
+        return recover_dense(raw, dt, rows, cols, group_size or _default_group(cols), name=name)
     raise _core.UnsupportedTypeError(
         f"tensor '{name}': unsupported format {format!r}; supported: {', '.join(GGUF_FORMATS)}, BITNET, MLX, DENSE")
 
@@ -358,9 +407,39 @@ def _linear_class_from(config: Mapping | None) -> str | None:
     return qc.get("linear_class")
 
 
+def _canonical_prefix(tensors: Mapping[str, Any], name: str) -> str | None:
+    """``<prefix>`` when ``name`` names one of our own canonical pairs (``<prefix>.qweight`` +
+    ``<prefix>.scales``): the qweight itself, the bare prefix, or ``<prefix>.weight`` the pair replaces."""
+    for prefix in (name[: -len(".qweight")] if name.endswith(".qweight") else None,
+                   name if name not in tensors else None,
+                   name[: -len(".weight")] if name.endswith(".weight") and name not in tensors else None):
+        if prefix and f"{prefix}.qweight" in tensors and f"{prefix}.scales" in tensors:
+            return prefix
+    return None
+
+
+def _decode_canonical(f: Any, prefix: str, group_size: int | None, requantize: bool) -> TernaryTensor:
+    """A ternary_rs checkpoint's pair, zero-copy, validated (code 3, non-finite scales), regrouped on request."""
+    qinfo, sinfo = f.tensors[f"{prefix}.qweight"], f.tensors[f"{prefix}.scales"]
+    if qinfo.type != "U8" or sinfo.type != "F16" or len(qinfo.shape) != 2 or len(sinfo.shape) != 2:
+        raise _core.UnsupportedTypeError(
+            f"tensor '{prefix}': a canonical pair is {prefix}.qweight U8 [N, K/4] + {prefix}.scales F16 [N, K/g], "
+            f"got {qinfo.type} {list(qinfo.shape)} + {sinfo.type} {list(sinfo.shape)}")
+    try:
+        t = TernaryTensor(f.tensor(f"{prefix}.qweight"), f.tensor(f"{prefix}.scales"), name=prefix)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, _core.TernaryError):
+            raise
+        raise _core.ValidationError(f"tensor '{prefix}': {e}") from None
+    return t if group_size is None else repack(t, group_size, requantize)
+
+
 def decode(file_or_path: Any, name: str, *, group_size: int | None = None, format: str | None = None,
            linear_class: str | None = None, requantize: bool = False) -> TernaryTensor:
     """Decode tensor ``name`` of a file opened with :func:`ternary_rs.open` (or a path to one).
+
+    A ternary_rs checkpoint's own canonical pairs decode by ``<prefix>.qweight``, by the bare
+    ``<prefix>`` or by ``<prefix>.weight`` (the weight the pair replaces); the arrays are views.
 
     The format comes from the tensor's type unless ``format`` overrides it. Companion tensors are
     found by name: BitNet ``<prefix>.weight_scale`` (uint8 weights), MLX ``<prefix>.scales`` and
@@ -373,6 +452,9 @@ def decode(file_or_path: Any, name: str, *, group_size: int | None = None, forma
         from .io import open as _open
 
         f = _open(f)
+    prefix = _canonical_prefix(f.tensors, name)
+    if prefix is not None and format is None:
+        return _decode_canonical(f, prefix, group_size, requantize)
     try:
         info = f.tensors[name]
     except KeyError:

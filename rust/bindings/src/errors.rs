@@ -42,13 +42,31 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// Map a core error to its Python exception.
+/// Map a core error to its Python exception. A `ValidationError` also carries the structured fields as
+/// attributes (`tensor`, `first_index`, `count`), so callers can report the first bad index without
+/// parsing the message.
 pub fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
     match e {
         Error::Format { .. } => FormatError::new_err(msg),
         Error::UnsupportedType { .. } => UnsupportedTypeError::new_err(msg),
-        Error::Validation { .. } => ValidationError::new_err(msg),
+        Error::Validation {
+            tensor,
+            first_index,
+            count,
+            ..
+        } => {
+            let err = ValidationError::new_err(msg);
+            Python::attach(|py| {
+                let value = err.value(py);
+                // Setting attributes on a fresh exception instance cannot fail in practice; if it
+                // did, the message still holds the same facts.
+                let _ = value.setattr("tensor", tensor);
+                let _ = value.setattr("first_index", first_index);
+                let _ = value.setattr("count", count);
+            });
+            err
+        }
         Error::Io { source, .. } => PyOSError::new_err((source.raw_os_error().unwrap_or(0), msg)),
         Error::InvalidArgument(_) => PyValueError::new_err(msg),
     }

@@ -311,7 +311,10 @@ impl<'a> Cursor<'a> {
         match self.u8(what)? {
             0 => Ok(false),
             1 => Ok(true),
-            v => Err(self.err(at, format!("{what}: bool byte is {v}, expected 0 or 1"))),
+            v => Err(self.err(
+                at,
+                format!("{what}: bool byte is {v:#04x}, expected 0x00 or 0x01"),
+            )),
         }
     }
 
@@ -421,6 +424,15 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// Bytes as messages show them: `0x47 0x47 0x55 0x46`.
+fn hex_bytes(bytes: &[u8]) -> String {
+    bytes
+        .iter()
+        .map(|b| format!("{b:#04x}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 fn align_up(v: u64, alignment: u64) -> Option<u64> {
     // alignment is a power of two (checked when read).
     Some(v.checked_add(alignment - 1)? & !(alignment - 1))
@@ -448,7 +460,8 @@ impl GgufFile {
                 &path,
                 0,
                 format!(
-                    "bad magic {magic:02x?}: not a GGUF file (expected \"GGUF\" = 47 47 55 46)"
+                    "bad magic {}: not a GGUF file (expected \"GGUF\" = 0x47 0x47 0x55 0x46)",
+                    hex_bytes(magic)
                 ),
             ));
         }

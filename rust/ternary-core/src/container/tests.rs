@@ -233,7 +233,7 @@ fn pad_to(h: &mut Vec<u8>, a: usize, extra: usize) {
 
 #[test]
 fn malformed_gguf_headers_are_format_errors() {
-    expect_format_err(b"GGUX\x03\0\0\0", "bad magic");
+    expect_format_err(b"GGUX\x03\0\0\0", "bad magic 0x47 0x47 0x55 0x58");
     expect_format_err(&header(1, 0, 0), "version 1");
     expect_format_err(&header(7, 0, 0), "unsupported GGUF version 7");
     expect_format_err(&header(3, u64::MAX, 0), "MAX_TENSORS");

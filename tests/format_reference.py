@@ -1,4 +1,4 @@
-"""Plain NumPy reference codecs, written straight from FORMATS.md — used only by the tests.
+"""Plain NumPy reference codecs, written straight from FORMATS.md — the tests' oracle (not shipped in the wheel).
 
 Nothing here calls into the Rust extension: these functions are the independent oracle the Rust
 codecs are checked against. They favour the spec's literal formulas (value index → byte, bits) over
