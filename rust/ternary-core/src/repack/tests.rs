@@ -333,6 +333,31 @@ fn dequantize_matches_scalar_formula_every_group_size() {
         t.as_ref()
             .dequantize_bits_impl(HalfKind::F16, &mut hs, false)
             .unwrap();
+        // Output addresses 64-byte aligned (streaming stores) and not: the same bits.
+        for shift in 0..3 {
+            let mut buf = vec![0u16; want.len() + 64];
+            let base = buf.as_ptr() as usize;
+            let start = (64 - base % 64) % 64 / 2 + shift;
+            t.as_ref()
+                .dequantize_bits_into(HalfKind::BF16, &mut buf[start..start + want.len()])
+                .unwrap();
+            assert_eq!(
+                &buf[start..start + want.len()],
+                &b[..],
+                "bf16 g{g} offset {shift}"
+            );
+            let mut fbuf = vec![0f32; want.len() + 32];
+            let fstart = (64 - fbuf.as_ptr() as usize % 64) % 64 / 4 + shift;
+            t.as_ref()
+                .dequantize_f32_into(&mut fbuf[fstart..fstart + want.len()])
+                .unwrap();
+            let got: Vec<u32> = fbuf[fstart..fstart + want.len()]
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+            let f_bits: Vec<u32> = f.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(got, f_bits, "f32 g{g} offset {shift}");
+        }
         for i in 0..want.len() {
             assert_eq!(
                 (fs[i].to_bits(), bs[i], hs[i]),
