@@ -105,6 +105,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", choices=("fp16", "fp8"), default="fp16")
     p.add_argument("--json", action="store_true")
 
+    s = sub.add_parser(
+        "serve", help="convert once (cached) and start vLLM's OpenAI-compatible server",
+        description="Serve a ternary model (GGUF, Hugging Face / MLX directory, ternary_rs checkpoint) with "
+                    "vLLM's OpenAI-compatible server. The model is converted once into a cache "
+                    "($XDG_CACHE_HOME/ternary_rs); every option not listed here goes to vLLM "
+                    "(--host, --port, --max-model-len, --tensor-parallel-size, ...).",
+        epilog="example: ternary-rs serve Bonsai-8B.gguf --port 8000 --max-model-len 8192")
+    s.add_argument("model", help="GGUF file, Hugging Face / MLX directory or ternary_rs checkpoint")
+    s.add_argument("--cache-dir", help="cache folder (default: $XDG_CACHE_HOME/ternary_rs)")
+    s.add_argument("--no-cache", action="store_true", help="convert into a temporary folder removed on exit")
+    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--dry-run", action="store_true", help="convert (or reuse) and print the vLLM command only")
+    s.add_argument("vllm_args", nargs=argparse.REMAINDER, help="options passed to vLLM's server")
+
     d = sub.add_parser("demo", help="run the whole pipeline on a small built-in example")
     d.add_argument("--keep", help="write the demo files here instead of a temporary folder")
     return ap
@@ -148,6 +162,13 @@ def _run(args) -> int:
                       gpu_memory=args.gpu_memory, kv_dtype=args.kv_dtype)
         print(json.dumps(p, indent=2)) if args.json else _print_plan(p)
         return EXIT_OK
+    if args.command == "serve":
+        from .serve import serve, split_args
+
+        own = (["--cache-dir", args.cache_dir] if args.cache_dir else []) + [
+            flag for flag, on in (("--no-cache", args.no_cache), ("--no-progress", args.no_progress),
+                                  ("--dry-run", args.dry_run)) if on]
+        return serve(split_args(args.model, own + list(args.vllm_args)))
     if args.command == "demo":
         from .demo import run_demo
 

@@ -20,6 +20,11 @@ DEMO_SHAPE = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, h
 DEMO_GROUP = 128
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 DEMO_MERGES = ("t h", "th e", "Ġ t", "Ġt h", "Ġth e", "e r", "i n", "a n", "o n")
+# ChatML, as Qwen3's template renders a conversation without tools or thinking.
+DEMO_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def _byte_tokens() -> list[str]:
@@ -97,6 +102,7 @@ def write_demo_gguf(path: Path, gguf_type: str = "PQ2_0", seed: int = 0) -> dict
                       f"blk.{b}.attn_q_norm.weight": s["head_dim"], f"blk.{b}.attn_k_norm.weight": s["head_dim"]})
     meta = qwen3_metadata("ternary_rs demo", s, s["layers"], s["context"], tokens, types, merges) + [
         ("tokenizer.ggml.padding_token_id", tokens.index("<|endoftext|>"), GGUF_UINT32),
+        ("tokenizer.chat_template", DEMO_CHAT_TEMPLATE, GGUF_STRING),  # lets the served demo answer chats
     ]
     writer = GGUFWriter(path)
     written = {}
