@@ -286,3 +286,16 @@ def test_serve_demo_gguf_end_to_end(tmp_path):
     finally:
         assert server.stop() == 0
     assert len(_entries(cache)) == 1
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_demo_serve_prints_a_served_completion():
+    """The README's first command ends with this."""
+    pytest.importorskip("vllm")
+    r = subprocess.run([sys.executable, "-m", "ternary_rs", "demo", "--serve"], capture_output=True, text=True,
+                       timeout=SERVER_START_TIMEOUT_S, env={**os.environ, **_cpu_env()})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "verify: OK" in r.stdout and "5. serve: ternary-rs serve" in r.stdout
+    assert "   text: " in r.stdout and " tokens in " in r.stdout and "tokens/s" in r.stdout
+    assert not [line for line in r.stdout.splitlines() if "api_server" in line]  # vLLM's log stays out of it

@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="run the whole pipeline on a small built-in example")
     d.add_argument("--keep", help="write the demo files here instead of a temporary folder")
+    d.add_argument("--serve", action="store_true",
+                   help="then serve the demo GGUF with `ternary-rs serve` (needs vLLM) and print a completion")
     return ap
 
 
@@ -172,7 +174,7 @@ def _run(args) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        return EXIT_OK if run_demo(args.keep) else EXIT_FAIL
+        return EXIT_OK if run_demo(args.keep, serve=args.serve) else EXIT_FAIL
     return EXIT_USAGE
 
 
