@@ -118,6 +118,12 @@ def test_gguf_checkpoint_gguf_keeps_every_key_and_byte(which, llama_files, qwen3
     meta_b, tens_b = gguf_contents(back)
     assert meta_b == meta_s  # including our own ternary_rs.version mark, exactly once
     assert tens_b == tens_s
+    if which == "llama":  # a checkpoint converted again carries the stored keys along
+        ck2, back2 = root / "ck2", root / "back2.gguf"
+        run("convert", ck, ck2, "--no-progress")
+        assert (ck2 / SOURCE_METADATA_FILE).read_bytes() == (ck / SOURCE_METADATA_FILE).read_bytes()
+        run("convert", ck2, back2, "--to", "gguf", "--gguf-type", gtype, "--no-progress")
+        assert gguf_contents(back2) == (meta_s, tens_s)
 
 
 def test_stored_metadata_is_dropped_when_the_checkpoint_no_longer_matches(llama_files, caplog):

@@ -235,9 +235,9 @@ class Server:
         self.log.flush()
         return self.log_path.read_text(errors="replace")
 
-    def stop(self) -> int:
-        """Ctrl-C, as a user would."""
-        self.proc.send_signal(signal.SIGINT)
+    def stop(self, sig=signal.SIGINT) -> int:
+        """Ctrl-C as a user would (or another signal)."""
+        self.proc.send_signal(sig)
         try:
             code = self.proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
@@ -284,7 +284,8 @@ def test_serve_demo_gguf_end_to_end(tmp_path):
                                                    "temperature": 0, "ignore_eos": True})
         assert r["usage"]["completion_tokens"] == 4
     finally:
-        assert server.stop() == 0
+        assert server.stop(signal.SIGTERM) == 0  # what a process manager sends
+    assert "vLLM stopped" in server.log_path.read_text()
     assert len(_entries(cache)) == 1
 
 

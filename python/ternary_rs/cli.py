@@ -107,11 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "serve", help="convert once (cached) and start vLLM's OpenAI-compatible server",
-        description="Serve a ternary model (GGUF, Hugging Face / MLX directory, ternary_rs checkpoint) with "
-                    "vLLM's OpenAI-compatible server. The model is converted once into a cache "
-                    "($XDG_CACHE_HOME/ternary_rs); every option not listed here goes to vLLM "
+        description="Serve a ternary model (GGUF, Hugging Face / MLX directory, ternary_rs checkpoint) with\n"
+                    "vLLM's OpenAI-compatible server. The model is converted once into a cache\n"
+                    "($XDG_CACHE_HOME/ternary_rs); every option not listed here goes to vLLM\n"
                     "(--host, --port, --max-model-len, --tensor-parallel-size, ...).",
-        epilog="example: ternary-rs serve Bonsai-8B.gguf --port 8000 --max-model-len 8192")
+        epilog="example: ternary-rs serve Bonsai-8B.gguf --port 8000 --max-model-len 8192\n"
+               "vLLM's options: python -m vllm.entrypoints.openai.api_server --help",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("model", help="GGUF file, Hugging Face / MLX directory or ternary_rs checkpoint")
     s.add_argument("--cache-dir", help="cache folder (default: $XDG_CACHE_HOME/ternary_rs)")
     s.add_argument("--no-cache", action="store_true", help="convert into a temporary folder removed on exit")

@@ -53,6 +53,7 @@ from .checkpoint import (
 )
 from .hf_gguf import (
     GENERATION_CONFIG,
+    SIDE_FILES,
     TOKENIZER_FILES,
     config_from_gguf,
     copy_hf_side_files,
@@ -271,7 +272,7 @@ class Source:
         if self.is_gguf:
             files.add(self.path)
         else:
-            for fname in ("config.json", INDEX_NAME, GENERATION_CONFIG) + TOKENIZER_FILES:
+            for fname in ("config.json", INDEX_NAME) + SIDE_FILES:
                 if (self.hf_dir / fname).is_file():
                     files.add(self.hf_dir / fname)
         return sorted(p.absolute() for p in files if Path(p).is_file())

@@ -214,7 +214,8 @@ def serve_demo(src: Path, root: Path, max_tokens: int = DEMO_SERVE_TOKENS) -> bo
             dt = time.perf_counter() - t1
         finally:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)  # as Ctrl-C would
+                # SIGTERM takes the same path as Ctrl-C; SIGINT may be ignored in a background job.
+                proc.send_signal(signal.SIGTERM)
                 try:
                     proc.wait(timeout=120)
                 except subprocess.TimeoutExpired:

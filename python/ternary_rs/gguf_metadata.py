@@ -35,14 +35,14 @@ from typing import Any
 
 from ._core import UnsupportedTypeError
 from .checkpoint import GGUF_MARK_KEY
+from .hf_gguf import SOURCE_GGUF_METADATA, write_metadata_only_gguf
 
 log = logging.getLogger("ternary_rs.convert")
 
 Entry = tuple[str, Any, str]
 
-# The metadata-only copy of the source GGUF kept inside a checkpoint converted from a GGUF. Not named
-# *.gguf so that tools globbing a directory for model files never take it for the model.
-SOURCE_METADATA_FILE = "ternary_rs.gguf_metadata"
+# The metadata-only copy of the source GGUF kept inside a checkpoint converted from a GGUF.
+SOURCE_METADATA_FILE = SOURCE_GGUF_METADATA
 # Keys that describe one file rather than the model: never copied from a source.
 FILE_KEYS = ("general.alignment", "general.file_type", GGUF_MARK_KEY)
 
@@ -73,8 +73,6 @@ def keys_from_gguf(metadata: dict[str, Any], types: dict[str, str], file_type: i
 
 def keep_source_metadata(gguf_path: str | Path, out_dir: str | Path) -> Path:
     """Store a metadata-only copy of ``gguf_path`` in the checkpoint folder ``out_dir``."""
-    from .hf_gguf import write_metadata_only_gguf
-
     dst = Path(out_dir) / SOURCE_METADATA_FILE
     write_metadata_only_gguf(gguf_path, dst, drop_keys=(GGUF_MARK_KEY,))
     return dst

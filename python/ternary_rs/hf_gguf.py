@@ -34,6 +34,10 @@ TOKENIZER_FILES = (
     "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
 )
 GENERATION_CONFIG = "generation_config.json"
+# A metadata-only copy of the GGUF a checkpoint was converted from (see ternary_rs.gguf_metadata); travels
+# with the tokenizer files. Not named *.gguf so that nothing globbing for model files takes it for one.
+SOURCE_GGUF_METADATA = "ternary_rs.gguf_metadata"
+SIDE_FILES = TOKENIZER_FILES + (GENERATION_CONFIG, SOURCE_GGUF_METADATA)
 
 
 # ------------------------------------------------------------------------------------------ GGUF -> HF
@@ -251,11 +255,12 @@ def generation_config_from_gguf(metadata: dict[str, Any]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ HF side files
 def copy_hf_side_files(src_dir: Path, out_dir: Path) -> list[str]:
-    """Copy tokenizer files and generation_config.json from a Hugging Face directory."""
+    """Copy tokenizer files, generation_config.json and a stored source GGUF metadata copy from a Hugging
+    Face directory."""
     import shutil
 
     copied = []
-    for fname in TOKENIZER_FILES + (GENERATION_CONFIG,):
+    for fname in SIDE_FILES:
         p = src_dir / fname
         if p.is_file():
             shutil.copyfile(p, out_dir / fname)
