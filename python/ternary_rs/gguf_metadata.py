@@ -13,7 +13,7 @@ Two sources, in this order:
    prepare_metadata``), the architecture's hyper-parameters, then the vocabulary: ``tokenizer.model``
    (sentencepiece: ``_set_vocab_sentencepiece``), a llama-style byte-fallback ``tokenizer.json``
    (``_set_vocab_llama_hf``) or a byte-level BPE ``tokenizer.json`` (``_set_vocab_gpt2``), tried in the
-   order the architecture's llama.cpp class tries them (``arch.gguf_vocab_styles``).
+   order the architecture's llama.cpp class tries them (``arch.gguf_vocab``).
 
 One deliberate difference: upstream picks ``tokenizer.ggml.pre`` by hashing the tokenization of a test
 string against a table of published models; we read the pre-tokenizer's split regex from
@@ -99,8 +99,9 @@ def stored_source_metadata(ckpt_dir: str | Path, config: dict[str, Any], gguf_ar
         problems.append(f"general.architecture {metadata.get('general.architecture')!r} != {gguf_arch!r}")
     for cfg_key, suffix in _CONSISTENCY_KEYS:
         key = f"{gguf_arch}.{suffix}"
-        if cfg.get(cfg_key) is not None and key in metadata and int(metadata[key]) != int(cfg[cfg_key]):
-            problems.append(f"{key} = {metadata[key]} but config.json {cfg_key} = {cfg[cfg_key]}")
+        stored, want = metadata.get(key), cfg.get(cfg_key)
+        if isinstance(stored, int) and isinstance(want, int) and stored != want:  # per-layer lists: skipped
+            problems.append(f"{key} = {stored} but config.json {cfg_key} = {want}")
     tokens = metadata.get("tokenizer.ggml.tokens")
     if cfg.get("vocab_size") is not None and isinstance(tokens, list) and len(tokens) != int(cfg["vocab_size"]):
         problems.append(f"{len(tokens)} tokens but config.json vocab_size = {cfg['vocab_size']}")
@@ -361,7 +362,7 @@ def set_vocab_qwen2(writer, hf_dir: Path, config: dict[str, Any], default_pre: s
 VOCAB_WRITERS: dict[str, Callable[..., None]] = {
     "llama": set_vocab_llama,
     "qwen2": set_vocab_qwen2,
-    "gpt2": lambda writer, hf_dir, config, default_pre: set_vocab_gpt2(writer, hf_dir, config, default_pre),
+    "gpt2": set_vocab_gpt2,
 }
 
 
