@@ -297,11 +297,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", choices=("fp16", "fp8"), default="fp16", help="KV cache element type")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
+    s = sub.add_parser(
+        "serve", formatter_class=_Help, help="convert once (cached) and start vLLM's OpenAI-compatible server",
+        description=_para("Serve a ternary model (GGUF, Hugging Face / MLX directory, ternary_rs checkpoint) with "
+                          "vLLM's OpenAI-compatible server. The model is converted once into a cache "
+                          "($XDG_CACHE_HOME/ternary_rs); every option not listed here goes to vLLM (--host, "
+                          "--port, --max-model-len, --tensor-parallel-size, ...; see python -m "
+                          "vllm.entrypoints.openai.api_server --help)."),
+        epilog=_examples("ternary-rs serve Bonsai-8B.gguf --port 8000 --max-model-len 8192",
+                         "ternary-rs serve out_dir --dry-run"))
+    s.add_argument("model", help="GGUF file, Hugging Face / MLX directory or ternary_rs checkpoint")
+    s.add_argument("--cache-dir", help="cache folder (default: $XDG_CACHE_HOME/ternary_rs)")
+    s.add_argument("--no-cache", action="store_true", help="convert into a temporary folder removed on exit")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.add_argument("--dry-run", action="store_true", help="convert (or reuse) and print the vLLM command only")
+    s.add_argument("vllm_args", nargs=argparse.REMAINDER, help="options passed to vLLM's server")
+
     d = sub.add_parser("demo", formatter_class=_Help, help="run the whole pipeline on a small built-in example",
                        description=_para("Write a small synthetic ternary GGUF, inspect it, convert it and verify the "
-                                   "result, in a few seconds."),
-                       epilog=_examples("ternary-rs demo", "ternary-rs demo --keep /tmp/demo"))
+                                   "result, in a few seconds; with --serve, then serve it with vLLM and print a "
+                                   "completion."),
+                       epilog=_examples("ternary-rs demo", "ternary-rs demo --keep /tmp/demo", "ternary-rs demo --serve"))
     d.add_argument("--keep", default=None, help="write the demo files here instead of a temporary folder")
+    d.add_argument("--serve", action="store_true",
+                   help="then serve the demo GGUF with `ternary-rs serve` (needs vLLM) and print a completion")
     return ap
 
 
@@ -369,10 +388,17 @@ def _run(args, ap: argparse.ArgumentParser) -> int:
         else:
             _print_plan(p)
         return EXIT_OK if p["fits"] else EXIT_FAIL
+    if args.command == "serve":
+        from .serve import serve, split_args
+
+        own = (["--cache-dir", args.cache_dir] if args.cache_dir else []) + [
+            flag for flag, on in (("--no-cache", args.no_cache), ("--no-progress", args.no_progress),
+                                  ("--dry-run", args.dry_run)) if on]
+        return serve(split_args(args.model, own + list(args.vllm_args)))
     if args.command == "demo":
         from .demo import run_demo
 
-        return EXIT_OK if run_demo(args.keep) else EXIT_FAIL
+        return EXIT_OK if run_demo(args.keep, serve=args.serve) else EXIT_FAIL
     return EXIT_USAGE
 
 

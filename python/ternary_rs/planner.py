@@ -96,9 +96,10 @@ def served_weight_bytes(report: dict[str, Any]) -> tuple[int, int]:
 
 
 def plan(path, context: int = 8192, concurrency: int = 8, gpu_memory: int | float | str = 24,
-         kv_dtype: str = "fp16") -> dict[str, Any]:
+         kv_dtype: str = "fp16", gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION) -> dict[str, Any]:
     """Memory budget for serving ``path`` (see the module doc for every formula and the units of
-    ``gpu_memory``). ``warnings`` lists what makes the numbers doubtful (a context above the model's)."""
+    ``gpu_memory``; ``gpu_memory_utilization`` is vLLM's option of that name). ``warnings`` lists what
+    makes the numbers doubtful (a context above the model's)."""
     if context <= 0 or concurrency <= 0:
         raise ValueError("context and concurrency must be positive")
     if kv_dtype not in KV_DTYPE_BYTES:
@@ -117,7 +118,9 @@ def plan(path, context: int = 8192, concurrency: int = 8, gpu_memory: int | floa
     attn_layers = _attention_layers(cfg)
     kv_bytes = KV_DTYPE_BYTES[kv_dtype]
     gpu = parse_gpu_memory(gpu_memory)
-    usable = int(gpu * GPU_MEMORY_UTILIZATION)
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization}: expected a fraction in (0, 1]")
+    usable = int(gpu * gpu_memory_utilization)
 
     weights, group = served_weight_bytes(report)
     kv_per_token = 2 * attn_layers * kv_heads * head_dim * kv_bytes
@@ -145,7 +148,7 @@ def plan(path, context: int = 8192, concurrency: int = 8, gpu_memory: int | floa
         "group_size": group,
         "gpu_memory": gpu,
         "usable_memory": usable,
-        "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
+        "gpu_memory_utilization": gpu_memory_utilization,
         "weights": weights,
         "kv_dtype": kv_dtype,
         "attention_layers": attn_layers,

@@ -25,6 +25,9 @@ An arch object provides (attributes / methods):
     add llama.cpp's hyper-parameter keys (GGUF output).
 ``default_tokenizer_pre: str``
     ``tokenizer.ggml.pre`` used when the Hugging Face pre-tokenizer is not recognised.
+``gguf_vocab: str``
+    GGUF vocabulary writer, a key of ``ternary_rs.gguf_metadata.VOCAB_WRITERS`` (``"llama"``, ``"qwen2"``,
+    ``"gpt2"``): which of tokenizer.model / tokenizer.json llama.cpp's converter reads, in which order.
 ``write_vllm_checkpoint`` (optional; ``None`` = use the generic dense writer)
     ``write_vllm_checkpoint(src: TernaryFile, out_dir: Path, options: ConvertOptions) -> None``.
     A whole-checkpoint hook for architectures the generic writer cannot express (hybrid attention,

@@ -14,6 +14,7 @@ class LlamaArch(DenseDecoderArch):
     hf_model_types = ("llama",)
     hf_architectures = ("LlamaForCausalLM",)
     default_tokenizer_pre = "llama-bpe"
+    gguf_vocab = "llama"  # LlamaModel.set_vocab: tokenizer.model, else byte-fallback or byte-level BPE
 
     def _qk_heads(self, hf_name: str, config: dict[str, Any]) -> int | None:
         heads = int(config["num_attention_heads"])

@@ -15,6 +15,7 @@ class Qwen3Arch(DenseDecoderArch):
         "model.layers.{bid}.self_attn.k_norm.weight",
     )
     default_tokenizer_pre = "qwen2"
+    gguf_vocab = "qwen2"  # Qwen2Model.set_vocab: tokenizer.model if present, else byte-level BPE
 
 
 ARCH = Qwen3Arch()

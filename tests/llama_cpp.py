@@ -1,0 +1,119 @@
+"""Upstream llama.cpp for the tests: binaries and its reference converter, from ``scripts/build_llama_cpp.sh``.
+
+``LLAMA_CPP_BIN`` names the folder of binaries (``DEST/build/bin``); the reference converter
+``convert_hf_to_gguf.py`` (with its ``conversion/`` package and ``gguf-py``) is looked for in
+``LLAMA_CPP_CONVERT_DIR``, by default ``DEST`` (two levels above the binaries), where the script puts it.
+Tests that need either skip when it is absent.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+COMPLETION_TIMEOUT_S = 300
+CONVERT_TIMEOUT_S = 600
+
+# Runs llama.cpp's converter with its own gguf-py; optionally pins tokenizer.ggml.pre. The converter picks
+# the pre-tokenizer by hashing the tokenization of a test string against published models: a tokenizer
+# trained on a few test sentences matches none of them, so the test says which regex family it built.
+_CONVERT_WRAPPER = r"""
+import runpy, sys
+from pathlib import Path
+root, pre = Path(sys.argv[1]), sys.argv[2]
+sys.path.insert(0, str(root))
+sys.path.insert(1, str(root / "gguf-py"))
+if pre:
+    from conversion import base
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+sys.argv = [str(root / "convert_hf_to_gguf.py")] + sys.argv[3:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def bin_dir() -> Path | None:
+    value = os.environ.get("LLAMA_CPP_BIN")
+    return Path(value) if value else None
+
+
+def convert_dir() -> Path | None:
+    value = os.environ.get("LLAMA_CPP_CONVERT_DIR")
+    if value:
+        return Path(value)
+    b = bin_dir()
+    return b.parent.parent if b is not None else None
+
+
+def require_binary(name: str = "llama-completion") -> Path:
+    b = bin_dir()
+    if b is None:
+        pytest.skip("LLAMA_CPP_BIN is not set (build llama.cpp with scripts/build_llama_cpp.sh DEST, then "
+                    "export LLAMA_CPP_BIN=DEST/build/bin)")
+    exe = b / name
+    if not exe.is_file():
+        pytest.fail(f"LLAMA_CPP_BIN={b} has no {name}")
+    return exe
+
+
+def require_converter() -> Path:
+    d = convert_dir()
+    if d is None:
+        pytest.skip("LLAMA_CPP_BIN / LLAMA_CPP_CONVERT_DIR is not set (scripts/build_llama_cpp.sh puts "
+                    "convert_hf_to_gguf.py next to the build folder)")
+    if not (d / "convert_hf_to_gguf.py").is_file():
+        pytest.fail(f"{d} has no convert_hf_to_gguf.py")
+    return d
+
+
+def reference_convert(hf_dir: Path, out: Path, outtype: str, tokenizer_pre: str = "", extra: tuple[str, ...] = ()) -> Path:
+    """``convert_hf_to_gguf.py hf_dir --outtype outtype --outfile out [extra…]`` (llama.cpp's own writer)."""
+    root = require_converter()
+    env = dict(os.environ)
+    env.pop("NO_LOCAL_GGUF", None)  # the converter must use its own gguf-py, not the installed one
+    proc = subprocess.run(
+        [sys.executable, "-c", _CONVERT_WRAPPER, str(root), tokenizer_pre, str(hf_dir), "--outtype", outtype,
+         "--outfile", str(out), *extra],
+        capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S, env=env, check=False)
+    if proc.returncode != 0:
+        raise AssertionError(f"convert_hf_to_gguf.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return out
+
+
+# llama-completion's logger (which also prints the generated text) is an async queue that is never flushed
+# at exit (common/log.cpp: "this design may cause logs to be lost if not flushed before the program
+# exits"), so a run can lose its tail. The queue is FIFO and the program's last message is "\n\n": an output
+# ending with it is complete; otherwise the run is repeated.
+COMPLETION_ATTEMPTS = 8
+
+
+def complete(gguf_path: Path, prompt: str, n_predict: int = 24) -> bytes:
+    """Greedy ``llama-completion`` output (prompt echo + generated text) on CPU, one thread, fixed seed."""
+    exe = require_binary("llama-completion")
+    # -no-cnv: plain completion even when the file has a chat template
+    cmd = [str(exe), "-m", str(gguf_path), "-p", prompt, "-n", str(n_predict), "--temp", "0", "--top-k", "1",
+           "--seed", "0", "-t", "1", "-c", "256", "--no-warmup", "-ngl", "0", "-no-cnv", "--simple-io"]
+    for _ in range(COMPLETION_ATTEMPTS):
+        # bytes: a random tiny model emits partial UTF-8 sequences
+        proc = subprocess.run(cmd, capture_output=True, timeout=COMPLETION_TIMEOUT_S, check=False,
+                              stdin=subprocess.DEVNULL)
+        if proc.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                                 f"{proc.stderr[-4000:].decode(errors='replace')}")
+        if proc.stdout.endswith(b"\n\n"):
+            return proc.stdout[: -len(b"\n\n")]
+    raise AssertionError(f"{' '.join(cmd)}: output incomplete in {COMPLETION_ATTEMPTS} runs; last: {proc.stdout!r}")
+
+
+def gguf_contents(path: Path) -> tuple[dict, dict]:
+    """``(metadata {key: (type names, value)}, tensors {name: (type, shape, bytes)})`` read with gguf-py."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    meta = {f.name: (tuple(t.name for t in f.types), f.contents()) for f in r.fields.values()
+            if not f.name.startswith("GGUF.")}
+    tensors = {t.name: (t.tensor_type.name, tuple(int(d) for d in t.shape), t.data.tobytes()) for t in r.tensors}
+    return meta, tensors

@@ -1,0 +1,302 @@
+"""``ternary-rs serve`` in subprocesses: refusals before any conversion (vLLM missing, not ternary, does not
+fit), the conversion cache (reuse checked against the manifest, a changed source or a damaged entry
+reconverted, a concurrent pair converting once), and end to end on CPU with vLLM itself: the built-in demo
+GGUF served, ``/v1/completions`` and ``/v1/chat/completions`` answering, Ctrl-C stopping the server and its
+engine, a second serve reusing the cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ternary_rs.checkpoint import SLEEP_ENV
+from ternary_rs.demo import DEMO_SHAPE, demo_tokenizer, qwen3_metadata, write_demo_gguf
+from ternary_rs.serve import split_args
+
+CLI = [sys.executable, "-m", "ternary_rs", "serve"]
+SERVER_START_TIMEOUT_S = 900
+TESTS = Path(__file__).parent
+CONVERTING = "into the cache:"  # ternary-rs: converting SRC into the cache: ENTRY
+
+
+def run(*args, env=None, timeout=300):
+    return subprocess.run(CLI + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture()
+def demo(tmp_path):
+    src = tmp_path / "demo.gguf"
+    write_demo_gguf(src)
+    return tmp_path, src, tmp_path / "cache"
+
+
+def _entries(cache: Path) -> list[Path]:
+    return sorted(p for p in cache.iterdir() if p.is_dir()) if cache.exists() else []
+
+
+def test_own_options_are_separated_from_vllm_options():
+    o = split_args("m.gguf", ["--port", "8001", "--no-cache", "--max-model-len=512", "--no-progress", "--host",
+                              "0.0.0.0"])
+    assert o.no_cache and not o.progress and o.vllm_args == ["--port", "8001", "--max-model-len=512", "--host", "0.0.0.0"]
+    o = split_args("m.gguf", ["--cache-dir", "/x", "--tensor-parallel-size", "2"])
+    assert o.cache_dir == Path("/x") and o.vllm_args == ["--tensor-parallel-size", "2"]
+    assert split_args("m.gguf", ["--cache-dir=/y"]).cache_dir == Path("/y")
+
+
+def test_model_given_twice_is_refused(demo):
+    _, src, cache = demo
+    r = run(src, "--model", src, "--cache-dir", cache)
+    assert r.returncode == 1 and "not as --model" in r.stderr
+
+
+def test_missing_vllm_is_reported_before_converting(demo, tmp_path):
+    _, src, cache = demo
+    # A sitecustomize that makes `vllm` unimportable, as in an environment without it.
+    blocker = tmp_path / "no_vllm"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _NoVllm:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'vllm' or name.startswith('vllm.'):\n"
+        "            raise ModuleNotFoundError(\"No module named 'vllm'\")\n"
+        "sys.meta_path.insert(0, _NoVllm())\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(blocker), os.environ.get("PYTHONPATH", "")])}
+    r = run(src, "--cache-dir", cache, env=env)
+    assert r.returncode == 1, r.stderr
+    assert "vLLM is not installed" in r.stderr and "scripts/setup_env.sh" in r.stderr
+    assert not cache.exists()  # nothing converted
+
+
+def test_model_without_ternary_weights_is_refused(tmp_path):
+    from ternary_rs.io import GGUFWriter
+
+    src, cache = tmp_path / "dense.gguf", tmp_path / "cache"
+    s = DEMO_SHAPE
+    tokens, types, merges = demo_tokenizer()
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(src)
+    for key, value, vtype in qwen3_metadata("dense", s, 1, 512, tokens, types, merges):
+        w.add_metadata(key, value, vtype)
+    q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    shapes = {"token_embd.weight": (len(tokens), s["hidden"]), "output_norm.weight": (s["hidden"],),
+              "blk.0.attn_q.weight": (q, s["hidden"]), "blk.0.attn_k.weight": (kv, s["hidden"]),
+              "blk.0.attn_v.weight": (kv, s["hidden"]), "blk.0.attn_output.weight": (s["hidden"], q),
+              "blk.0.ffn_gate.weight": (s["intermediate"], s["hidden"]),
+              "blk.0.ffn_up.weight": (s["intermediate"], s["hidden"]),
+              "blk.0.ffn_down.weight": (s["hidden"], s["intermediate"]),
+              "blk.0.attn_norm.weight": (s["hidden"],), "blk.0.ffn_norm.weight": (s["hidden"],),
+              "blk.0.attn_q_norm.weight": (s["head_dim"],), "blk.0.attn_k_norm.weight": (s["head_dim"],)}
+    data = {n: rng.standard_normal(shape).astype(np.float32) for n, shape in shapes.items()}
+    for n, a in data.items():
+        w.add_tensor_info(n, a.shape, "F32", a.nbytes)
+    for n, a in data.items():
+        w.write_tensor_data(n, a)
+    w.close()
+    r = run(src, "--cache-dir", cache)
+    assert r.returncode == 1
+    assert "holds no ternary weights" in r.stderr and "vllm serve" in r.stderr
+    assert not cache.exists()
+
+
+def test_model_that_does_not_fit_is_refused_with_the_plan(demo):
+    _, src, cache = demo
+    r = run(src, "--cache-dir", cache, "--max-model-len", str(10**9))
+    assert r.returncode == 1
+    assert "does not fit" in r.stderr and "--max-model-len" in r.stderr and "ternary-rs plan" in r.stderr
+    assert not cache.exists()
+
+
+def test_cache_is_reused_and_checked_against_the_manifest(demo):
+    root, src, cache = demo
+    first = run(src, "--cache-dir", cache, "--dry-run", "--port", "8123")
+    assert first.returncode == 0, first.stderr
+    assert CONVERTING in first.stderr
+    (entry,) = _entries(cache)
+    assert f"--model {entry}" in first.stdout and "--port 8123" in first.stdout
+    assert "--served-model-name demo" in first.stdout
+    manifest = json.loads((entry / "ternary_rs.json").read_text())
+    assert [Path(s["path"]).resolve() for s in manifest["sources"]] == [src.resolve()]
+
+    again = run(src, "--cache-dir", cache, "--dry-run")
+    assert again.returncode == 0 and "reusing the cached conversion" in again.stderr
+    assert CONVERTING not in again.stderr
+
+    # A damaged entry (a file the manifest lists has another size) is converted again, in place.
+    shard = next(entry.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-8])
+    fixed = run(src, "--cache-dir", cache, "--dry-run")
+    assert fixed.returncode == 0 and CONVERTING in fixed.stderr
+    assert _entries(cache) == [entry]
+    assert subprocess.run([sys.executable, "-m", "ternary_rs", "verify", str(entry)]).returncode == 0
+
+    # A changed source is a different cache key: converted again, the old entry left alone.
+    write_demo_gguf(src, seed=7)
+    changed = run(src, "--cache-dir", cache, "--dry-run")
+    assert changed.returncode == 0 and CONVERTING in changed.stderr
+    assert len(_entries(cache)) == 2
+
+
+def test_xdg_cache_home_and_no_cache(demo):
+    root, src, _ = demo
+    xdg = root / "xdg"
+    r = run(src, "--dry-run", env={"XDG_CACHE_HOME": str(xdg)})
+    assert r.returncode == 0, r.stderr
+    assert len(_entries(xdg / "ternary_rs")) == 1
+    r = run(src, "--dry-run", "--no-cache", env={"XDG_CACHE_HOME": str(root / "xdg2")})
+    assert r.returncode == 0, r.stderr
+    assert not (root / "xdg2").exists()
+    # the temporary conversion is removed when the command ends
+    tmp_model = Path(r.stdout.split("--model ")[1].split()[0])
+    assert not tmp_model.exists()
+
+
+def test_concurrent_serves_convert_once(demo):
+    _, src, cache = demo
+    env = {**os.environ, SLEEP_ENV: "0.1"}  # a slow conversion, so the two really overlap
+    procs = [subprocess.Popen(CLI + [str(src), "--cache-dir", str(cache), "--dry-run", "--no-progress"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    errs = [e for _, e in outs]
+    assert sum(CONVERTING in e for e in errs) == 1, errs
+    waited = next(e for e in errs if CONVERTING not in e)
+    assert "waiting for it" in waited and "reusing the cached conversion" in waited
+    assert outs[0][0] == outs[1][0]  # the same checkpoint and command
+    assert len(_entries(cache)) == 1
+
+
+# ------------------------------------------------------------------------------------------ with vLLM
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.status == 200
+        return json.loads(r.read())
+
+
+def _cpu_env() -> dict:
+    sys.path.insert(0, str(TESTS))
+    from vllm_runner import cpu_env
+
+    saved = dict(os.environ)
+    try:
+        cpu_env(1)
+        env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # as `vllm serve` runs: engine in its own process
+    return env
+
+
+class Server:
+    """``ternary-rs serve`` running in the background, its output in a log file."""
+
+    def __init__(self, src: Path, cache: Path, log: Path):
+        import psutil
+
+        self.port = _free_port()
+        self.log_path = log
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(
+            CLI + [str(src), "--cache-dir", str(cache), "--no-progress", "--host", "127.0.0.1", "--port",
+                   str(self.port), "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "4"],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **_cpu_env()})
+        self.children: list = []
+        deadline = time.time() + SERVER_START_TIMEOUT_S
+        while "ternary-rs: serving" not in self.text():
+            if self.proc.poll() is not None:
+                pytest.fail(f"serve exited {self.proc.returncode}:\n{self.text()[-6000:]}")
+            if time.time() > deadline:
+                self.stop()
+                pytest.fail("serve did not become ready:\n" + self.text()[-6000:])
+            time.sleep(2)
+        self.children = psutil.Process(self.proc.pid).children(recursive=True)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig=signal.SIGINT) -> int:
+        """Ctrl-C as a user would (or another signal)."""
+        self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        finally:
+            self.log.close()
+        return code
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_serve_demo_gguf_end_to_end(tmp_path):
+    pytest.importorskip("vllm")
+    import psutil
+
+    src, cache = tmp_path / "demo.gguf", tmp_path / "cache"
+    write_demo_gguf(src)
+    server = Server(src, cache, tmp_path / "serve1.log")
+    try:
+        text = server.text()
+        assert CONVERTING in text
+        assert f"serving 'demo' at http://127.0.0.1:{server.port}/v1" in text
+        r = _post(server.base + "/v1/completions", {"model": "demo", "prompt": "the", "max_tokens": 8,
+                                                   "temperature": 0, "ignore_eos": True})
+        assert r["model"] == "demo" and r["usage"]["completion_tokens"] == 8
+        assert isinstance(r["choices"][0]["text"], str)
+        chat = _post(server.base + "/v1/chat/completions", {
+            "model": "demo", "messages": [{"role": "user", "content": "the"}], "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True})
+        assert chat["choices"][0]["message"]["role"] == "assistant" and chat["usage"]["completion_tokens"] == 6
+    finally:
+        code = server.stop()
+    assert code == 0, server.text()[-3000:]
+    assert "vLLM stopped" in server.log_path.read_text()
+    assert server.children and not [c for c in server.children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+    # The second serve of the same file reuses the cache and answers too.
+    server = Server(src, cache, tmp_path / "serve2.log")
+    try:
+        text = server.text()
+        assert "reusing the cached conversion" in text and CONVERTING not in text
+        r = _post(server.base + "/v1/completions", {"model": "demo", "prompt": "the", "max_tokens": 4,
+                                                   "temperature": 0, "ignore_eos": True})
+        assert r["usage"]["completion_tokens"] == 4
+    finally:
+        assert server.stop(signal.SIGTERM) == 0  # what a process manager sends
+    assert "vLLM stopped" in server.log_path.read_text()
+    assert len(_entries(cache)) == 1
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_demo_serve_prints_a_served_completion():
+    """The README's first command ends with this."""
+    pytest.importorskip("vllm")
+    r = subprocess.run([sys.executable, "-m", "ternary_rs", "demo", "--serve"], capture_output=True, text=True,
+                       timeout=SERVER_START_TIMEOUT_S, env={**os.environ, **_cpu_env()})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "verify: OK" in r.stdout and "5. serve: ternary-rs serve" in r.stdout
+    assert "   text: " in r.stdout and " tokens in " in r.stdout and "tokens/s" in r.stdout
+    assert not [line for line in r.stdout.splitlines() if "api_server" in line]  # vLLM's log stays out of it
