@@ -168,13 +168,13 @@ def _refusal_cases():
 
     V = gguf.GGUFValueType
     return [
-        ({"prism.hadamard.version": (2, V.UINT32, None)}, "version"),
+        ({"prism.hadamard.version": (3, V.UINT32, None)}, "version"),
         ({"prism.hadamard.transform": ("random-orthogonal", V.STRING, None)}, "transform"),
         ({"prism.hadamard.block_size": (96, V.UINT32, None)}, "power of two"),
         ({"prism.hadamard.sign_values": ([1, -1] * 8, V.ARRAY, V.INT8)}, "sign_values"),
         ({"prism.hadamard.weight_names": (["blk.0.ffn_down.weight", "blk.77.ffn_up.weight"], V.ARRAY, V.STRING)},
          "blk.77"),
-        ({"prism.hadamard.gdn_v_grouped": (None, V.BOOL, None)}, "gdn_v_grouped"),
+        ({"prism.hadamard.axis": ("output-first-dimension", V.STRING, None)}, "axis"),
         ({"prism.hadamard.block_size": (None, V.UINT32, None)}, "block_size"),
     ]
 
@@ -263,3 +263,184 @@ def test_mlx_pack_module_list_must_match_hadamard_json(tiny, tmp_path):
     (d / "hadamard.json").write_text(json.dumps(had))
     with pytest.raises(ternary_rs.ValidationError, match="layers.1.mlp.up_proj"):
         ternary_rs.convert(d, tmp_path / "out", progress=False)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Bonsai files as they ship: first-generation id-42 Q2_0, g64 Q2_0, rotation version 2, identity signs,
+# sign arrays of any int width, a missing gdn_v_grouped (FORMATS.md §1.3, §1.3.5)
+# ------------------------------------------------------------------------------------------------------
+
+
+def _ternary_matches(tiny, got, group):
+    """Every stored ternary weight (W' codes and fp16 scales at ``group``) is in the checkpoint, bit-exact."""
+    for name, (t, d) in tiny.stored.items():
+        module = name[: -len(".weight")]
+        if module == "model.embed_tokens":
+            continue  # stored dense today (vLLM's Qwen3_5Model has no quantized embedding)
+        np.testing.assert_array_equal(got[module + ".qweight"], pack_codes(t), err_msg=module)
+        want = np.repeat(d.astype(np.float16), tiny.group_size // group, axis=1)
+        np.testing.assert_array_equal(got[module + ".scales"].view(np.uint16), want.view(np.uint16), err_msg=module)
+
+
+def test_first_generation_id42_g128_q2_0(tiny, converted, tmp_path):
+    """Type id 42 with 34-byte blocks (``Ternary-Bonsai-27B-Q2_0.gguf``): decoded as the fork's g128 Q2_0,
+    giving exactly the PQ2_0 file's checkpoint."""
+    src = write_prism_gguf(tiny, tmp_path / "gen1-Q2_0.gguf", "Q2_0_G128")
+    assert {i.type for i in ternary_rs.open(src).tensors.values()} >= {"Q2_0_G128"}
+    out = ternary_rs.convert(src, tmp_path / "gen1", progress=False)
+    a, b = read_all(out), read_all(converted["PQ2_0"])
+    assert set(a) == set(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert json.loads((Path(out) / "config.json").read_text())["quantization_config"]["group_size"] == 128
+
+
+@pytest.fixture(scope="module")
+def tiny_g64(tmp_path_factory):
+    return build_bonsai2_tiny(tmp_path_factory.mktemp("bonsai2_g64") / "hf", block_size=128, group_size=64)
+
+
+def test_q2_0_g64_keeps_its_groups(tiny_g64, tmp_path):
+    """Upstream Q2_0 (id 42, 18-byte blocks, g64) with a distinct scale per 64 values stays g64."""
+    src = write_prism_gguf(tiny_g64, tmp_path / "m-Q2_g64.gguf", "Q2_0")
+    assert {i.type for i in ternary_rs.open(src).tensors.values()} >= {"Q2_0"}
+    out = ternary_rs.convert(src, tmp_path / "g64", progress=False)
+    assert json.loads((Path(out) / "config.json").read_text())["quantization_config"]["group_size"] == 64
+    _ternary_matches(tiny_g64, read_all(out), 64)
+
+
+def test_prism_q2_g64_of_a_g128_model(tiny, tmp_path):
+    """PrismML's ``*-Q2_g64.gguf`` repeats each g128 scale per 64-value block: native g64, and g128 on request
+    (lossless, the pairs agree)."""
+    src = write_prism_gguf(tiny, tmp_path / "m-Q2_g64.gguf", "Q2_0")
+    got = read_all(ternary_rs.convert(src, tmp_path / "g64", progress=False))
+    _ternary_matches(tiny, got, 64)
+    got128 = read_all(ternary_rs.convert(src, tmp_path / "g128", group_size=128, progress=False))
+    _ternary_matches(tiny, got128, 128)
+
+
+@pytest.fixture(scope="module")
+def tiny_tied(tmp_path_factory):
+    return build_bonsai2_tiny(tmp_path_factory.mktemp("bonsai2_tied") / "hf", block_size=128,
+                              tie_word_embeddings=True)
+
+
+def test_rotation_version_2_tied_output(tiny_tied, tmp_path):
+    """``version = 2`` + ``tied_output``: no ``output.weight``; the checkpoint ties the head to the ternary,
+    inverse-rotated embedding (vLLM applies the forward transform to a tied head)."""
+    src = write_prism_gguf(tiny_tied, tmp_path / "v2.gguf", "PQ2_0")
+    f = ternary_rs.open(src)
+    assert "output.weight" not in f.tensors and f.metadata["prism.hadamard.version"] == 2
+    out = ternary_rs.convert(src, tmp_path / "v2", progress=False)
+    cfg = json.loads((Path(out) / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is True
+    got = read_all(out)
+    assert not any(k.startswith("lm_head") for k in got)
+    _ternary_matches(tiny_tied, got, 128)
+
+
+def test_tied_output_needs_version_2_and_no_output_tensor(tiny, tiny_tied, tmp_path):
+    import gguf
+
+    V = gguf.GGUFValueType
+    # version 1 does not know tied_output: refuse rather than guess which head to serve.
+    src = write_prism_gguf(tiny_tied, tmp_path / "v1-tied.gguf", "PQ2_0",
+                           overrides={"prism.hadamard.version": (1, V.UINT32, None)})
+    with pytest.raises(ternary_rs.ValidationError, match="tied_output"):
+        ternary_rs.convert(src, tmp_path / "a", progress=False)
+    # tied_output = true but the file has an output.weight: contradictory.
+    src = write_prism_gguf(tiny, tmp_path / "v2-untied.gguf", "PQ2_0",
+                           overrides={"prism.hadamard.version": (2, V.UINT32, None),
+                                      "prism.hadamard.tied_output": (True, V.BOOL, None)})
+    with pytest.raises(ternary_rs.ValidationError, match="output.weight"):
+        ternary_rs.convert(src, tmp_path / "b", progress=False)
+
+
+@pytest.mark.parametrize("key", ["axis", "sign_mode"])
+def test_axis_and_sign_mode_are_required(tiny, tmp_path, key):
+    src = write_prism_gguf(tiny, tmp_path / "bad.gguf", "PQ2_0", overrides={f"prism.hadamard.{key}": (None, None, None)})
+    with pytest.raises(ternary_rs.ValidationError, match=f"prism.hadamard.{key}"):
+        ternary_rs.convert(src, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_identity_sign_mode_without_sign_arrays(tmp_path):
+    """``sign_mode = "identity"``: no sign arrays, s = 1; the un-rotated weights are the dense model's."""
+    tiny = build_bonsai2_tiny(tmp_path / "hf", block_size=128, sign_mode="identity")
+    src = write_prism_gguf(tiny, tmp_path / "id.gguf", "PTQ1_0")
+    assert "prism.hadamard.sign_values" not in ternary_rs.open(src).metadata
+    out = ternary_rs.convert(src, tmp_path / "id", progress=False)
+    had = json.loads((Path(out) / "config.json").read_text())["quantization_config"]["hadamard"]
+    assert set(had["sign_values"]) == {1}
+    assert set(had["layers"]) == {n[: -len(".weight")] for n in tiny.rotated_names}
+    got = read_all(out)
+    _ternary_matches(tiny, got, 128)
+    with safe_open(str(tiny.hf_dir / "model.safetensors"), framework="numpy") as f:
+        module = "model.layers.1.mlp.down_proj"
+        q, s = got[module + ".qweight"], got[module + ".scales"]
+        codes = np.stack([(q >> (2 * i)) & 3 for i in range(4)], axis=-1).reshape(q.shape[0], -1)
+        dense = unrotate(dequant(codes.astype(np.int8) - 1, s, 128), np.ones(q.shape[1] * 4), 128)
+        np.testing.assert_allclose(dense, f.get_tensor(module + ".weight"), atol=1e-5)
+
+
+def test_identity_sign_mode_with_flipping_signs_refused(tiny, tmp_path):
+    import gguf
+
+    src = write_prism_gguf(tiny, tmp_path / "bad.gguf", "PQ2_0",
+                           overrides={"prism.hadamard.sign_mode": ("identity", gguf.GGUFValueType.STRING, None)})
+    with pytest.raises(ternary_rs.ValidationError, match="identity"):
+        ternary_rs.convert(src, tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize("width", ["INT16", "INT32", "INT64"])
+def test_sign_arrays_of_any_int_width(tiny, converted, tmp_path, width):
+    """gguf-py writes Python int lists as INT32; any signed integer array is accepted."""
+    import gguf
+
+    V = gguf.GGUFValueType
+    widths = sorted(tiny.signs)
+    values = [int(v) for w in widths for v in tiny.signs[w]]
+    src = write_prism_gguf(tiny, tmp_path / "w.gguf", "PQ2_0",
+                           overrides={"prism.hadamard.sign_values": (values, V.ARRAY, getattr(V, width))})
+    assert ternary_rs.open(src).metadata_types["prism.hadamard.sign_values"] == f"array[i{width[3:]}]"
+    out = ternary_rs.convert(src, tmp_path / "o", progress=False)
+    qa = json.loads((Path(out) / "config.json").read_text())["quantization_config"]["hadamard"]
+    qb = json.loads((Path(converted["PQ2_0"]) / "config.json").read_text())["quantization_config"]["hadamard"]
+    assert qa == qb
+
+
+def test_missing_gdn_v_grouped_means_false_gguf(tiny, tmp_path):
+    """Upstream's loader reads an absent ``gdn_v_grouped`` as false: same checkpoint as an explicit false."""
+    import gguf
+
+    absent = ternary_rs.convert(write_prism_gguf(tiny, tmp_path / "a.gguf", "PQ2_0", overrides={
+        "prism.hadamard.gdn_v_grouped": (None, None, None)}), tmp_path / "absent", progress=False)
+    false = ternary_rs.convert(write_prism_gguf(tiny, tmp_path / "f.gguf", "PQ2_0", overrides={
+        "prism.hadamard.gdn_v_grouped": (False, gguf.GGUFValueType.BOOL, None)}), tmp_path / "false", progress=False)
+    ha = json.loads((Path(absent) / "config.json").read_text())["quantization_config"]["hadamard"]
+    hf = json.loads((Path(false) / "config.json").read_text())["quantization_config"]["hadamard"]
+    assert ha == hf
+    assert all("gdn_permute" in v for k, v in ha["layers"].items() if k.endswith("linear_attn.out_proj"))
+
+
+def test_missing_gdn_v_grouped_means_false_mlx(tiny, tmp_path):
+    d = write_mlx_pack(tiny, tmp_path / "mlx")
+    had = json.loads((d / "hadamard.json").read_text())
+    del had["gdn_v_grouped"]
+    (d / "hadamard.json").write_text(json.dumps(had))
+    out = ternary_rs.convert(d, tmp_path / "out", progress=False)
+    layers = json.loads((Path(out) / "config.json").read_text())["quantization_config"]["hadamard"]["layers"]
+    c = tiny.config
+    for name, entry in layers.items():
+        if name.endswith("linear_attn.out_proj"):
+            assert entry["gdn_permute"] == {"from": "grouped", "to": "tiled",
+                                            "num_v_heads": c["linear_num_value_heads"],
+                                            "num_k_heads": c["linear_num_key_heads"],
+                                            "head_dim": c["linear_value_head_dim"]}
+
+
+def test_q2_0_g64_to_g128_refused_when_pairs_differ(tiny_g64, tmp_path):
+    src = write_prism_gguf(tiny_g64, tmp_path / "m-Q2_g64.gguf", "Q2_0")
+    with pytest.raises(ternary_rs.ValidationError):
+        ternary_rs.convert(src, tmp_path / "g128", group_size=128, progress=False)
+    assert not (tmp_path / "g128").exists()

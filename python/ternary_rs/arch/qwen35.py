@@ -22,7 +22,12 @@ inverse-rotated ternary embedding). A listed weight that ends up dense is un-rot
 (``W = W'·H·D``) and dropped from the list — in particular the embedding: vLLM's ``Qwen3_5Model`` creates
 ``embed_tokens`` without a quant config, so the table is written dense (float16).
 ``ssm_out`` was rotated in the *grouped* head basis (``gdn_v_grouped = true``), which is the activation order
-vLLM uses, so it needs no permutation in vLLM; a file saying ``false`` gets the grouped → tiled gather.
+vLLM uses, so it needs no permutation in vLLM; a file saying ``false`` — or nothing: upstream's loader reads an
+absent key as false — gets the grouped → tiled gather. Rotation version 2 with ``tied_output`` (no
+``output.weight``) becomes ``tie_word_embeddings``.
+
+Ternary tensor types: PQ2_0, PTQ1_0, first-generation id-42 "Q2_0" (g128, reported as ``Q2_0_G128``),
+upstream / ``*-Q2_g64`` Q2_0 (g64), TQ2_0, TQ1_0; the checkpoint keeps the smallest native group.
 
 A ``qwen35`` GGUF without ``prism.hadamard.*`` is taken as an ordinary (unrotated) model.
 """
@@ -66,7 +71,11 @@ LINEAR_MODULES = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
     "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
 )
-GGUF_TERNARY_TYPES = ("PQ2_0", "PTQ1_0", "TQ2_0", "TQ1_0", "Q2_0")
+# Ternary GGUF types a qwen35 file may hold → native group size (FORMATS.md §1.3). Id 42 is two formats, told
+# apart by byte span in the container layer: the first-generation fork "Q2_0" (g128, 34-byte blocks) is
+# reported as Q2_0_G128, upstream Q2_0 and PrismML's ``*-Q2_g64.gguf`` (g64, 18-byte blocks) as Q2_0.
+GGUF_TERNARY_GROUPS = {"PQ2_0": 128, "PTQ1_0": 128, "Q2_0_G128": 128, "Q2_0": 64, "TQ2_0": 256, "TQ1_0": 256}
+GGUF_TERNARY_TYPES = tuple(GGUF_TERNARY_GROUPS)
 FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bfloat16"}
 HF_ARCHITECTURE = "Qwen3_5ForCausalLM"
 HF_MODEL_TYPE = "qwen3_5_text"
@@ -322,14 +331,13 @@ def _config_from_gguf(md: dict, tensors: dict, path: str) -> dict:
 
 
 def _group_size(requested: int | None, native: set[int], where: str) -> int:
-    """The checkpoint's group size: the requested one, or the source's smallest native group."""
+    """The checkpoint's group size: the requested one, or the source's smallest native group.
+
+    A requested group larger than a native one is accepted here: :func:`ternary_rs.tensor.repack` merges
+    groups only where every merged scale agrees (lossless, e.g. PrismML's g64 files repeat each g128 scale)
+    and raises ``ValidationError`` naming the tensor otherwise."""
     if requested is None:
         return min(native) if native else 128
-    if any(g < requested for g in native):
-        raise ValidationError(
-            f"{where}: group size {requested} is larger than the source's native groups {sorted(native)}; "
-            "that would requantize the weights"
-        )
     return requested
 
 
@@ -356,7 +364,7 @@ def _plan_from_gguf(src, options) -> _Plan:
         hf = gguf_to_hf(name)
         kinds[name] = hf
         if info.type in GGUF_TERNARY_TYPES:
-            native.add(128 if info.type in ("PQ2_0", "PTQ1_0", "Q2_0") else 256)
+            native.add(GGUF_TERNARY_GROUPS[info.type])
     g = plan.group_size = _group_size(options.group_size, native, path)
 
     for name, info in tensors.items():
@@ -404,16 +412,14 @@ def _plan_from_gguf(src, options) -> _Plan:
         for name, hf in kinds.items():
             if hf.endswith(".weight") and len(tensors[name].shape) == 2:
                 width_of[name] = (hf[: -len(".weight")], int(tensors[name].shape[1]))
-        grouped = prism.get("gdn_v_grouped")
-        listed = prism.get("weight_names") or []
-        if grouped is None and any(str(n).endswith("ssm_out.weight") for n in listed):
+        if H.tied_output(prism, path) and "output.weight" in tensors:
             raise ValidationError(
-                f"{path}: prism.hadamard.gdn_v_grouped is missing, so the head order ssm_out was rotated in "
-                "is unknown; refusing rather than guessing"
+                f"{path}: prism.hadamard.tied_output says token_embd is also the output head, but the file has an "
+                "output.weight; refusing rather than guessing which head to serve"
             )
-        plan.spec = H.HadamardSpec.from_prism(
-            prism, width_of.get, _gdn_permute_for(cfg, bool(grouped) if grouped is not None else True), path
-        )
+        # Upstream's loader reads an absent gdn_v_grouped as false (ssm_out rotated in the tiled basis).
+        grouped = bool(prism.get("gdn_v_grouped", False))
+        plan.spec = H.HadamardSpec.from_prism(prism, width_of.get, _gdn_permute_for(cfg, grouped), path)
     _dense_embedding(plan)
     plan.spec = _fold_dense_rotations(plan)
 
@@ -551,7 +557,7 @@ def _plan_from_mlx(src, options) -> _Plan:
             return module, plan.dense[module + ".weight"][2][-1]
         return None
 
-    grouped = had.get("gdn_v_grouped", True)
+    grouped = had.get("gdn_v_grouped", False)  # absent means false, as in a GGUF (upstream loader)
     plan.spec = H.HadamardSpec.from_prism(had, resolve, _gdn_permute_for(plan.config, bool(grouped)),
                                           f"{where}/{had_name}")
     # The pack's own module list must agree with hadamard.json (a rotated module it does not list would be
