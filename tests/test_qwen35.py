@@ -65,27 +65,22 @@ def pack_codes(t: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("source", ["PQ2_0", "PTQ1_0", "MLX"])
 def test_tensors_match_the_model(tiny, converted, source):
     got = read_all(converted[source])
-    # vLLM's Qwen3_5Model has no quantized embedding: the table is written dense (fp16) and un-rotated.
-    with safe_open(str(tiny.hf_dir / "model.safetensors"), framework="numpy") as f:
-        want_embed = f.get_tensor("model.embed_tokens.weight")
-    np.testing.assert_allclose(got["model.embed_tokens.weight"], want_embed,
-                               atol=1e-3 * np.abs(want_embed).max(), rtol=0)
+    # Every ternary weight, the embedding included (served ternary by the plugin's Qwen3.5 class), is W' as
+    # stored: codes and fp16 scales bit-exact.
     for name, (t, d) in tiny.stored.items():
-        if name == "model.embed_tokens.weight":
-            continue
         module = name[: -len(".weight")]
         np.testing.assert_array_equal(got[module + ".qweight"], pack_codes(t), err_msg=module)
         np.testing.assert_array_equal(got[module + ".scales"].view(np.uint16), d.astype(np.float16).view(np.uint16))
     for name, want in tiny.dense.items():
         assert name in got, name
-        have = got[name].astype(np.float32)
-        assert have.shape == want.shape, name
+        have = got[name]
+        # Dense tensors are float32 (lossless: the source value or the float32 of its transform).
+        assert have.dtype == np.float32 and have.shape == want.shape, name
         # F32 round trips (w+1−1, log(exp)) and, for MLX, the fp16 of the pack.
         tol = 2e-3 if source == "MLX" else 2e-6
         np.testing.assert_allclose(have, want, atol=tol * max(1.0, float(np.abs(want).max())), err_msg=name)
-    ternary = [m[: -len(".weight")] for m in tiny.stored if m != "model.embed_tokens.weight"]
-    assert set(got) == {m + s for m in ternary for s in (".qweight", ".scales")} | set(tiny.dense) | {
-        "model.embed_tokens.weight"}
+    ternary = [m[: -len(".weight")] for m in tiny.stored]
+    assert set(got) == {m + s for m in ternary for s in (".qweight", ".scales")} | set(tiny.dense)
 
 
 @pytest.mark.parametrize("source", ["PQ2_0", "PTQ1_0", "MLX"])
@@ -105,7 +100,7 @@ def test_config_and_rotation_description(tiny, converted, source):
     had = qc["hadamard"]
     assert had["block_size"] == tiny.block_size and had["version"] == 1
     assert set(had["layers"]) == {n[: -len(".weight")] for n in tiny.rotated_names}
-    assert had["inverse_embeddings"] == []  # the embedding is stored dense and un-rotated
+    assert had["inverse_embeddings"] == ["model.embed_tokens"]  # ternary, un-rotated per looked-up row
     assert all("gdn_permute" not in v for v in had["layers"].values())  # gdn_v_grouped: vLLM is grouped too
     at = 0
     for w in had["sign_widths"]:
@@ -236,8 +231,8 @@ def test_dequantized_checkpoint_is_the_dense_model(tiny, converted, tmp_path):
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(tiny.hf_dir, dtype=torch.float32).eval()(ids).logits
         got = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()(ids).logits
-    # fp16 embedding table in the checkpoint: a small, bounded difference.
-    torch.testing.assert_close(got, ref, atol=0.05 * float(ref.std()), rtol=0)
+    # Nothing in the checkpoint is rounded (ternary W' and float32 dense tensors): float32 summation only.
+    torch.testing.assert_close(got, ref, atol=1e-4 * float(ref.std()), rtol=0)
 
 
 def test_generic_paths_refuse_rotated_sources(tmp_path):
@@ -275,8 +270,6 @@ def _ternary_matches(tiny, got, group):
     """Every stored ternary weight (W' codes and fp16 scales at ``group``) is in the checkpoint, bit-exact."""
     for name, (t, d) in tiny.stored.items():
         module = name[: -len(".weight")]
-        if module == "model.embed_tokens":
-            continue  # stored dense today (vLLM's Qwen3_5Model has no quantized embedding)
         np.testing.assert_array_equal(got[module + ".qweight"], pack_codes(t), err_msg=module)
         want = np.repeat(d.astype(np.float16), tiny.group_size // group, axis=1)
         np.testing.assert_array_equal(got[module + ".scales"].view(np.uint16), want.view(np.uint16), err_msg=module)
@@ -337,6 +330,7 @@ def test_rotation_version_2_tied_output(tiny_tied, tmp_path):
     got = read_all(out)
     assert not any(k.startswith("lm_head") for k in got)
     _ternary_matches(tiny_tied, got, 128)
+    assert cfg["quantization_config"]["hadamard"]["inverse_embeddings"] == ["model.embed_tokens"]
 
 
 def test_tied_output_needs_version_2_and_no_output_tensor(tiny, tiny_tied, tmp_path):
@@ -444,3 +438,41 @@ def test_q2_0_g64_to_g128_refused_when_pairs_differ(tiny_g64, tmp_path):
     with pytest.raises(ternary_rs.ValidationError):
         ternary_rs.convert(src, tmp_path / "g128", group_size=128, progress=False)
     assert not (tmp_path / "g128").exists()
+
+
+# ------------------------------------------------------------------------------------------------------
+# What convert writes is what inspect / verify / plan describe (issue 16 item 3)
+# ------------------------------------------------------------------------------------------------------
+
+
+def _served_bytes_from_headers(ckpt: Path) -> int:
+    """Bytes vLLM holds for the checkpoint, from the safetensors headers (``safetensors``, not ternary_rs):
+    ternary qweight + scales as stored, every float tensor at 2 bytes per value (served in bf16)."""
+    total = 0
+    for shard in sorted(Path(ckpt).glob("*.safetensors")):
+        with safe_open(str(shard), framework="numpy") as f:
+            for k in f.keys():
+                sl = f.get_slice(k)
+                n = int(np.prod(sl.get_shape()))
+                total += n * (1 if k.endswith(".qweight") else 2)
+    return total
+
+
+@pytest.mark.parametrize("qtype", ["PQ2_0", "PTQ1_0"])
+def test_inspect_verify_plan_describe_the_output(tiny, converted, tmp_path, qtype):
+    import subprocess
+    import sys
+
+    out = Path(converted[qtype])
+    src = write_prism_gguf(tiny, tmp_path / f"src-{qtype}.gguf", qtype)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "ternary_rs", *a], capture_output=True, text=True,  # noqa: E731
+                                    timeout=300)
+    inspected = run("inspect", str(out))
+    assert inspected.returncode == 0, inspected.stderr
+    assert "really ternary: yes" in inspected.stdout, inspected.stdout
+    verified = run("verify", str(out))
+    assert verified.returncode == 0 and "OK" in verified.stdout, verified.stdout + verified.stderr
+    assert "warning" not in verified.stdout, verified.stdout
+    # plan on the source counts exactly what convert writes (the embedding is ternary in both).
+    want = _served_bytes_from_headers(out)
+    assert ternary_rs.plan(src)["weights"] == ternary_rs.plan(out)["weights"] == want

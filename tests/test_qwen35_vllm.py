@@ -57,6 +57,7 @@ def served(tmp_path_factory):
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     got = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
     prompt_lens = [len(o.prompt_token_ids) for o in outs]
+    served_layers = llm.apply_model(_embedding_layers)[0]
     del llm
     import gc
 
@@ -64,7 +65,20 @@ def served(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(tiny.hf_dir, dtype=torch.float32).eval()
-    return {"tiny": tiny, "ckpt": ckpt, "sequences": got, "prompt_lens": prompt_lens, "ref": ref}
+    return {"tiny": tiny, "ckpt": ckpt, "sequences": got, "prompt_lens": prompt_lens, "ref": ref,
+            "layers": served_layers}
+
+
+def _embedding_layers(model) -> dict:
+    """In the engine: quant method and resident bytes of embed_tokens / lm_head (tensors and buffers)."""
+    out = {}
+    for name, module in model.named_modules():
+        if name.endswith(("embed_tokens", "lm_head")):
+            tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+            out[name] = {"method": type(module.quant_method).__name__,
+                         "bytes": sum(t.numel() * t.element_size() for t in tensors),
+                         "class": type(model).__name__}
+    return out
 
 
 def check_sequences(ref, sequences, prompt_lens):
@@ -120,6 +134,20 @@ def test_criterion_rejects_a_dropped_rotation(served):
     assert worst > NEAR_TIE and exact < MIN_EXACT
 
 
+def test_embedding_is_served_ternary(served):
+    """The plugin's Qwen3.5 class builds embed_tokens with the quant config: the table stays 2 bits/weight +
+    one fp16 scale per group (rows are unpacked and un-rotated only when looked up)."""
+    cfg = served["tiny"].config
+    vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
+    layers = served["layers"]
+    embed = next(v for k, v in layers.items() if k.endswith("embed_tokens"))
+    assert embed["class"] == "TernaryQwen3_5ForCausalLM"
+    assert embed["method"] == "TernaryEmbeddingMethod", layers
+    padded = -(-vocab // 64) * 64
+    assert embed["bytes"] == padded * hidden // 4 + padded * (hidden // 128) * 2
+    assert embed["bytes"] < vocab * hidden * 2 / 6  # vs. the bf16 table the stock class would hold
+
+
 def test_first_tokens_exact(served):
     """The first generated token (no accumulated divergence) is transformers' greedy choice for most prompts."""
     import torch
@@ -162,6 +190,46 @@ def test_vllm_config_refuses_a_malformed_rotation():
             cfg.get_input_transform("model.layers.0.mlp.down_proj", layer)
         with pytest.raises(ternary_rs.ValidationError, match=match):
             cfg.get_embedding_transform("model.embed_tokens")
+
+
+def run_runner(ckpt, tmp_path, *extra: str, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> dict:
+    """vLLM in its own processes (tests/vllm_runner.py, as test_vllm.py does); returns the runner's json."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    runner = Path(__file__).with_name("vllm_runner.py")
+    proc = subprocess.run(
+        [sys.executable, str(runner), "--model", str(ckpt), "--out", str(tmp_path / "out.json"),
+         "--prompts-json", str(tmp_path / "prompts.json"), "--max-tokens", str(max_tokens), *extra],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads((tmp_path / "out.json").read_text())
+
+
+def test_tied_version_2_file_serves_a_ternary_tied_head(tmp_path):
+    """``prism.hadamard.version = 2`` with ``tied_output``: the ternary, inverse-rotated embedding is also the
+    head (forward transform on the hidden state); greedy tokens follow transformers' tied dense model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tiny = build_bonsai2_tiny(tmp_path / "hf", block_size=128, tie_word_embeddings=True, seed=3)
+    ckpt = ternary_rs.convert(write_prism_gguf(tiny, tmp_path / "v2.gguf", "PTQ1_0"), tmp_path / "vllm",
+                              progress=False)
+    result = run_runner(ckpt, tmp_path, "--eager", "--dtype", "bfloat16", "--dump-weights", str(tmp_path / "dump"))
+    methods = result["workers"][0]["methods"]
+    assert methods["model.embed_tokens"] == methods["lm_head"] == "TernaryEmbeddingMethod", methods
+    outs = result["outputs"]
+    ref = AutoModelForCausalLM.from_pretrained(tiny.hf_dir, dtype=torch.float32).eval()
+    assert ref.config.tie_word_embeddings
+    worst, exact, report = check_sequences(
+        ref, [o["prompt_token_ids"] + o["token_ids"] for o in outs], [len(o["prompt_token_ids"]) for o in outs])
+    print(f"tied v2: exact {exact:.2%}, worst gap {worst:.3f} std")
+    assert worst <= NEAR_TIE, report
+    assert exact >= MIN_EXACT, report
 
 
 @pytest.mark.slow

@@ -17,10 +17,14 @@ b/a itself through its ``packed_modules_mapping``). What the GGUF stores differe
 
 The rotation stays in the weights (they are exactly ternary only in the rotated basis) and is described in
 ``quantization_config["hadamard"]`` (:class:`ternary_rs.hadamard.HadamardSpec`): the vLLM backend applies
-``x → [GDN permutation] → ·s → FWHT`` before each listed layer (and ``FWHT → ·s`` to the rows of an
-inverse-rotated ternary embedding). A listed weight that ends up dense is un-rotated here instead
-(``W = W'·H·D``) and dropped from the list — in particular the embedding: vLLM's ``Qwen3_5Model`` creates
-``embed_tokens`` without a quant config, so the table is written dense (float16).
+``x → [GDN permutation] → ·s → FWHT`` before each listed layer and ``FWHT → ·s`` to the looked-up rows of the
+inverse-rotated ternary embedding (which stays ternary: the plugin's Qwen3.5 model class builds
+``embed_tokens`` with the quant config, :mod:`ternary_rs.vllm.qwen3_5`). A listed weight that the source
+stores dense is un-rotated here instead (``W = W'·H·D``, float32) and dropped from the list.
+
+Everything written dense is lossless: float tensors are written as float32 — the source's value exactly,
+or the float32 result of the transform above (norm ``− 1``, ``log(−A)``, un-rotation) — never rounded to a
+narrower type.
 ``ssm_out`` was rotated in the *grouped* head basis (``gdn_v_grouped = true``), which is the activation order
 vLLM uses, so it needs no permutation in vLLM; a file saying ``false`` — or nothing: upstream's loader reads an
 absent key as false — gets the grouped → tiled gather. Rotation version 2 with ``tied_output`` (no
@@ -43,7 +47,6 @@ import numpy as np
 
 from .._core import FormatError, UnsupportedTypeError, ValidationError
 from .. import hadamard as H
-from ..tensor import TernaryTensor
 
 # GGUF tensor kind → HF module (inside ``model.layers.N.``), the suffixes PrismML's qwen35 files use.
 BLOCK_TENSORS = {
@@ -199,14 +202,6 @@ def _float_array(src, info) -> np.ndarray:
     return a.reshape(tuple(int(d) for d in info.shape)).astype(np.float32, copy=False)
 
 
-def _dequantize(qweight: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
-    """Canonical (codes t+1, 4 per byte along K; f16 group scales) → float32 ``W`` (code 3 is refused)."""
-    return TernaryTensor(qweight, scales, group).dequantize("float32")
-
-
-EMBED_CHUNK_ROWS = 4096  # rows dequantized / un-rotated at a time (bounds memory for 248k-row vocabularies)
-
-
 def _unrotate_rows(x: np.ndarray, signs: np.ndarray, block: int) -> np.ndarray:
     """``W'·H·D`` row by row (WHT then ·s) with the Rust FWHT; float32 in, float32 out."""
     from .. import _core
@@ -215,42 +210,6 @@ def _unrotate_rows(x: np.ndarray, signs: np.ndarray, block: int) -> np.ndarray:
     out = np.empty_like(x)
     _core.fwht(x, out, int(block), "float32", True, np.ascontiguousarray(signs, dtype=np.float32), None)
     return out
-
-
-def _dense_embedding(plan: "_Plan") -> None:
-    """vLLM's ``Qwen3_5Model`` builds ``embed_tokens`` without a quant config, so it cannot hold a ternary
-    table: store the embedding dense in float16 (half the size of float32, 8× finer than bfloat16 — a tiny
-    random Qwen3.5 already moves its logits by 12 % of their spread from bf16 rounding of the table alone),
-    un-rotated (``e = WHT(row)·s``) if the file lists it as inverse-rotated. Done in row chunks: Bonsai 2's
-    table is 248k × 5120."""
-    module = "model.embed_tokens"
-    produce = plan.ternary.pop(module, None)
-    if produce is None:
-        return
-    shape = plan.ternary_shape.pop(module)
-    g = plan.group_size
-    spec = plan.spec
-    signs = None
-    if spec is not None and module in spec.inverse_embeddings:
-        signs = spec.signs.get(shape[1])
-        if signs is None:
-            raise ValidationError(f"{plan.source}: embedding width {shape[1]} has no sign vector")
-        inverse = tuple(n for n in spec.inverse_embeddings if n != module)
-        plan.spec = H.HadamardSpec(spec.block_size, dict(spec.signs), dict(spec.layers), inverse, source=spec.source)
-
-    def dense(produce=produce, signs=signs, block=None if spec is None else spec.block_size):
-        q, s = (np.asarray(a) for a in produce())
-        out = np.empty(shape, dtype=np.float16)
-        for r in range(0, shape[0], EMBED_CHUNK_ROWS):
-            rows = _dequantize(q[r:r + EMBED_CHUNK_ROWS], s[r:r + EMBED_CHUNK_ROWS], g)
-            if signs is not None:
-                rows = _unrotate_rows(rows, signs, block)
-            if np.abs(rows).max(initial=0.0) > np.finfo(np.float16).max:
-                raise ValidationError(f"{plan.source}: {module}: values beyond the float16 range")
-            out[r:r + EMBED_CHUNK_ROWS] = rows
-        return out
-
-    plan.dense[module + ".weight"] = (dense, "F16", shape)
 
 
 def _v_rows(hf: str, cfg: dict) -> np.ndarray | None:
@@ -420,7 +379,6 @@ def _plan_from_gguf(src, options) -> _Plan:
         # Upstream's loader reads an absent gdn_v_grouped as false (ssm_out rotated in the tiled basis).
         grouped = bool(prism.get("gdn_v_grouped", False))
         plan.spec = H.HadamardSpec.from_prism(prism, width_of.get, _gdn_permute_for(cfg, grouped), path)
-    _dense_embedding(plan)
     plan.spec = _fold_dense_rotations(plan)
 
     def tokenizer(out_dir: Path):
@@ -576,7 +534,6 @@ def _plan_from_mlx(src, options) -> _Plan:
         want = plan.spec.signs.get(s.size)
         if want is None or not np.array_equal(s, want.astype(np.float32)):
             raise ValidationError(f"{where}: '{sname}' differs from hadamard.json's sign vector of width {s.size}")
-    _dense_embedding(plan)
     plan.spec = _fold_dense_rotations(plan)
 
     def side_files(out_dir: Path):
