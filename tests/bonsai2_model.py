@@ -193,6 +193,11 @@ def build_bonsai2_tiny(
     tie_word_embeddings: bool = False,
     mtp_layers: int = 0,
     sign_mode: str = "explicit",
+    layer_types: list[str] | None = None,
+    linear_scale: float = 1.6,
+    mtp_fc: str = "random",
+    lm_head: str = "random",
+    mtp_linear_scale: float | None = None,
 ) -> Bonsai2Tiny:
     """Random Qwen3.5-text model (3 GDN + 1 full-attention layer) whose ternary weights are stored rotated.
 
@@ -203,6 +208,16 @@ def build_bonsai2_tiny(
     ``mtp_reference`` for a reference forward built from transformers' decoder layer (see
     :func:`mtp_reference_logits`). Linears are ternary (the layer's rotated like the decoder's, ``fc``
     unrotated), norms dense. ``sign_mode="identity"``: the rotation has no sign flips (s = 1).
+
+    ``linear_scale``: ternary linear layers get group scales ≈ ``linear_scale / sqrt(K)``; small values make the
+    model nearly a bigram map (the embedding dominates the residual stream). ``mtp_fc="embedding"``: the MTP
+    ``fc`` is ``[I | 0]`` (it passes the normed embedding of the next token through), which with a small
+    ``linear_scale`` makes the MTP head predict what the main model predicts one step later — a head whose
+    drafts are often accepted, so acceptance is a meaningful number. ``lm_head="permuted_embedding"``: the head
+    is the embedding with rows permuted by one long cycle π (stored ``W' = E'[π⁻¹]``, ternary like the
+    rest), so the model's next token is decisively π(current token) up to what its layers add — large logit
+    margins, immune to bf16 near-ties, while still a non-trivial sequence. ``mtp_linear_scale``: the MTP
+    layer's ``linear_scale`` (default: the decoder's); larger values make its drafts deviate more often.
     """
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
@@ -238,6 +253,8 @@ def build_bonsai2_tiny(
         },
     )
     cfg.architectures = ["Qwen3_5ForCausalLM"]
+    if layer_types is not None:
+        cfg.layer_types = list(layer_types)
     if mtp_layers:
         cfg.mtp_num_hidden_layers = mtp_layers
     torch.manual_seed(seed)
@@ -248,6 +265,11 @@ def build_bonsai2_tiny(
     if sign_mode == "identity":
         signs = {w: np.ones(w, dtype=np.int8) for w in widths}
     m = Bonsai2Tiny(out_dir, {}, block_size, group_size, signs, sign_mode=sign_mode)
+    if lm_head == "permuted_embedding":  # own generator: the default model's random stream is unchanged
+        order = np.random.default_rng(seed + 1).permutation(cfg.vocab_size)
+        cycle = np.empty(cfg.vocab_size, dtype=np.int64)
+        cycle[order] = np.roll(order, -1)  # π: order[i] -> order[i+1], one cycle through the whole vocabulary
+        cycle_inverse = np.argsort(cycle)  # head row v = embedding row π⁻¹(v)
 
     def fill(name: str, shape: tuple[int, ...], rotated: bool = True) -> np.ndarray:
         """Random weight of HF tensor ``name``; ternary ones are recorded as stored ``W'`` (``m.stored``)."""
@@ -255,8 +277,16 @@ def build_bonsai2_tiny(
             name.endswith(s + ".weight") for s in ROTATED
         ):
             n, k = shape
-            scale = 0.5 if "embed" in name else 1.6 / math.sqrt(k)
+            layer_scale = mtp_linear_scale if name.startswith("mtp.") and mtp_linear_scale else linear_scale
+            scale = 0.5 if "embed" in name else (1.6 if name == "lm_head.weight" else layer_scale) / math.sqrt(k)
             t, d = random_ternary(rng, n, k, group_size, scale)
+            if name == "lm_head.weight" and lm_head == "permuted_embedding":
+                te, de = m.stored["model.embed_tokens.weight"]
+                t, d = te[cycle_inverse], de[cycle_inverse]
+            if name == "mtp.fc.weight" and mtp_fc == "embedding":
+                t = np.zeros((n, k), dtype=np.int8)
+                t[np.arange(n), np.arange(n)] = 1  # fc([e, h]) = e
+                d = np.ones_like(d)
             m.stored[name] = (t, d)
             if not rotated:
                 m.unrotated.add(name)
@@ -347,6 +377,25 @@ def mtp_reference_logits(m: Bonsai2Tiny, ref_model, sequence: list[int]):
         return ref_model.lm_head(x)[0]
 
 
+def expected_mtp_acceptance(draft_tokens: list[int], sequence: list[int], prompt_len: int,
+                            max_tokens: int) -> tuple[int, int]:
+    """``(drafts, accepted)`` of greedy decoding with one speculative token, from the drafts the MTP head
+    makes teacher-forced (``draft_tokens[i]`` = argmax of :func:`mtp_reference_logits` row ``i``).
+
+    After the token at ``i + 1`` is known, the head drafts token ``i + 2`` from the hidden state at ``i``; the
+    target verifies it: accepted → two new tokens, next draft from ``i + 2``; rejected → one, next from
+    ``i + 1``. Drafting continues while fewer than ``max_tokens`` tokens are out (the first comes from the
+    prefill). The greedy sequence does not depend on acceptance, so it is the non-speculative one."""
+    i, out, drafts, accepted = prompt_len - 1, 1, 0, 0
+    while out < max_tokens:
+        drafts += 1
+        if draft_tokens[i] == sequence[i + 2]:
+            accepted, out, i = accepted + 1, out + 2, i + 2
+        else:
+            out, i = out + 1, i + 1
+    return drafts, accepted
+
+
 # ------------------------------------------------------------------------------------------------------
 # PrismML qwen35 GGUF writer (reference)
 # ------------------------------------------------------------------------------------------------------
@@ -409,10 +458,10 @@ def _tiled_rows(m: Bonsai2Tiny, name: str, rows: np.ndarray) -> np.ndarray:
 
 
 def write_prism_gguf(m: Bonsai2Tiny, path: Path, qtype: str = "PQ2_0", hadamard: bool = True,
-                     overrides: dict | None = None) -> Path:
+                     overrides: dict | None = None, copies: dict[str, str] | None = None) -> Path:
     """Write ``m`` as PrismML's ``qwen35`` GGUF with ternary tensors of ``qtype`` (PQ2_0, PTQ1_0, the
     first-generation id-42 ``Q2_0_G128`` or upstream g64 ``Q2_0``). ``overrides`` replaces metadata keys
-    (a value of ``None`` leaves the key out)."""
+    (a value of ``None`` leaves the key out); ``copies`` adds tensors: GGUF name → HF name whose data it holds."""
     import gguf
 
     encode, type_id, block = GGUF_QTYPES[qtype]
@@ -472,6 +521,9 @@ def write_prism_gguf(m: Bonsai2Tiny, path: Path, qtype: str = "PQ2_0", hadamard:
             x = x[:, 0, :]  # [C, 1, K] → [C, K] (GGUF ne = [K, C])
         x = np.ascontiguousarray(_tiled_rows(m, name, x), dtype=np.float32)
         tensors.append((gname, x.shape, GGML_F32, x.tobytes()))
+    by_name = {gname: (shape, tid, data) for gname, shape, tid, data in tensors}
+    for gname, hf in (copies or {}).items():
+        tensors.append((gname, *by_name[gguf_name(hf, m.num_layers)]))
     for gname, shape, tid, data in tensors:
         w.add_tensor_info(gname, list(shape), np.float32, len(data), raw_dtype=tid)
     w.write_header_to_file()

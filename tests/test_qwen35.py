@@ -476,3 +476,45 @@ def test_inspect_verify_plan_describe_the_output(tiny, converted, tmp_path, qtyp
     # plan on the source counts exactly what convert writes (the embedding is ternary in both).
     want = _served_bytes_from_headers(out)
     assert ternary_rs.plan(src)["weights"] == ternary_rs.plan(out)["weights"] == want
+
+
+# ------------------------------------------------------------------------------------------------------
+# MTP layers (``nextn_predict_layers``; ``blk.N.nextn.*`` after the decoder blocks)
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_mtp(tmp_path_factory):
+    return build_bonsai2_tiny(tmp_path_factory.mktemp("bonsai2_mtp") / "hf", block_size=128, mtp_layers=1)
+
+
+def test_mtp_layers_convert_to_vllm_names(tiny_mtp, tmp_path):
+    """``block_count`` 5 = 4 decoder + 1 MTP block: blk.4.* → mtp.layers.0.*, blk.4.nextn.{eh_proj, enorm,
+    hnorm, shared_head_norm} → mtp.{fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm}; ternary stays
+    ternary (bit-exact), norms lose their +1."""
+    src = write_prism_gguf(tiny_mtp, tmp_path / "mtp.gguf", "PTQ1_0")
+    md = ternary_rs.open(src).metadata
+    assert md["qwen35.block_count"] == 5 and md["qwen35.nextn_predict_layers"] == 1
+    out = ternary_rs.convert(src, tmp_path / "out", progress=False)
+    cfg = json.loads((Path(out) / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 4 and cfg["mtp_num_hidden_layers"] == 1
+    assert cfg["layer_types"] == tiny_mtp.config["layer_types"]
+    got = read_all(out)
+    _ternary_matches(tiny_mtp, got, 128)
+    for name, want in tiny_mtp.dense.items():
+        np.testing.assert_allclose(got[name], want, atol=2e-6 * max(1.0, float(np.abs(want).max())), err_msg=name)
+    assert {k for k in got if k.startswith("mtp.")} == {
+        n[: -len(".weight")] + s for n in tiny_mtp.stored if n.startswith("mtp.") for s in (".qweight", ".scales")
+    } | {n for n in tiny_mtp.dense if n.startswith("mtp.")}
+    had = cfg["quantization_config"]["hadamard"]["layers"]
+    assert {k for k in had if k.startswith("mtp.")} == {
+        n[: -len(".weight")] for n in tiny_mtp.rotated_names if n.startswith("mtp.")}
+
+
+def test_dedicated_mtp_embedding_refused(tiny_mtp, tmp_path):
+    """``blk.L.nextn.embed_tokens``: vLLM's qwen3_5_mtp shares the main embedding; refuse, naming the tensor."""
+    write_prism_gguf(tiny_mtp, tmp_path / "dedicated.gguf", "PQ2_0",
+                     copies={"blk.4.nextn.embed_tokens.weight": "model.embed_tokens.weight"})
+    with pytest.raises(ternary_rs.TernaryError, match=r"blk\.4\.nextn\.embed_tokens"):
+        ternary_rs.convert(tmp_path / "dedicated.gguf", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()

@@ -531,9 +531,13 @@ def canonical_module_name(name: str) -> str:
 
     ``model.layers.3.mlp.down_proj``, ``language_model.model.layers.3.mlp.down_proj`` and
     ``model.language_model.layers.3.mlp.down_proj`` all become ``layers.3.mlp.down_proj``;
-    ``lm_head`` / ``model.embed_tokens`` become ``lm_head`` / ``embed_tokens``.
+    ``lm_head`` / ``model.embed_tokens`` become ``lm_head`` / ``embed_tokens``; MTP modules keep their
+    ``mtp.`` prefix (``mtp.layers.0.self_attn.q_proj``, ``mtp.fc``) so they never alias decoder layer 0.
     """
     name = re.sub(r"\.(weight|qweight|scales)$", "", name)
+    m = re.search(r"(?:^|\.)(mtp\..*)$", name)  # the MTP head: its own layers.N, not the decoder's
+    if m:
+        return m.group(1)
     m = re.search(r"(?:^|\.)(layers\.\d+\..*)$", name)
     if m:
         return m.group(1)

@@ -30,6 +30,12 @@ vLLM uses, so it needs no permutation in vLLM; a file saying ``false`` — or no
 absent key as false — gets the grouped → tiled gather. Rotation version 2 with ``tied_output`` (no
 ``output.weight``) becomes ``tie_word_embeddings``.
 
+MTP layers (``qwen35.nextn_predict_layers`` = n; ``block_count`` counts them; blocks L … L+n−1 after the L
+decoder blocks, and the head's own ``blk.L.nextn.*``) become vLLM's ``qwen3_5_mtp`` names (``mtp.fc``,
+``mtp.pre_fc_norm_{embedding,hidden}``, ``mtp.norm``, ``mtp.layers.j.*``; ``mtp_num_hidden_layers`` in the
+config), ternary where the file is ternary and rotated where it lists them, so
+``--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'`` serves them.
+
 Ternary tensor types: PQ2_0, PTQ1_0, first-generation id-42 "Q2_0" (g128, reported as ``Q2_0_G128``),
 upstream / ``*-Q2_g64`` Q2_0 (g64), TQ2_0, TQ1_0; the checkpoint keeps the smallest native group.
 
@@ -69,10 +75,23 @@ BLOCK_TENSORS = {
     "ssm_conv1d": "linear_attn.conv1d",
     "ssm_norm": "linear_attn.norm",
 }
+_BLOCK_KINDS = {v: k for k, v in BLOCK_TENSORS.items()}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Multi-token prediction (``<arch>.nextn_predict_layers`` = n; ``block_count`` counts them; FORMATS.md §1.3.5):
+# the MTP head's own tensors in block L = decoder blocks, as llama.cpp names them (gguf-py MODEL_TENSOR.NEXTN_*;
+# convert_hf_to_gguf maps Qwen3.5's mtp.fc → eh_proj, pre_fc_norm_embedding → enorm, pre_fc_norm_hidden →
+# hnorm, norm → shared_head.norm), → the names vLLM's qwen3_5_mtp loads. Its decoder layers are ordinary
+# (full-attention) blocks L … L+n−1 → ``mtp.layers.0 … n−1``. Norms are stored ``w + 1`` like the others.
+NEXTN_TENSORS = {
+    "eh_proj": "mtp.fc",
+    "enorm": "mtp.pre_fc_norm_embedding",
+    "hnorm": "mtp.pre_fc_norm_hidden",
+    "shared_head_norm": "mtp.norm",
+}
+DEDICATED_NEXTN = {"embed_tokens": "embedding", "shared_head_head": "output head"}
 LINEAR_MODULES = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "fc",
 )
 # Ternary GGUF types a qwen35 file may hold → native group size (FORMATS.md §1.3). Id 42 is two formats, told
 # apart by byte span in the container layer: the first-generation fork "Q2_0" (g128, 34-byte blocks) is
@@ -85,6 +104,7 @@ HF_MODEL_TYPE = "qwen3_5_text"
 MLX_MODEL_TYPE = "prism_hadamard_qwen35"
 MLX_PREFIX = "language_model."
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+_NEXTN_RE = re.compile(r"^blk\.(\d+)\.nextn\.([a-z0-9_]+)\.weight$")
 
 
 class Qwen35Arch:
@@ -97,20 +117,13 @@ class Qwen35Arch:
 
     # ---- names (also used by the generic tools, e.g. `inspect`) -----------------------------------------
     def hf_name(self, gguf_name: str, n_blocks: int | None = None) -> str | None:
-        return gguf_to_hf(gguf_name)
+        return gguf_to_hf(gguf_name, n_blocks)
 
     def gguf_name(self, hf_name: str, n_blocks: int | None = None) -> str | None:
-        rev = {v: k for k, v in BLOCK_TENSORS.items()}
-        m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf_name)
-        if m and m.group(2) in rev:
-            return f"blk.{m.group(1)}.{rev[m.group(2)]}.{m.group(3)}"
-        for g, h in GLOBAL_TENSORS.items():
-            if hf_name == h + ".weight":
-                return g + ".weight"
-        m = re.match(r"^model\.layers\.(\d+)\.linear_attn\.(A_log|dt_bias)$", hf_name)
-        if m:
-            return f"blk.{m.group(1)}." + ("ssm_a" if m.group(2) == "A_log" else "ssm_dt.bias")
-        return None
+        try:
+            return hf_to_gguf(hf_name, n_blocks)
+        except KeyError:
+            return None
 
     def ternary_candidate(self, hf_name: str, shape) -> bool:
         return len(shape) == 2 and (
@@ -125,7 +138,8 @@ class Qwen35Arch:
         return None
 
     def n_blocks_from_gguf(self, metadata: dict, arch: str) -> int:
-        return int(metadata.get(f"{arch}.block_count", 0))
+        """Decoder blocks: ``block_count`` counts the MTP layers (``nextn_predict_layers``) appended after them."""
+        return int(metadata.get(f"{arch}.block_count", 0)) - int(metadata.get(f"{arch}.nextn_predict_layers", 0) or 0)
 
     def config_fixups_from_gguf(self, config: dict, metadata: dict) -> None:
         return None
@@ -144,23 +158,67 @@ class Qwen35Arch:
         _write(plan, Path(out_dir), options)
 
 
-def gguf_to_hf(name: str) -> str:
-    """HF name of a Prism qwen35 GGUF tensor (``KeyError`` for an unknown name)."""
+def gguf_to_hf(name: str, n_layers: int | None = None) -> str:
+    """HF name of a Prism qwen35 GGUF tensor (``KeyError`` for an unknown name).
+
+    ``n_layers`` = decoder blocks: blocks from ``n_layers`` on are MTP layers (``mtp.layers.{i − n_layers}``),
+    and block ``n_layers`` holds the MTP head's own tensors ``blk.L.nextn.*`` (:data:`NEXTN_TENSORS`)."""
     for g, h in GLOBAL_TENSORS.items():
         if name == g + ".weight":
             return h + ".weight"
+    m = _NEXTN_RE.match(name)
+    if m:
+        layer, kind = int(m.group(1)), m.group(2)
+        if kind in DEDICATED_NEXTN:
+            raise KeyError(
+                f"qwen35 GGUF tensor {name!r}: a dedicated MTP {DEDICATED_NEXTN[kind]} is not supported (vLLM's "
+                "qwen3_5_mtp shares the main model's embedding and head)"
+            )
+        if kind not in NEXTN_TENSORS or n_layers is None or layer != n_layers:
+            raise KeyError(f"qwen35 GGUF tensor {name!r}: not an MTP tensor of block {n_layers} this converter knows")
+        return f"{NEXTN_TENSORS[kind]}.weight"
     m = _BLOCK_RE.match(name)
     if m:
         layer, kind, suffix = m.groups()
+        prefix = f"model.layers.{layer}"
+        if n_layers is not None and int(layer) >= n_layers:
+            prefix = f"mtp.layers.{int(layer) - n_layers}"
         if kind == "ssm_a" and suffix == "weight":
-            return f"model.layers.{layer}.linear_attn.A_log"
+            return f"{prefix}.linear_attn.A_log"
         if kind == "ssm_dt" and suffix == "bias":
-            return f"model.layers.{layer}.linear_attn.dt_bias"
+            return f"{prefix}.linear_attn.dt_bias"
         if kind in BLOCK_TENSORS:
-            return f"model.layers.{layer}.{BLOCK_TENSORS[kind]}.{suffix}"
+            return f"{prefix}.{BLOCK_TENSORS[kind]}.{suffix}"
     if re.match(r"^blk\.\d+\.ssm_a$", name):
         return "model.layers.%s.linear_attn.A_log" % name.split(".")[1]
     raise KeyError(f"qwen35 GGUF tensor {name!r} has no Hugging Face counterpart this converter knows")
+
+
+def hf_to_gguf(hf: str, n_layers: int | None) -> str:
+    """The qwen35 GGUF name of a checkpoint tensor (inverse of :func:`gguf_to_hf`; ``KeyError`` if none)."""
+    for g, h in GLOBAL_TENSORS.items():
+        if hf == h + ".weight":
+            return g + ".weight"
+    for kind, module in NEXTN_TENSORS.items():
+        if hf == module + ".weight":
+            if n_layers is None:
+                raise KeyError(f"{hf!r}: the MTP block index needs the decoder layer count")
+            return f"blk.{n_layers}.nextn.{kind}.weight"
+    m = re.match(r"^(model|mtp)\.layers\.(\d+)\.(.+)$", hf)
+    if m:
+        where, layer, rest = m.group(1), int(m.group(2)), m.group(3)
+        if where == "mtp":
+            if n_layers is None:
+                raise KeyError(f"{hf!r}: the MTP block index needs the decoder layer count")
+            layer += n_layers
+        if rest == "linear_attn.A_log":
+            return f"blk.{layer}.ssm_a"
+        if rest == "linear_attn.dt_bias":
+            return f"blk.{layer}.ssm_dt.bias"
+        module, _, suffix = rest.rpartition(".")
+        if suffix in ("weight", "bias") and module in _BLOCK_KINDS:
+            return f"blk.{layer}.{_BLOCK_KINDS[module]}.{suffix}"
+    raise KeyError(f"checkpoint tensor {hf!r} has no qwen35 GGUF name")
 
 
 def vperm(num_v_heads: int, num_k_heads: int, unit: int) -> np.ndarray:
@@ -236,7 +294,11 @@ def _config_from_gguf(md: dict, tensors: dict, path: str) -> dict:
             raise FormatError(f"{path}: GGUF metadata key '{a}.{key}' is missing (needed for config.json)")
         return v
 
-    n_layers = int(get("block_count"))
+    n_mtp = int(md.get(f"{a}.nextn_predict_layers", 0) or 0)
+    n_layers = int(get("block_count")) - n_mtp
+    if n_mtp < 0 or n_layers <= 0:
+        raise FormatError(f"{path}: {a}.block_count {get('block_count')} and {a}.nextn_predict_layers {n_mtp} "
+                          "leave no decoder blocks")
     hidden = int(get("embedding_length"))
     head_dim = int(get("attention.key_length"))
     nv = int(get("ssm.time_step_rank"))
@@ -259,7 +321,7 @@ def _config_from_gguf(md: dict, tensors: dict, path: str) -> dict:
         rope["mrope_interleaved"] = True
     vocab = int(tensors["token_embd.weight"].shape[0])
     md_eos = md.get("tokenizer.ggml.eos_token_id")
-    return {
+    config = {
         "architectures": [HF_ARCHITECTURE],
         "model_type": HF_MODEL_TYPE,
         "vocab_size": vocab,
@@ -287,6 +349,12 @@ def _config_from_gguf(md: dict, tensors: dict, path: str) -> dict:
         "bos_token_id": None,
         "dtype": "bfloat16",
     }
+    if n_mtp:
+        for j in range(n_mtp):
+            if f"blk.{n_layers + j}.attn_q.weight" not in tensors:
+                raise FormatError(f"{path}: MTP block {n_layers + j} has no attn_q.weight (a full-attention layer)")
+        config["mtp_num_hidden_layers"] = n_mtp
+    return config
 
 
 def _group_size(requested: int | None, native: set[int], where: str) -> int:
@@ -319,8 +387,12 @@ def _plan_from_gguf(src, options) -> _Plan:
     cfg = plan.config = _config_from_gguf(md, tensors, path)
     native = set()
     kinds = {}
+    n_layers = int(cfg["num_hidden_layers"])
     for name, info in tensors.items():
-        hf = gguf_to_hf(name)
+        try:
+            hf = gguf_to_hf(name, n_layers)
+        except KeyError as e:
+            raise UnsupportedTypeError(f"{path}: {e.args[0]}") from None
         kinds[name] = hf
         if info.type in GGUF_TERNARY_TYPES:
             native.add(GGUF_TERNARY_GROUPS[info.type])

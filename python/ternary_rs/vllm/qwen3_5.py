@@ -52,7 +52,14 @@ class TernaryQwen3_5ForCausalLM(Qwen3_5ForCausalLM):
 
 class TernaryQwen3_5MTP(Qwen3_5MTP):
     """vLLM's Qwen3.5 MTP drafter with a quantized ``embed_tokens``: it loads the checkpoint's (ternary)
-    ``model.embed_tokens``, which vLLM then replaces by the target model's own table anyway."""
+    ``model.embed_tokens``, which vLLM then replaces by the target model's own table anyway.
+
+    Also (any quantization): vLLM 0.32 strips M-RoPE from a text-only Qwen3.5's config
+    (``Qwen3_5ForCausalLMConfig``), so its layers — the drafter's too — use a 1-D rotary embedding, but the
+    drafter's own config keeps ``mrope_section`` and its proposer passes ``[3, T]`` positions. The CPU rotary
+    kernel then reads ``3·T`` positions and writes past the query/key tensors (heap corruption: vLLM CPU's
+    own dense Qwen3.5 MTP crashes the same way). vLLM's fused CUDA path takes row 0 in exactly this case;
+    :meth:`forward` does the same (text-only M-RoPE rows are identical, so nothing changes numerically)."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -62,3 +69,12 @@ class TernaryQwen3_5MTP(Qwen3_5MTP):
             # Checkpoint name of the table the drafter loads (load_weights keeps "model.embed_tokens.*").
             _ternary_embedding(self.model, self, quant_config, config.vocab_size, config.hidden_size,
                                "model.embed_tokens", bool(config.tie_word_embeddings))
+        self._layers_use_mrope = any(
+            getattr(m, "mrope_section", None) for n, m in self.model.named_modules() if n.endswith("rotary_emb")
+        )
+
+    def forward(self, input_ids, positions, hidden_states, intermediate_tensors=None, inputs_embeds=None,
+                **kwargs):
+        if positions.ndim == 2 and not self._layers_use_mrope:
+            positions = positions[0]
+        return super().forward(input_ids, positions, hidden_states, intermediate_tensors, inputs_embeds, **kwargs)
