@@ -518,3 +518,119 @@ def test_dedicated_mtp_embedding_refused(tiny_mtp, tmp_path):
     with pytest.raises(ternary_rs.TernaryError, match=r"blk\.4\.nextn\.embed_tokens"):
         ternary_rs.convert(tmp_path / "dedicated.gguf", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------------
+# A ternary_rs Bonsai 2 checkpoint back to a qwen35 GGUF (issue 16 item 5)
+# ------------------------------------------------------------------------------------------------------
+
+
+def _gguf_py(path):
+    """gguf-py's reader of ``path``: metadata fields and tensor infos (it cannot build tensors of type ids it
+    does not know, 142 / 143), plus each tensor's raw bytes at the offsets it parsed."""
+    import gguf
+
+    class InfoOnly(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            self.data_start = start_offs
+            self.tensor_fields = fields
+
+    r = InfoOnly(str(path))
+    raw = np.fromfile(path, dtype=np.uint8)
+    infos = {}
+    names = [bytes(f.parts[1]).decode() for f in r.tensor_fields]
+    starts = [r.data_start + int(f.parts[5][0]) for f in r.tensor_fields]
+    ends = sorted(starts[1:] + [raw.size])
+    for f, name, start in zip(r.tensor_fields, names, starts):
+        _, _, n_dims, dims, type_id, _ = f.parts
+        end = min(e for e in ends if e > start)
+        infos[name] = (tuple(int(d) for d in dims[::-1]), int(type_id[0]), raw[start:end])
+    return r.fields, infos
+
+
+def _block_bytes(type_id, shape):
+    per = {142: 34 / 128, 143: 28 / 128, 0: 4}[type_id]
+    return int(np.prod(shape) * per)
+
+
+@pytest.mark.parametrize("qtype,variant", [("PQ2_0", "mtp"), ("PTQ1_0", "plain"), ("PQ2_0", "tied")])
+def test_checkpoint_converts_back_to_a_qwen35_gguf(tiny, tiny_mtp, tiny_tied, tmp_path, qtype, variant):
+    """GGUF (reference writer) → vLLM dir → GGUF → vLLM dir. The GGUF ternary_rs writes is read with
+    gguf-py: the same qwen35.* hyper-parameters and prism.hadamard.* description as the reference file, the
+    same tensors (names, shapes, type ids) and the same bytes (ssm_a = −exp(log(−A)) to float32 rounding);
+    converting it again gives the first checkpoint."""
+    model = {"mtp": tiny_mtp, "plain": tiny, "tied": tiny_tied}[variant]
+    src = write_prism_gguf(model, tmp_path / "ref.gguf", qtype)
+    first = ternary_rs.convert(src, tmp_path / "v1", progress=False)
+    back = ternary_rs.convert(first, tmp_path / "back.gguf", to="gguf", gguf_type=qtype, progress=False)
+    ref_fields, ref_tensors = _gguf_py(src)
+    got_fields, got_tensors = _gguf_py(back)
+    assert got_fields["general.architecture"].contents() == "qwen35"
+    for key, field in ref_fields.items():
+        if key.startswith(("qwen35.", "prism.hadamard.")):
+            assert key in got_fields, key
+            assert got_fields[key].contents() == field.contents(), key
+    assert {k for k in got_fields if k.startswith("prism.hadamard.")} == {
+        k for k in ref_fields if k.startswith("prism.hadamard.")}
+    assert got_fields["tokenizer.ggml.tokens"].contents() == ref_fields["tokenizer.ggml.tokens"].contents()
+    assert set(got_tensors) == set(ref_tensors)
+    for name, (shape, tid, data) in ref_tensors.items():
+        gshape, gtid, gdata = got_tensors[name]
+        assert (gshape, gtid) == (shape, tid), name
+        n = _block_bytes(tid, shape)
+        if name.endswith(".ssm_a"):
+            np.testing.assert_allclose(gdata[:n].view("<f4"), data[:n].view("<f4"), rtol=1e-6, err_msg=name)
+        else:
+            np.testing.assert_array_equal(gdata[:n], data[:n], err_msg=name)
+    again = ternary_rs.convert(back, tmp_path / "v2", progress=False)
+    a, b = read_all(first), read_all(again)
+    assert set(a) == set(b)
+    for k in a:
+        if k.endswith("A_log"):
+            np.testing.assert_allclose(b[k], a[k], rtol=1e-6, atol=1e-7, err_msg=k)
+        else:
+            np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+    ca = json.loads((Path(first) / "config.json").read_text())
+    cb = json.loads((Path(again) / "config.json").read_text())
+    assert ca["quantization_config"] == cb["quantization_config"]
+    for key in ("num_hidden_layers", "layer_types", "tie_word_embeddings", "rope_parameters", "vocab_size",
+                "mtp_num_hidden_layers"):
+        assert ca.get(key) == cb.get(key), key
+
+
+def test_checkpoint_to_gguf_on_the_command_line(tiny, converted, tmp_path):
+    """The real command: a Bonsai 2 checkpoint (model_type qwen3_5_text) → PTQ1_0 GGUF, no refusal."""
+    import subprocess
+    import sys
+
+    dst = tmp_path / "bonsai2-PTQ1_0.gguf"
+    proc = subprocess.run([sys.executable, "-m", "ternary_rs", "convert", str(converted["PQ2_0"]), str(dst),
+                           "--to", "gguf", "--gguf-type", "PTQ1_0", "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    f = ternary_rs.open(dst)
+    assert f.metadata["general.architecture"] == "qwen35"
+    assert {i.type for n, i in f.tensors.items() if n.endswith("ffn_down.weight")} == {"PTQ1_0"}
+    assert f.metadata["prism.hadamard.block_size"] == tiny.block_size
+
+
+def test_checkpoint_to_gguf_refuses_a_lossy_group(tiny_g64, tmp_path):
+    """PQ2_0 / PTQ1_0 are g128: a g64 checkpoint with distinct pair scales cannot be written losslessly."""
+    ckpt = ternary_rs.convert(write_prism_gguf(tiny_g64, tmp_path / "g64.gguf", "Q2_0"), tmp_path / "v",
+                              progress=False)
+    with pytest.raises(ternary_rs.TernaryError, match="merge groups of 64"):
+        ternary_rs.convert(ckpt, tmp_path / "out.gguf", to="gguf", progress=False)
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_mlx_pack_to_gguf(tiny, tmp_path):
+    """The Bonsai 2 MLX pack converts to the same ternary GGUF tensors as the reference PQ2_0 file."""
+    mlx = write_mlx_pack(tiny, tmp_path / "mlx")
+    out = ternary_rs.convert(mlx, tmp_path / "mlx.gguf", to="gguf", gguf_type="PQ2_0", progress=False)
+    _, got = _gguf_py(out)
+    _, want = _gguf_py(write_prism_gguf(tiny, tmp_path / "ref.gguf", "PQ2_0"))
+    assert set(got) == set(want)
+    for name, (shape, tid, data) in want.items():
+        if tid == 142:
+            assert got[name][:2] == (shape, tid), name
+            np.testing.assert_array_equal(got[name][2][:_block_bytes(tid, shape)], data[:_block_bytes(tid, shape)])

@@ -5,6 +5,9 @@ Sources (FORMATS.md §1.3.4–1.3.6, §1.4(c)):
 * a GGUF with ``general.architecture = qwen35``, ternary PQ2_0 / PTQ1_0 tensors and ``prism.hadamard.*``;
 * an MLX directory with ``model_type: prism_hadamard_qwen35`` + ``hadamard.json``.
 
+Also the way back: a ternary_rs Bonsai 2 checkpoint (``model_type qwen3_5_text``) or the MLX pack → a qwen35
+GGUF (PQ2_0 / PTQ1_0 + ``prism.hadamard.*``, PrismML's tensor conventions restored), see :func:`_write_gguf`.
+
 Output: a checkpoint for vLLM's text-only ``Qwen3_5ForCausalLM`` (``model_type: qwen3_5_text``) in
 Hugging Face names (``model.layers.N.linear_attn.in_proj_qkv`` …; vLLM fuses q/k/v, gate/up, qkv/z and
 b/a itself through its ``packed_modules_mapping``). What the GGUF stores differently is undone here:
@@ -108,10 +111,11 @@ _NEXTN_RE = re.compile(r"^blk\.(\d+)\.nextn\.([a-z0-9_]+)\.weight$")
 
 
 class Qwen35Arch:
-    """Registry entry (see :mod:`ternary_rs.arch`); conversion goes through :meth:`write_vllm_checkpoint`."""
+    """Registry entry (see :mod:`ternary_rs.arch`); conversion goes through the whole-checkpoint hooks
+    :meth:`write_vllm_checkpoint` and :meth:`write_gguf` (sources: PrismML GGUF, MLX pack, ternary_rs checkpoint)."""
 
     gguf_arch = "qwen35"
-    hf_model_types = (MLX_MODEL_TYPE,)
+    hf_model_types = (MLX_MODEL_TYPE, HF_MODEL_TYPE)
     hf_architectures = ()
     default_tokenizer_pre = "qwen2"
 
@@ -145,17 +149,64 @@ class Qwen35Arch:
         return None
 
     def gguf_hparams(self, writer, config: dict) -> None:
-        raise UnsupportedTypeError(
-            "writing a qwen35 GGUF from a Hugging Face checkpoint is not supported (convert GGUF → vLLM instead)"
-        )
+        """``qwen35.*`` hyper-parameters of a Qwen3.5-text config on a ``gguf.GGUFWriter`` (inverse of
+        :func:`_config_from_gguf`; the keys PrismML's files carry, FORMATS.md §1.1)."""
+        n_layers = int(config["num_hidden_layers"])
+        n_mtp = int(config.get("mtp_num_hidden_layers") or 0)
+        head_dim = int(config["head_dim"])
+        nv, dv = int(config["linear_num_value_heads"]), int(config["linear_value_head_dim"])
+        rope = dict(config.get("rope_parameters") or {})
+        writer.add_block_count(n_layers + n_mtp)
+        if n_mtp:
+            writer.add_nextn_predict_layers(n_mtp)
+        writer.add_context_length(int(config["max_position_embeddings"]))
+        writer.add_embedding_length(int(config["hidden_size"]))
+        writer.add_feed_forward_length(int(config["intermediate_size"]))
+        writer.add_head_count(int(config["num_attention_heads"]))
+        writer.add_head_count_kv(int(config["num_key_value_heads"]))
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+        writer.add_rope_dimension_count(int(round(head_dim * float(rope.get("partial_rotary_factor", 1.0)))))
+        if rope.get("mrope_section"):
+            sections = [int(x) for x in rope["mrope_section"]]
+            writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
+        writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+        writer.add_ssm_conv_kernel(int(config["linear_conv_kernel_dim"]))
+        writer.add_ssm_state_size(int(config["linear_key_head_dim"]))
+        writer.add_ssm_group_count(int(config["linear_num_key_heads"]))
+        writer.add_ssm_time_step_rank(nv)
+        writer.add_ssm_inner_size(nv * dv)
+        interval = _full_attention_interval(config.get("layer_types") or [])
+        if interval:
+            writer.add_full_attention_interval(interval)
 
-    # ---- the conversion ---------------------------------------------------------------------------------
+    # ---- the conversions --------------------------------------------------------------------------------
     def write_vllm_checkpoint(self, src, out_dir: Path, options) -> None:
-        if getattr(src, "format", None) == "gguf":
-            plan = _plan_from_gguf(src, options)
-        else:
-            plan = _plan_from_mlx(src, options)
-        _write(plan, Path(out_dir), options)
+        _write(_plan_for(src, options), Path(out_dir), options)
+
+    def write_gguf(self, src, out_path: Path, options) -> None:
+        """A qwen35 GGUF (PQ2_0 / PTQ1_0 + ``prism.hadamard.*``) from a ternary_rs checkpoint or an MLX pack."""
+        _write_gguf(_plan_for(src, options), Path(out_path), options)
+
+
+def _plan_for(src, options) -> "_Plan":
+    if getattr(src, "format", None) == "gguf":
+        return _plan_from_gguf(src, options)
+    root = Path(getattr(src, "path", src))
+    root = root if root.is_dir() else root.parent
+    if json.loads((root / "config.json").read_text()).get("model_type") == MLX_MODEL_TYPE:
+        return _plan_from_mlx(src, options)
+    return _plan_from_checkpoint(src, options)
+
+
+def _full_attention_interval(layer_types: list[str]) -> int | None:
+    """``n`` when every n-th layer (and only those) is full attention, as ``full_attention_interval`` says."""
+    full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+    if not full:
+        return None
+    n = full[0] + 1
+    return n if full == list(range(n - 1, len(layer_types), n)) else None
 
 
 def gguf_to_hf(name: str, n_layers: int | None = None) -> str:
@@ -242,6 +293,7 @@ class _Plan:
         self.spec: H.HadamardSpec | None = None
         self.tokenizer_writer = None
         self.generation_config: dict[str, Any] = {}
+        self.hf_dir: Path | None = None  # tokenizer files (Hugging Face layout), for GGUF output
 
 
 def _float_array(src, info) -> np.ndarray:
@@ -513,6 +565,7 @@ def _plan_from_mlx(src, options) -> _Plan:
         raise UnsupportedTypeError(f"{where}: gdn_activation_layout {cfg_all.get('gdn_activation_layout')!r}")
     native = int(quant.get("group_size", 128))
     plan = _Plan(where)
+    plan.hf_dir = root
     text = dict(cfg_all.get("text_config") or {})
     if not text:
         raise FormatError(f"{where}/config.json: no text_config")
@@ -616,6 +669,197 @@ def _plan_from_mlx(src, options) -> _Plan:
 
     plan.tokenizer_writer = side_files
     return plan
+
+
+def _plan_from_checkpoint(src, options) -> _Plan:
+    """A ternary_rs Bonsai 2 checkpoint (``model_type qwen3_5_text``, canonical ``qweight``/``scales``,
+    float32 dense tensors, ``quantization_config.hadamard``) — to GGUF, or re-grouped into a new checkpoint."""
+    from ..checkpoint import SUPPORTED_GROUP_SIZES
+    from ..hf_gguf import copy_hf_side_files
+    from ..tensor import TernaryTensor, repack
+
+    root = Path(getattr(src, "path", src))
+    root = root if root.is_dir() else root.parent
+    where = str(root)
+    config = json.loads((root / "config.json").read_text())
+    qc = config.pop("quantization_config", None) or {}
+    if qc.get("quant_method") != "ternary":
+        raise UnsupportedTypeError(
+            f"{where}/config.json: model_type {HF_MODEL_TYPE!r} without quantization_config.quant_method "
+            "'ternary': not a ternary_rs checkpoint (dense Qwen3.5 weights are not ternarized implicitly)"
+        )
+    native = int(qc.get("group_size", 0))
+    if native not in SUPPORTED_GROUP_SIZES:
+        raise ValidationError(f"{where}/config.json: quantization_config.group_size {native!r} is not one of "
+                              f"{SUPPORTED_GROUP_SIZES}")
+    plan = _Plan(where)
+    plan.hf_dir = root
+    config.pop("transformers_version", None)
+    plan.config = config
+    g = plan.group_size = _group_size(options.group_size, {native}, where)
+    tensors = dict(src.tensors)
+    for name, info in tensors.items():
+        if name.endswith(".scales") and name[: -len(".scales")] + ".qweight" in tensors:
+            continue
+        shape = tuple(int(d) for d in info.shape)
+        if name.endswith(".qweight"):
+            module = name[: -len(".qweight")]
+            if module + ".scales" not in tensors or len(shape) != 2:
+                raise FormatError(f"{where}: tensor '{name}' has no '{module}.scales' beside it")
+            n, k = shape[0], shape[1] * 4
+
+            def produce(name=name, module=module, n=n, k=k):
+                q = np.asarray(src.raw(name)).reshape(n, k // 4)
+                sc = np.asarray(src.raw(module + ".scales")).view("<f2").reshape(n, k // native)
+                t = TernaryTensor(q, sc, native, name=module)  # validates codes and scales
+                if g != native:
+                    t = repack(t, g)
+                return np.ascontiguousarray(t.qweight), np.ascontiguousarray(t.scales).view(np.float16)
+
+            plan.ternary[module] = produce
+            plan.ternary_shape[module] = (n, k)
+            continue
+
+        def dense(info=info):
+            return _float_array(src, info)  # float32: the stored value exactly
+
+        plan.dense[name] = (dense, "F32", shape)
+    if qc.get("hadamard") is not None:
+        plan.spec = H.HadamardSpec.from_config(qc["hadamard"], source=f"{where}/config.json: hadamard")
+        missing = sorted(m for m in list(plan.spec.layers) + list(plan.spec.inverse_embeddings)
+                         if m not in plan.ternary)
+        if missing:
+            raise ValidationError(f"{where}: rotated modules {missing[:4]} are not stored ternary")
+
+    def side_files(out_dir: Path):
+        copy_hf_side_files(root, out_dir)
+
+    plan.tokenizer_writer = side_files
+    return plan
+
+
+# PrismML's ternary GGUF types a qwen35 file is written in: (ggml type id, values per block, bytes per block).
+QWEN35_GGUF_OUTPUT = {"PQ2_0": (142, 128, 34), "PTQ1_0": (143, 128, 28)}
+GGUF_F32 = 0
+# The fork's llama ftype of a PQ2_0 file (FORMATS.md §1.3: LLAMA_FTYPE_MOSTLY_PQ2_0 = 141).
+GGUF_FILE_TYPES = {"PQ2_0": 141}
+
+
+def _tiled_rows(hf: str, cfg: dict) -> np.ndarray | None:
+    """Row gather turning HF's grouped GDN V-head order back into llama.cpp's tiled one (inverse of _v_rows)."""
+    rows = _v_rows(hf, cfg)
+    return None if rows is None else np.argsort(rows)
+
+
+def _prism_metadata(plan: _Plan) -> list[tuple[str, Any, str]]:
+    """``prism.hadamard.*`` for the plan's rotation (FORMATS.md §1.3.5), GGUF names, as PrismML writes them."""
+    spec = plan.spec
+    n_layers = int(plan.config["num_hidden_layers"])
+    perms = {(p.source, p.target) for _, p in spec.layers.values() if p is not None}
+    if perms - {("grouped", "tiled")} or (perms and any(
+            p is None for m, (_, p) in spec.layers.items() if m.endswith("linear_attn.out_proj"))):
+        raise ValidationError(f"{plan.source}: GDN permutations {sorted(perms)} do not match one "
+                              "prism.hadamard.gdn_v_grouped value; cannot write them to GGUF")
+    tied = bool(plan.config.get("tie_word_embeddings")) and "model.embed_tokens" in spec.inverse_embeddings
+    widths = sorted(spec.signs)
+    kv: list[tuple[str, Any, str]] = [
+        ("prism.hadamard.version", 2 if tied else 1, "u32"),
+        ("prism.hadamard.transform", H.PRISM_TRANSFORM, "string"),
+        ("prism.hadamard.axis", H.PRISM_AXIS, "string"),
+        ("prism.hadamard.sign_mode", "explicit", "string"),
+        ("prism.hadamard.block_size", spec.block_size, "u32"),
+        ("prism.hadamard.sign_widths", widths, "array[u32]"),
+        ("prism.hadamard.sign_values", [int(v) for w in widths for v in spec.signs[w]], "array[i32]"),
+        ("prism.hadamard.weight_names", [hf_to_gguf(m + ".weight", n_layers) for m in sorted(spec.layers, key=_natural)],
+         "array[string]"),
+        ("prism.hadamard.inverse_weight_names",
+         [hf_to_gguf(m + ".weight", n_layers) for m in spec.inverse_embeddings], "array[string]"),
+        ("prism.hadamard.gdn_v_grouped", not perms, "bool"),
+    ]
+    if tied:
+        kv.append(("prism.hadamard.tied_output", True, "bool"))
+    return kv
+
+
+def _write_gguf(plan: _Plan, out_path: Path, options) -> None:
+    """Write the plan as a qwen35 GGUF: ternary tensors re-encoded (group 128, llama.cpp row order), dense
+    tensors float32 with PrismML's conventions restored (norms ``w + 1``, ``ssm_a = −exp(A_log)``, tiled GDN
+    rows, 2-D conv1d), hyper-parameters, tokenizer and ``prism.hadamard.*``. Streams tensor by tensor."""
+    from ..checkpoint import GGUF_MARK_KEY, Job, OutTensor, run_jobs
+    from ..convert import _writer_type  # GGUF value type → ternary_rs.io.GGUFWriter type name
+    from ..hf_gguf import gguf_metadata_from_hf
+    from ..io import GGUFWriter
+    from ..tensor import TernaryTensor, encode, repack
+    from .._core import __version__
+
+    gtype = (options.gguf_type or "PQ2_0").upper()
+    if gtype not in QWEN35_GGUF_OUTPUT:
+        raise UnsupportedTypeError(f"--gguf-type {gtype}: a qwen35 GGUF is written as {sorted(QWEN35_GGUF_OUTPUT)}")
+    type_id, block, block_bytes = QWEN35_GGUF_OUTPUT[gtype]
+    cfg = plan.config
+    n_layers = int(cfg["num_hidden_layers"])
+    if plan.hf_dir is None:
+        raise UnsupportedTypeError(f"{plan.source}: no tokenizer directory to take GGUF tokenizer metadata from")
+    metadata = [(k, v, _writer_type(t, sub)) for k, v, t, sub in
+                gguf_metadata_from_hf(plan.hf_dir, cfg, ARCH, GGUF_FILE_TYPES.get(gtype), name=plan.hf_dir.name)]
+    if plan.spec is not None:
+        metadata += _prism_metadata(plan)
+    # The mark lets a later ``--force`` tell this file from a user's own GGUF (which it never replaces).
+    metadata.append((GGUF_MARK_KEY, __version__, "string"))
+
+    jobs = []
+    g = plan.group_size
+    order = sorted(set(plan.ternary) | {k.rsplit(".", 1)[0] for k in plan.dense}, key=_natural)
+    for module in order:
+        if module in plan.ternary:
+            n, k = plan.ternary_shape[module]
+            if k % block:
+                raise ValidationError(f"{plan.source}: '{module}' has K = {k}, not a multiple of the {gtype} "
+                                      f"block of {block}")
+            gname = hf_to_gguf(module + ".weight", n_layers)
+
+            def produce(module=module, rows=_tiled_rows(module + ".weight", cfg)):
+                q, sc = plan.ternary[module]()
+                t = TernaryTensor(q, sc, g, name=module, validate=False)
+                if g != block:  # to a divisor: scales repeat; to a multiple: only when lossless (else raises)
+                    t = repack(t, block)
+                if rows is not None:
+                    t = TernaryTensor(np.ascontiguousarray(t.qweight[rows]), np.ascontiguousarray(t.scales[rows]),
+                                      t.group_size, name=module, validate=False)
+                return (np.frombuffer(memoryview(encode(t, gtype)), dtype=np.uint8),)
+
+            jobs.append(Job([OutTensor(gname, gtype, (n, k), n * (k // block) * block_bytes)], produce,
+                            f"{plan.source}: {module}", meta={"type_id": type_id}))
+        for hf in sorted(t for t in plan.dense if t.rsplit(".", 1)[0] == module):
+            produce_dense, _, shape = plan.dense[hf]
+            gname = hf_to_gguf(hf, n_layers)
+            out_shape = (shape[0], shape[2]) if hf.endswith("conv1d.weight") and len(shape) == 3 else tuple(shape)
+
+            def produce(hf=hf, produce_dense=produce_dense, rows=_tiled_rows(hf, cfg), out_shape=out_shape):
+                x = np.asarray(produce_dense(), dtype=np.float32)
+                if hf.endswith("norm.weight") and not hf.endswith("linear_attn.norm.weight"):
+                    x = x + np.float32(1.0)  # llama.cpp's Qwen3.5 norms are x·w with w = 1 + HF's weight
+                elif hf.endswith("linear_attn.A_log"):
+                    x = -np.exp(x)
+                x = x.reshape(out_shape)
+                if rows is not None:
+                    x = x[rows]
+                return (np.ascontiguousarray(x, dtype=np.float32).view(np.uint8).reshape(-1),)
+
+            jobs.append(Job([OutTensor(gname, "F32", out_shape, int(np.prod(out_shape)) * 4)], produce,
+                            f"{plan.source}: {hf}", meta={"type_id": GGUF_F32}))
+    writer = GGUFWriter(out_path)
+    try:
+        for key, value, vtype in metadata:
+            writer.add_metadata(key, value, vtype)
+        for job in jobs:
+            o = job.outputs[0]
+            writer.add_tensor_info(o.name, tuple(o.shape), job.meta["type_id"], o.nbytes)
+        run_jobs(jobs, lambda i, job, buffers: writer.write_tensor_data(job.outputs[0].name, buffers[0]))
+    except BaseException:
+        writer.abort()  # deletes the partial file
+        raise
+    writer.close()
 
 
 def _write(plan: _Plan, out_dir: Path, options) -> None:
