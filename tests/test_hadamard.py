@@ -214,7 +214,8 @@ def test_spec_round_trip():
 @pytest.mark.parametrize(
     "change,match",
     [
-        ({"version": 2}, "version"),
+        ({"version": 3}, "version"),
+        ({"version": 1, "tied_output": True}, "tied_output"),
         ({"transform": "random-orthogonal"}, "transform"),
         ({"axis": "output"}, "axis"),
         ({"block_size": 96}, "power of two"),

@@ -20,7 +20,12 @@ import numpy as np
 import pytest
 
 import ternary_rs
-from bonsai2_model import build_bonsai2_tiny, write_prism_gguf
+from bonsai2_model import (
+    build_bonsai2_tiny,
+    expected_mtp_acceptance,
+    mtp_reference_logits,
+    write_prism_gguf,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -57,6 +62,7 @@ def served(tmp_path_factory):
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     got = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
     prompt_lens = [len(o.prompt_token_ids) for o in outs]
+    served_layers = llm.apply_model(_embedding_layers)[0]
     del llm
     import gc
 
@@ -64,7 +70,20 @@ def served(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(tiny.hf_dir, dtype=torch.float32).eval()
-    return {"tiny": tiny, "ckpt": ckpt, "sequences": got, "prompt_lens": prompt_lens, "ref": ref}
+    return {"tiny": tiny, "ckpt": ckpt, "sequences": got, "prompt_lens": prompt_lens, "ref": ref,
+            "layers": served_layers}
+
+
+def _embedding_layers(model) -> dict:
+    """In the engine: quant method and resident bytes of embed_tokens / lm_head (tensors and buffers)."""
+    out = {}
+    for name, module in model.named_modules():
+        if name.endswith(("embed_tokens", "lm_head")):
+            tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+            out[name] = {"method": type(module.quant_method).__name__,
+                         "bytes": sum(t.numel() * t.element_size() for t in tensors),
+                         "class": type(model).__name__}
+    return out
 
 
 def check_sequences(ref, sequences, prompt_lens):
@@ -120,6 +139,20 @@ def test_criterion_rejects_a_dropped_rotation(served):
     assert worst > NEAR_TIE and exact < MIN_EXACT
 
 
+def test_embedding_is_served_ternary(served):
+    """The plugin's Qwen3.5 class builds embed_tokens with the quant config: the table stays 2 bits/weight +
+    one fp16 scale per group (rows are unpacked and un-rotated only when looked up)."""
+    cfg = served["tiny"].config
+    vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
+    layers = served["layers"]
+    embed = next(v for k, v in layers.items() if k.endswith("embed_tokens"))
+    assert embed["class"] == "TernaryQwen3_5ForCausalLM"
+    assert embed["method"] == "TernaryEmbeddingMethod", layers
+    padded = -(-vocab // 64) * 64
+    assert embed["bytes"] == padded * hidden // 4 + padded * (hidden // 128) * 2
+    assert embed["bytes"] < vocab * hidden * 2 / 6  # vs. the bf16 table the stock class would hold
+
+
 def test_first_tokens_exact(served):
     """The first generated token (no accumulated divergence) is transformers' greedy choice for most prompts."""
     import torch
@@ -162,6 +195,135 @@ def test_vllm_config_refuses_a_malformed_rotation():
             cfg.get_input_transform("model.layers.0.mlp.down_proj", layer)
         with pytest.raises(ternary_rs.ValidationError, match=match):
             cfg.get_embedding_transform("model.embed_tokens")
+
+
+def run_runner(ckpt, tmp_path, *extra: str, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> dict:
+    """vLLM in its own processes (tests/vllm_runner.py, as test_vllm.py does); returns the runner's json."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    runner = Path(__file__).with_name("vllm_runner.py")
+    proc = subprocess.run(
+        [sys.executable, str(runner), "--model", str(ckpt), "--out", str(tmp_path / "out.json"),
+         "--prompts-json", str(tmp_path / "prompts.json"), "--max-tokens", str(max_tokens), *extra],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads((tmp_path / "out.json").read_text())
+
+
+def test_tied_version_2_file_serves_a_ternary_tied_head(tmp_path):
+    """``prism.hadamard.version = 2`` with ``tied_output``: the ternary, inverse-rotated embedding is also the
+    head (forward transform on the hidden state); greedy tokens follow transformers' tied dense model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tiny = build_bonsai2_tiny(tmp_path / "hf", block_size=128, tie_word_embeddings=True, seed=3)
+    ckpt = ternary_rs.convert(write_prism_gguf(tiny, tmp_path / "v2.gguf", "PTQ1_0"), tmp_path / "vllm",
+                              progress=False)
+    result = run_runner(ckpt, tmp_path, "--eager", "--dtype", "bfloat16", "--dump-weights", str(tmp_path / "dump"))
+    methods = result["workers"][0]["methods"]
+    assert methods["model.embed_tokens"] == methods["lm_head"] == "TernaryEmbeddingMethod", methods
+    outs = result["outputs"]
+    ref = AutoModelForCausalLM.from_pretrained(tiny.hf_dir, dtype=torch.float32).eval()
+    assert ref.config.tie_word_embeddings
+    worst, exact, report = check_sequences(
+        ref, [o["prompt_token_ids"] + o["token_ids"] for o in outs], [len(o["prompt_token_ids"]) for o in outs])
+    print(f"tied v2: exact {exact:.2%}, worst gap {worst:.3f} std")
+    assert worst <= NEAR_TIE, report
+    assert exact >= MIN_EXACT, report
+
+
+# ------------------------------------------------------------------------------------------------------
+# MTP layers: speculative decoding with the converted head
+# ------------------------------------------------------------------------------------------------------
+MTP_SPEC = '{"method": "mtp", "num_speculative_tokens": 1}'
+MTP_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def mtp_runs(tmp_path_factory):
+    """A Bonsai 2 with one MTP layer (``blk.4.nextn.*`` + ``blk.4.*``, ternary and rotated like the rest), as
+    PrismML's converter writes it, converted and served three times: without speculation, and with
+    ``--speculative-config {"method": "mtp", "num_speculative_tokens": 1}`` for two heads on the same main
+    model — one whose drafts are mostly right (``fc`` passes the next token's embedding, main model ≈ a
+    token permutation: decisive logits, so bf16 cannot flip a greedy choice) and one random head (drafts
+    rejected: exercises the rollback of the Gated-DeltaNet state)."""
+    pytest.importorskip("vllm")
+    root = tmp_path_factory.mktemp("bonsai2_mtp")
+    common = dict(block_size=128, mtp_layers=1, linear_scale=1.0, lm_head="permuted_embedding",
+                  mtp_linear_scale=2.3, seed=4)
+    heads = {"good": build_bonsai2_tiny(root / "hf-good", mtp_fc="embedding", **common),
+             "random": build_bonsai2_tiny(root / "hf-random", mtp_fc="random", **common)}
+    ckpts = {k: ternary_rs.convert(write_prism_gguf(m, root / f"{k}.gguf", "PQ2_0"), root / f"vllm-{k}",
+                                   progress=False) for k, m in heads.items()}
+    runs = {}
+    for name, ckpt, extra in (("plain", ckpts["good"], ()), ("good", ckpts["good"], ("--speculative-config", MTP_SPEC)),
+                              ("random", ckpts["random"], ("--speculative-config", MTP_SPEC))):
+        d = root / f"run-{name}"
+        d.mkdir()
+        runs[name] = run_runner(ckpt, d, "--eager", "--dtype", "bfloat16", "--no-prefix-caching", *extra,
+                                max_tokens=MTP_TOKENS)
+    return {"heads": heads, "ckpts": ckpts, "runs": runs}
+
+
+def test_mtp_checkpoint_has_the_names_vllm_loads(mtp_runs):
+    import json
+    from pathlib import Path
+
+    ckpt = Path(mtp_runs["ckpts"]["good"])
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 4 and cfg["mtp_num_hidden_layers"] == 1 and len(cfg["layer_types"]) == 4
+    names = set(json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"])
+    for t in ("mtp.fc.qweight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+              "mtp.norm.weight", "mtp.layers.0.self_attn.q_proj.qweight", "mtp.layers.0.mlp.down_proj.scales",
+              "mtp.layers.0.input_layernorm.weight"):
+        assert t in names, t
+    layers = cfg["quantization_config"]["hadamard"]["layers"]
+    assert "mtp.layers.0.self_attn.q_proj" in layers and "mtp.fc" not in layers  # fc is stored unrotated
+
+
+def test_mtp_speculation_gives_exactly_the_greedy_tokens(mtp_runs):
+    """Exactly the tokens of the same run without speculation (and those are transformers' greedy ones)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    runs = mtp_runs["runs"]
+    plain = [o["token_ids"] for o in runs["plain"]["outputs"]]
+    for name in ("good", "random"):
+        assert [o["token_ids"] for o in runs[name]["outputs"]] == plain, name
+    ref = AutoModelForCausalLM.from_pretrained(mtp_runs["heads"]["good"].hf_dir, dtype=torch.float32).eval()
+    for o in runs["plain"]["outputs"]:
+        want = ref.generate(torch.tensor([o["prompt_token_ids"]]), max_new_tokens=MTP_TOKENS, do_sample=False,
+                            pad_token_id=0)[0, len(o["prompt_token_ids"]):].tolist()
+        assert o["token_ids"] == want
+
+
+def test_mtp_acceptance_matches_the_reference_head(mtp_runs):
+    """vLLM's draft / acceptance counters equal what the MTP head computed independently (transformers'
+    decoder layer on the dense unrotated weights, teacher-forced on the greedy sequence) predicts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    runs = mtp_runs["runs"]
+    for name in ("good", "random"):
+        m = mtp_runs["heads"][name]
+        ref = AutoModelForCausalLM.from_pretrained(m.hf_dir, dtype=torch.float32).eval()
+        drafts = accepted = 0
+        for o in runs["plain"]["outputs"]:
+            seq = o["prompt_token_ids"] + o["token_ids"]
+            draft_tokens = mtp_reference_logits(m, ref, seq).argmax(-1).tolist()
+            d, a = expected_mtp_acceptance(draft_tokens, seq, len(o["prompt_token_ids"]), MTP_TOKENS)
+            drafts, accepted = drafts + d, accepted + a
+        got = runs[name]["spec_decode"]
+        print(f"MTP head {name!r}: vLLM drafts {got['drafts']}, accepted {got['accepted_tokens']} "
+              f"({got['accepted_tokens'] / got['drafts']:.1%}); reference {drafts} / {accepted}")
+        assert (got["drafts"], got["draft_tokens"], got["accepted_tokens"]) == (drafts, drafts, accepted)
+    good = runs["good"]["spec_decode"]
+    assert good["accepted_tokens"] / good["drafts"] > 0.5 and runs["random"]["spec_decode"]["accepted_tokens"] == 0
 
 
 @pytest.mark.slow

@@ -280,13 +280,38 @@ def test_linear_method_loads_fused_and_row_parallel(vllm_world):
 
 
 def test_shard_shape_refused_with_clear_error(vllm_world):
-    from ternary_rs.vllm.linear import check_partition
+    from ternary_rs.vllm.linear import load_group_size
     from vllm.model_executor.layers.linear import RowParallelLinear
 
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2.*lcm\(4, group_size=128\) = 128"):
-        check_partition("model.layers.0.mlp.down_proj", 192, 256, 384, 128, 2)
+    # A K shard splitting checkpoint groups is served at gcd(g, shard) (scales repeated, lossless) ...
+    assert load_group_size("model.layers.0.mlp.down_proj", 192, 256, 384, 128, 2) == 64
+    assert load_group_size("model.layers.0.self_attn.o_proj", 128, 256, 256, 256, 2) == 128
+    assert load_group_size("model.layers.0.mlp.down_proj", 96, 256, 384, 128, 4) == 32
+    # ... only a shard that is not a multiple of 32 is refused, naming the layer and TP sizes that work.
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.down_proj'.*K shard of 48.*tensor_parallel_size=4"
+                                         r".*tensor_parallel_size 1, 2 or 3 splits it"):
+        load_group_size("model.layers.0.mlp.down_proj", 48, 256, 192, 64, 4)
     with pytest.raises(ValueError, match="in_features = 96"):
         RowParallelLinear(96, 8, bias=False, quant_config=quant_config(64), prefix="x.o_proj")
+
+
+def test_regrouped_scales_load_this_ranks_slice(vllm_world):
+    """Rank r of a TP=2 row-parallel layer (group 256 checkpoint, K shard 128): the scales it holds are the
+    checkpoint's, repeated per 128 values, columns [r·K/2/128, (r+1)·K/2/128) — built by hand here."""
+    from ternary_rs.vllm.linear import RegroupedScaleParameter
+
+    rng = np.random.default_rng(5)
+    n, k, g, tp = 3, 512, 256, 2
+    full = torch.from_numpy(rng.uniform(0.1, 1.0, (n, k // g)).astype(np.float16))
+    served = g // 2
+    for rank in range(tp):
+        p = RegroupedScaleParameter(repeat=2, data=torch.empty(n, k // tp // served, dtype=torch.float16), input_dim=1,
+                                    output_dim=0, weight_loader=lambda *a: None)
+        p.tp_rank = rank
+        p.load_row_parallel_weight(full)
+        expanded = np.repeat(full.numpy(), g // served, axis=1)
+        per = k // tp // served
+        np.testing.assert_array_equal(p.data.numpy(), expanded[:, rank * per:(rank + 1) * per])
 
 
 def test_invalid_codes_and_scales_rejected(vllm_world):
@@ -555,3 +580,34 @@ def test_server_32_concurrent_requests(server):
         results = list(pool.map(one, range(32)))
     assert len(results) == 32
     assert all(r["usage"]["completion_tokens"] == 8 for r in results)
+
+
+# ---------------------------------------------------------------------------------------------------
+# TP=2 with row-parallel K shards that split checkpoint groups (lossless regroup at load)
+# ---------------------------------------------------------------------------------------------------
+# group size -> (intermediate size, which K shard splits a group): TP=2 halves o_proj's K (256 -> 128) and
+# down_proj's K (intermediate -> intermediate / 2).
+REGROUP_CASES = {
+    256: 512,  # o_proj shard 128 splits g256 -> served at 128; down_proj shard 256 whole
+    128: 384,  # down_proj shard 192 splits g128 -> served at 64
+    64: 192,   # down_proj shard 96 splits g64 -> served at 32
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group", sorted(REGROUP_CASES, reverse=True))
+def test_tp2_row_shards_splitting_groups(group, workdir):
+    """A g``group`` checkpoint whose row-parallel K shards at TP=2 are not whole groups loads (each scale
+    repeated to gcd(g, shard)): every rank holds exactly its slice of the HF weights and generation matches
+    transformers — the references are the HF tensors sliced by hand and the float32 transformers model."""
+    import ternary_rs
+
+    hf = workdir / f"hf_regroup_{group}"
+    build_tiny_model(hf, group_size=group, seed=7, intermediate=REGROUP_CASES[group])
+    ckpt = Path(ternary_rs.convert(hf, workdir / f"ternary_regroup_{group}", progress=False))
+    assert json.loads((ckpt / "config.json").read_text())["quantization_config"]["group_size"] == group
+    tmp = workdir / f"tp2_regroup_{group}"
+    tmp.mkdir()
+    result, dump = run_engine(tmp, ckpt, "--tp", "2", "--eager")
+    check_weights(result, dump, hf, tp=2)
+    check_generation(result, hf)

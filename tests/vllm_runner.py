@@ -2,9 +2,11 @@
 
     python tests/vllm_runner.py --model DIR --out OUT.json [--tp 2] [--eager] [--dtype float32]
         [--prompts-json FILE] [--max-tokens 12] [--dump-weights DIR] [--quantization ternary]
+        [--speculative-config JSON]
 
 Writes OUT.json: greedy generations (token ids + top logprobs) of the prompts, the quant method of every
-module, load time; with --dump-weights, every ternary layer's weights as seen *through vLLM* (linear /
+module, load time, and with --speculative-config vLLM's speculative-decoding counters (``spec_decode``: drafts,
+draft tokens, accepted tokens); with --dump-weights, every ternary layer's weights as seen *through vLLM* (linear /
 lm_head: ``quant_method.apply(layer, I_K)`` = W_shard.T through the real op; embeddings: the lookup of
 every row of the shard) to ``DIR/rank<r>.npz``. The ``__main__`` guard is required: vLLM starts worker
 processes with ``spawn``.
@@ -69,6 +71,17 @@ def dump_weights(model, out_dir: str):
     return {"rank": rank, "methods": methods}
 
 
+def spec_decode_counters(llm) -> dict:
+    """vLLM's speculative-decoding counters (``vllm:spec_decode_num_*`` metrics, summed over engines)."""
+    out: dict = {}
+    for metric in llm.get_metrics():
+        name = getattr(metric, "name", "")
+        if name.startswith("vllm:spec_decode_num_") and hasattr(metric, "value"):
+            key = name[len("vllm:spec_decode_num_"):]
+            out[key] = out.get(key, 0) + int(metric.value)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -82,6 +95,9 @@ def main() -> None:
     ap.add_argument("--logprobs", type=int, default=5)
     ap.add_argument("--dump-weights", default=None)
     ap.add_argument("--max-model-len", type=int, default=256)
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="vLLM CPU: hybrid (Mamba/GDN) prefix caching's 'align' mode needs Triton with speculation")
+    ap.add_argument("--speculative-config", default=None, help='e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\'')
     # Benchmark mode: decode throughput for a batch of prompts.
     ap.add_argument("--bench-batch", default="", help="comma-separated batch sizes, e.g. 1,16")
     ap.add_argument("--bench-tokens", type=int, default=64)
@@ -100,6 +116,9 @@ def main() -> None:
         max_model_len=args.max_model_len,
         max_num_seqs=32,
         seed=0,
+        speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
+        disable_log_stats=not args.speculative_config,
+        enable_prefix_caching=False if args.no_prefix_caching else None,
     )
     result: dict = {"load_s": time.perf_counter() - t0}
     cfg = llm.llm_engine.vllm_config
@@ -127,6 +146,9 @@ def main() -> None:
             }
             for o in outs
         ]
+
+    if args.speculative_config:
+        result["spec_decode"] = spec_decode_counters(llm)
 
     if args.bench_batch:
         llm.generate([{"prompt_token_ids": [5, 9, 11]}], SamplingParams(max_tokens=4, ignore_eos=True),

@@ -645,8 +645,10 @@ def _convert_one_unchecked(src: Path, dst: Path, options: ConvertOptions) -> Pat
         raise not_found(src)
     check_disjoint([src], dst)
     source = Source(src, options)
+    # An architecture's own GGUF writer (qwen35: prism.hadamard.*, GDN layouts) for non-GGUF sources.
+    gguf_hook = None if source.is_gguf else getattr(source.arch, "write_gguf", None)
     # Bonsai 2 rotation: only paths that keep it may run (a dropped rotation serves garbage, silently).
-    keeps_rotation = (source.is_gguf and options.to == "gguf") or (
+    keeps_rotation = (source.is_gguf and options.to == "gguf") or (options.to == "gguf" and gguf_hook is not None) or (
         options.to != "gguf" and getattr(source.arch, "write_vllm_checkpoint", None) is not None)
     if not keeps_rotation and _may_be_rotated(source.metadata or source.config or {}):
         from .hadamard import refuse_if_rotated  # imports torch: only when there is something to refuse
@@ -658,7 +660,10 @@ def _convert_one_unchecked(src: Path, dst: Path, options: ConvertOptions) -> Pat
     try:
         if options.to == "gguf":
             with (staging := Staging(dst, force=options.force, directory=False, parents=options.parents)) as tmp:
-                write_gguf_file(source, tmp, options)
+                if gguf_hook is not None:
+                    gguf_hook(source.file, tmp, options)
+                else:
+                    write_gguf_file(source, tmp, options)
                 hasher.cancel()  # a GGUF carries no manifest: no need to finish hashing the sources
                 staging.commit()
             return dst

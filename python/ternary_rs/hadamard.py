@@ -12,7 +12,8 @@ This module holds
   CUDA: ``cuda/fwht.cu`` when the extension was built with CUDA, else a torch butterfly; a fake impl for
   ``torch.compile``),
 * :class:`HadamardSpec` — the validated rotation description, read from GGUF ``prism.hadamard.*`` metadata or
-  MLX ``hadamard.json`` and written to / read from ``quantization_config["hadamard"]`` of a converted
+  MLX ``hadamard.json`` (versions 1 and 2 — 2 adds ``tied_output``, see :func:`tied_output`; ``axis`` and
+  ``sign_mode`` required as upstream requires them; ``sign_mode`` ``explicit`` or ``identity``) and written to / read from ``quantization_config["hadamard"]`` of a converted
   checkpoint. Anything it does not understand is refused: serving rotated weights without the rotation
   gives garbage, never an error, so the error has to come from here.
 * :func:`reference_transform` — a plain NumPy (float64, dense matrix) reference used by tests.
@@ -34,10 +35,10 @@ from ._core import ValidationError
 LIB = "ternary_rs"
 
 # What PrismML writes (and the only thing this version understands).
-PRISM_VERSION = 1
+PRISM_VERSIONS = (1, 2)  # 2 adds ``tied_output`` (token_embd is also the output head)
 PRISM_TRANSFORM = "normalized-sylvester-walsh-hadamard"
 PRISM_AXIS = "input-last-dimension"
-PRISM_SIGN_MODE = "explicit"
+PRISM_SIGN_MODES = ("explicit", "identity")  # identity: no sign arrays, s = 1
 PRISM_PREFIX = "prism.hadamard."
 # Version of the ``quantization_config["hadamard"]`` entry written by ternary_rs.
 CHECKPOINT_VERSION = 1
@@ -311,43 +312,43 @@ class HadamardSpec:
                 raise ValidationError(f"{where}: required key 'prism.hadamard.{key}' is missing")
             return kv[key]
 
-        version = need("version")
-        if _as_int(version, where, "version") != PRISM_VERSION:
+        version = _as_int(need("version"), where, "version")
+        if version not in PRISM_VERSIONS:
             raise ValidationError(
-                f"{where}: prism.hadamard.version {version} is not supported (this ternary_rs knows version "
-                f"{PRISM_VERSION}); refusing rather than serving wrongly rotated weights"
+                f"{where}: prism.hadamard.version {version} is not supported (this ternary_rs knows versions "
+                f"{list(PRISM_VERSIONS)}); refusing rather than serving wrongly rotated weights"
             )
-        for key, want in (("transform", PRISM_TRANSFORM), ("axis", PRISM_AXIS), ("sign_mode", PRISM_SIGN_MODE)):
-            got = kv.get(key, want if key != "transform" else None)
-            if got != want:
-                raise ValidationError(f"{where}: prism.hadamard.{key} = {got!r} is not supported (expected {want!r})")
+        tied_output(kv, where)  # validates version / tied_output agreement
+        # Upstream requires all three strings; a missing one is an error, not a default.
+        for key, allowed in (("transform", (PRISM_TRANSFORM,)), ("axis", (PRISM_AXIS,)),
+                             ("sign_mode", PRISM_SIGN_MODES)):
+            got = need(key)
+            if got not in allowed:
+                raise ValidationError(
+                    f"{where}: prism.hadamard.{key} = {got!r} is not supported (expected one of {list(allowed)})"
+                )
         block = _as_int(need("block_size"), where, "block_size")
-        widths = [_as_int(w, where, "sign_widths") for w in _as_list(need("sign_widths"), where, "sign_widths")]
-        values = np.asarray(_as_list(need("sign_values"), where, "sign_values"))
-        if values.size != sum(widths):
-            raise ValidationError(
-                f"{where}: sign_values has {values.size} entries but sign_widths {widths} sum to {sum(widths)}"
-            )
-        if len(set(widths)) != len(widths):
-            raise ValidationError(f"{where}: sign_widths {widths} repeats a width")
-        signs, at = {}, 0
-        for w in widths:
-            signs[w] = values[at : at + w]
-            at += w
         layers: dict[str, tuple[int, GdnPermute | None]] = {}
-        for name in _as_list(need("weight_names"), where, "weight_names"):
+        names = _as_list(need("weight_names"), where, "weight_names")
+        hits = []
+        for name in names:
             hit = resolve(str(name))
             if hit is None:
                 raise ValidationError(f"{where}: rotated weight '{name}' is not a tensor of this model")
-            module, width = hit
-            layers[module] = (width, gdn_permute_for(module))
-        inverse = []
+            hits.append(hit)
+        inverse_hits = []
         for name in _as_list(kv.get("inverse_weight_names", []), where, "inverse_weight_names"):
             hit = resolve(str(name))
             if hit is None:
                 raise ValidationError(f"{where}: inverse-rotated weight '{name}' is not a tensor of this model")
-            inverse.append(hit[0])
-        return cls(block, signs, layers, tuple(inverse), source=where)
+            inverse_hits.append(hit)
+        if kv["sign_mode"] == "identity":
+            signs = _identity_signs(kv, [w for _, w in hits + inverse_hits], where)
+        else:
+            signs = _explicit_signs(kv, need, where)
+        for module, width in hits:
+            layers[module] = (width, gdn_permute_for(module))
+        return cls(block, signs, layers, tuple(m for m, _ in inverse_hits), source=where)
 
     # ---- quantization_config["hadamard"] ----------------------------------------------------------------
     def to_config(self) -> dict:
@@ -428,6 +429,51 @@ def _as_list(v, where, key) -> list:
     return list(v)
 
 
+def _explicit_signs(kv: Mapping[str, Any], need, where: str) -> dict[int, np.ndarray]:
+    """``sign_widths`` / ``sign_values`` (any integer element width) → one sign vector per width."""
+    widths = [_as_int(w, where, "sign_widths") for w in _as_list(need("sign_widths"), where, "sign_widths")]
+    values = np.asarray(_as_list(need("sign_values"), where, "sign_values"))
+    if values.size and values.dtype.kind not in "iu":
+        raise ValidationError(f"{where}: sign_values must be integers, got {values.dtype} values")
+    if values.size != sum(widths):
+        raise ValidationError(
+            f"{where}: sign_values has {values.size} entries but sign_widths {widths} sum to {sum(widths)}"
+        )
+    if len(set(widths)) != len(widths):
+        raise ValidationError(f"{where}: sign_widths {widths} repeats a width")
+    signs, at = {}, 0
+    for w in widths:
+        signs[w] = values[at : at + w]
+        at += w
+    return signs
+
+
+def _identity_signs(kv: Mapping[str, Any], widths: list[int], where: str) -> dict[int, np.ndarray]:
+    """``sign_mode = "identity"``: s = 1 for every width in use. Sign arrays, if present anyway, must be +1."""
+    values = np.asarray(_as_list(kv.get("sign_values", []), where, "sign_values"))
+    if values.size and not np.all(values == 1):
+        raise ValidationError(
+            f"{where}: prism.hadamard.sign_mode is 'identity' but sign_values holds "
+            f"{int(np.count_nonzero(values != 1))} entries other than +1"
+        )
+    return {w: np.ones(w, dtype=np.int8) for w in sorted(set(widths))}
+
+
+def tied_output(kv: Mapping[str, Any], source: str = "") -> bool:
+    """Whether PrismML's keys (without the prefix) say ``token_embd`` is also the output head (version 2
+    with ``tied_output = true``). ``tied_output`` with version 1 is refused: that version does not know it."""
+    where = source or "prism.hadamard"
+    tied = kv.get("tied_output", False)
+    if not isinstance(tied, (bool, np.bool_)):
+        raise ValidationError(f"{where}: prism.hadamard.tied_output must be a bool, got {tied!r}")
+    if tied and _as_int(kv.get("version"), where, "version") < 2:
+        raise ValidationError(
+            f"{where}: prism.hadamard.tied_output is set but prism.hadamard.version is "
+            f"{kv.get('version')}; tied_output needs version 2"
+        )
+    return bool(tied)
+
+
 def prism_keys(metadata: Mapping[str, Any]) -> dict[str, Any]:
     """The ``prism.hadamard.*`` entries of GGUF metadata, without the prefix."""
     return {k[len(PRISM_PREFIX):]: v for k, v in metadata.items() if k.startswith(PRISM_PREFIX)}
@@ -485,9 +531,13 @@ def canonical_module_name(name: str) -> str:
 
     ``model.layers.3.mlp.down_proj``, ``language_model.model.layers.3.mlp.down_proj`` and
     ``model.language_model.layers.3.mlp.down_proj`` all become ``layers.3.mlp.down_proj``;
-    ``lm_head`` / ``model.embed_tokens`` become ``lm_head`` / ``embed_tokens``.
+    ``lm_head`` / ``model.embed_tokens`` become ``lm_head`` / ``embed_tokens``; MTP modules keep their
+    ``mtp.`` prefix (``mtp.layers.0.self_attn.q_proj``, ``mtp.fc``) so they never alias decoder layer 0.
     """
     name = re.sub(r"\.(weight|qweight|scales)$", "", name)
+    m = re.search(r"(?:^|\.)(mtp\..*)$", name)  # the MTP head: its own layers.N, not the decoder's
+    if m:
+        return m.group(1)
     m = re.search(r"(?:^|\.)(layers\.\d+\..*)$", name)
     if m:
         return m.group(1)

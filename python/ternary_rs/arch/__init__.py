@@ -38,6 +38,10 @@ An arch object provides (attributes / methods):
     then writes the ``ternary_rs.json`` manifest and renames ``out_dir`` into place; on any exception the
     temporary directory is deleted. ``options`` carries ``group_size`` (``None`` = source's), ``shard_size``
     (bytes), ``threads``, ``progress`` (bool) and ``source_paths``.
+``write_gguf`` (optional; absent = the generic GGUF writer)
+    ``write_gguf(src: TernaryFile, out_path: Path, options: ConvertOptions) -> None``: the same kind of
+    hook for ``--to gguf`` from a non-GGUF source; writes the whole file at ``out_path`` (a temporary name
+    ``convert`` renames into place).
 
 To add an architecture: write ``arch/<name>.py`` (``<name>`` = its GGUF ``general.architecture``) exposing
 ``ARCH`` and add one line to ``_MODULES``. Modules are imported on first use (``ARCHES[name]``).

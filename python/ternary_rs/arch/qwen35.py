@@ -5,6 +5,9 @@ Sources (FORMATS.md §1.3.4–1.3.6, §1.4(c)):
 * a GGUF with ``general.architecture = qwen35``, ternary PQ2_0 / PTQ1_0 tensors and ``prism.hadamard.*``;
 * an MLX directory with ``model_type: prism_hadamard_qwen35`` + ``hadamard.json``.
 
+Also the way back: a ternary_rs Bonsai 2 checkpoint (``model_type qwen3_5_text``) or the MLX pack → a qwen35
+GGUF (PQ2_0 / PTQ1_0 + ``prism.hadamard.*``, PrismML's tensor conventions restored), see :func:`_write_gguf`.
+
 Output: a checkpoint for vLLM's text-only ``Qwen3_5ForCausalLM`` (``model_type: qwen3_5_text``) in
 Hugging Face names (``model.layers.N.linear_attn.in_proj_qkv`` …; vLLM fuses q/k/v, gate/up, qkv/z and
 b/a itself through its ``packed_modules_mapping``). What the GGUF stores differently is undone here:
@@ -17,12 +20,27 @@ b/a itself through its ``packed_modules_mapping``). What the GGUF stores differe
 
 The rotation stays in the weights (they are exactly ternary only in the rotated basis) and is described in
 ``quantization_config["hadamard"]`` (:class:`ternary_rs.hadamard.HadamardSpec`): the vLLM backend applies
-``x → [GDN permutation] → ·s → FWHT`` before each listed layer (and ``FWHT → ·s`` to the rows of an
-inverse-rotated ternary embedding). A listed weight that ends up dense is un-rotated here instead
-(``W = W'·H·D``) and dropped from the list — in particular the embedding: vLLM's ``Qwen3_5Model`` creates
-``embed_tokens`` without a quant config, so the table is written dense (float16).
+``x → [GDN permutation] → ·s → FWHT`` before each listed layer and ``FWHT → ·s`` to the looked-up rows of the
+inverse-rotated ternary embedding (which stays ternary: the plugin's Qwen3.5 model class builds
+``embed_tokens`` with the quant config, :mod:`ternary_rs.vllm.qwen3_5`). A listed weight that the source
+stores dense is un-rotated here instead (``W = W'·H·D``, float32) and dropped from the list.
+
+Everything written dense is lossless: float tensors are written as float32 — the source's value exactly,
+or the float32 result of the transform above (norm ``− 1``, ``log(−A)``, un-rotation) — never rounded to a
+narrower type.
 ``ssm_out`` was rotated in the *grouped* head basis (``gdn_v_grouped = true``), which is the activation order
-vLLM uses, so it needs no permutation in vLLM; a file saying ``false`` gets the grouped → tiled gather.
+vLLM uses, so it needs no permutation in vLLM; a file saying ``false`` — or nothing: upstream's loader reads an
+absent key as false — gets the grouped → tiled gather. Rotation version 2 with ``tied_output`` (no
+``output.weight``) becomes ``tie_word_embeddings``.
+
+MTP layers (``qwen35.nextn_predict_layers`` = n; ``block_count`` counts them; blocks L … L+n−1 after the L
+decoder blocks, and the head's own ``blk.L.nextn.*``) become vLLM's ``qwen3_5_mtp`` names (``mtp.fc``,
+``mtp.pre_fc_norm_{embedding,hidden}``, ``mtp.norm``, ``mtp.layers.j.*``; ``mtp_num_hidden_layers`` in the
+config), ternary where the file is ternary and rotated where it lists them, so
+``--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'`` serves them.
+
+Ternary tensor types: PQ2_0, PTQ1_0, first-generation id-42 "Q2_0" (g128, reported as ``Q2_0_G128``),
+upstream / ``*-Q2_g64`` Q2_0 (g64), TQ2_0, TQ1_0; the checkpoint keeps the smallest native group.
 
 A ``qwen35`` GGUF without ``prism.hadamard.*`` is taken as an ordinary (unrotated) model.
 """
@@ -38,7 +56,6 @@ import numpy as np
 
 from .._core import FormatError, UnsupportedTypeError, ValidationError
 from .. import hadamard as H
-from ..tensor import TernaryTensor
 
 # GGUF tensor kind → HF module (inside ``model.layers.N.``), the suffixes PrismML's qwen35 files use.
 BLOCK_TENSORS = {
@@ -61,44 +78,57 @@ BLOCK_TENSORS = {
     "ssm_conv1d": "linear_attn.conv1d",
     "ssm_norm": "linear_attn.norm",
 }
+_BLOCK_KINDS = {v: k for k, v in BLOCK_TENSORS.items()}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Multi-token prediction (``<arch>.nextn_predict_layers`` = n; ``block_count`` counts them; FORMATS.md §1.3.5):
+# the MTP head's own tensors in block L = decoder blocks, as llama.cpp names them (gguf-py MODEL_TENSOR.NEXTN_*;
+# convert_hf_to_gguf maps Qwen3.5's mtp.fc → eh_proj, pre_fc_norm_embedding → enorm, pre_fc_norm_hidden →
+# hnorm, norm → shared_head.norm), → the names vLLM's qwen3_5_mtp loads. Its decoder layers are ordinary
+# (full-attention) blocks L … L+n−1 → ``mtp.layers.0 … n−1``. Norms are stored ``w + 1`` like the others.
+NEXTN_TENSORS = {
+    "eh_proj": "mtp.fc",
+    "enorm": "mtp.pre_fc_norm_embedding",
+    "hnorm": "mtp.pre_fc_norm_hidden",
+    "shared_head_norm": "mtp.norm",
+}
+DEDICATED_NEXTN = {"embed_tokens": "embedding", "shared_head_head": "output head"}
 LINEAR_MODULES = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "fc",
 )
-GGUF_TERNARY_TYPES = ("PQ2_0", "PTQ1_0", "TQ2_0", "TQ1_0", "Q2_0")
+# Ternary GGUF types a qwen35 file may hold → native group size (FORMATS.md §1.3). Id 42 is two formats, told
+# apart by byte span in the container layer: the first-generation fork "Q2_0" (g128, 34-byte blocks) is
+# reported as Q2_0_G128, upstream Q2_0 and PrismML's ``*-Q2_g64.gguf`` (g64, 18-byte blocks) as Q2_0.
+GGUF_TERNARY_GROUPS = {"PQ2_0": 128, "PTQ1_0": 128, "Q2_0_G128": 128, "Q2_0": 64, "TQ2_0": 256, "TQ1_0": 256}
+GGUF_TERNARY_TYPES = tuple(GGUF_TERNARY_GROUPS)
 FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bfloat16"}
 HF_ARCHITECTURE = "Qwen3_5ForCausalLM"
 HF_MODEL_TYPE = "qwen3_5_text"
 MLX_MODEL_TYPE = "prism_hadamard_qwen35"
 MLX_PREFIX = "language_model."
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+_NEXTN_RE = re.compile(r"^blk\.(\d+)\.nextn\.([a-z0-9_]+)\.weight$")
 
 
 class Qwen35Arch:
-    """Registry entry (see :mod:`ternary_rs.arch`); conversion goes through :meth:`write_vllm_checkpoint`."""
+    """Registry entry (see :mod:`ternary_rs.arch`); conversion goes through the whole-checkpoint hooks
+    :meth:`write_vllm_checkpoint` and :meth:`write_gguf` (sources: PrismML GGUF, MLX pack, ternary_rs checkpoint)."""
 
     gguf_arch = "qwen35"
-    hf_model_types = (MLX_MODEL_TYPE,)
+    hf_model_types = (MLX_MODEL_TYPE, HF_MODEL_TYPE)
     hf_architectures = ()
     default_tokenizer_pre = "qwen2"
+    gguf_vocab = "qwen2"  # Qwen2-style byte-level BPE (tokenizer.model if present)
 
     # ---- names (also used by the generic tools, e.g. `inspect`) -----------------------------------------
     def hf_name(self, gguf_name: str, n_blocks: int | None = None) -> str | None:
-        return gguf_to_hf(gguf_name)
+        return gguf_to_hf(gguf_name, n_blocks)
 
     def gguf_name(self, hf_name: str, n_blocks: int | None = None) -> str | None:
-        rev = {v: k for k, v in BLOCK_TENSORS.items()}
-        m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf_name)
-        if m and m.group(2) in rev:
-            return f"blk.{m.group(1)}.{rev[m.group(2)]}.{m.group(3)}"
-        for g, h in GLOBAL_TENSORS.items():
-            if hf_name == h + ".weight":
-                return g + ".weight"
-        m = re.match(r"^model\.layers\.(\d+)\.linear_attn\.(A_log|dt_bias)$", hf_name)
-        if m:
-            return f"blk.{m.group(1)}." + ("ssm_a" if m.group(2) == "A_log" else "ssm_dt.bias")
-        return None
+        try:
+            return hf_to_gguf(hf_name, n_blocks)
+        except KeyError:
+            return None
 
     def ternary_candidate(self, hf_name: str, shape) -> bool:
         return len(shape) == 2 and (
@@ -113,42 +143,134 @@ class Qwen35Arch:
         return None
 
     def n_blocks_from_gguf(self, metadata: dict, arch: str) -> int:
-        return int(metadata.get(f"{arch}.block_count", 0))
+        """Decoder blocks: ``block_count`` counts the MTP layers (``nextn_predict_layers``) appended after them."""
+        return int(metadata.get(f"{arch}.block_count", 0)) - int(metadata.get(f"{arch}.nextn_predict_layers", 0) or 0)
 
     def config_fixups_from_gguf(self, config: dict, metadata: dict) -> None:
         return None
 
     def gguf_hparams(self, writer, config: dict) -> None:
-        raise UnsupportedTypeError(
-            "writing a qwen35 GGUF from a Hugging Face checkpoint is not supported (convert GGUF → vLLM instead)"
-        )
+        """``qwen35.*`` hyper-parameters of a Qwen3.5-text config on a ``gguf.GGUFWriter`` (inverse of
+        :func:`_config_from_gguf`; the keys PrismML's files carry, FORMATS.md §1.1)."""
+        n_layers = int(config["num_hidden_layers"])
+        n_mtp = int(config.get("mtp_num_hidden_layers") or 0)
+        head_dim = int(config["head_dim"])
+        nv, dv = int(config["linear_num_value_heads"]), int(config["linear_value_head_dim"])
+        rope = dict(config.get("rope_parameters") or {})
+        writer.add_block_count(n_layers + n_mtp)
+        if n_mtp:
+            writer.add_nextn_predict_layers(n_mtp)
+        writer.add_context_length(int(config["max_position_embeddings"]))
+        writer.add_embedding_length(int(config["hidden_size"]))
+        writer.add_feed_forward_length(int(config["intermediate_size"]))
+        writer.add_head_count(int(config["num_attention_heads"]))
+        writer.add_head_count_kv(int(config["num_key_value_heads"]))
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+        writer.add_rope_dimension_count(int(round(head_dim * float(rope.get("partial_rotary_factor", 1.0)))))
+        if rope.get("mrope_section"):
+            sections = [int(x) for x in rope["mrope_section"]]
+            writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
+        writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+        writer.add_ssm_conv_kernel(int(config["linear_conv_kernel_dim"]))
+        writer.add_ssm_state_size(int(config["linear_key_head_dim"]))
+        writer.add_ssm_group_count(int(config["linear_num_key_heads"]))
+        writer.add_ssm_time_step_rank(nv)
+        writer.add_ssm_inner_size(nv * dv)
+        interval = _full_attention_interval(config.get("layer_types") or [])
+        if interval:
+            writer.add_full_attention_interval(interval)
 
-    # ---- the conversion ---------------------------------------------------------------------------------
+    # ---- the conversions --------------------------------------------------------------------------------
     def write_vllm_checkpoint(self, src, out_dir: Path, options) -> None:
-        if getattr(src, "format", None) == "gguf":
-            plan = _plan_from_gguf(src, options)
-        else:
-            plan = _plan_from_mlx(src, options)
-        _write(plan, Path(out_dir), options)
+        _write(_plan_for(src, options), Path(out_dir), options)
+
+    def write_gguf(self, src, out_path: Path, options) -> None:
+        """A qwen35 GGUF (PQ2_0 / PTQ1_0 + ``prism.hadamard.*``) from a ternary_rs checkpoint or an MLX pack."""
+        _write_gguf(_plan_for(src, options), Path(out_path), options)
 
 
-def gguf_to_hf(name: str) -> str:
-    """HF name of a Prism qwen35 GGUF tensor (``KeyError`` for an unknown name)."""
+def _plan_for(src, options) -> "_Plan":
+    if getattr(src, "format", None) == "gguf":
+        return _plan_from_gguf(src, options)
+    root = Path(getattr(src, "path", src))
+    root = root if root.is_dir() else root.parent
+    if json.loads((root / "config.json").read_text()).get("model_type") == MLX_MODEL_TYPE:
+        return _plan_from_mlx(src, options)
+    return _plan_from_checkpoint(src, options)
+
+
+def _full_attention_interval(layer_types: list[str]) -> int | None:
+    """``n`` when every n-th layer (and only those) is full attention, as ``full_attention_interval`` says."""
+    full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+    if not full:
+        return None
+    n = full[0] + 1
+    return n if full == list(range(n - 1, len(layer_types), n)) else None
+
+
+def gguf_to_hf(name: str, n_layers: int | None = None) -> str:
+    """HF name of a Prism qwen35 GGUF tensor (``KeyError`` for an unknown name).
+
+    ``n_layers`` = decoder blocks: blocks from ``n_layers`` on are MTP layers (``mtp.layers.{i − n_layers}``),
+    and block ``n_layers`` holds the MTP head's own tensors ``blk.L.nextn.*`` (:data:`NEXTN_TENSORS`)."""
     for g, h in GLOBAL_TENSORS.items():
         if name == g + ".weight":
             return h + ".weight"
+    m = _NEXTN_RE.match(name)
+    if m:
+        layer, kind = int(m.group(1)), m.group(2)
+        if kind in DEDICATED_NEXTN:
+            raise KeyError(
+                f"qwen35 GGUF tensor {name!r}: a dedicated MTP {DEDICATED_NEXTN[kind]} is not supported (vLLM's "
+                "qwen3_5_mtp shares the main model's embedding and head)"
+            )
+        if kind not in NEXTN_TENSORS or n_layers is None or layer != n_layers:
+            raise KeyError(f"qwen35 GGUF tensor {name!r}: not an MTP tensor of block {n_layers} this converter knows")
+        return f"{NEXTN_TENSORS[kind]}.weight"
     m = _BLOCK_RE.match(name)
     if m:
         layer, kind, suffix = m.groups()
+        prefix = f"model.layers.{layer}"
+        if n_layers is not None and int(layer) >= n_layers:
+            prefix = f"mtp.layers.{int(layer) - n_layers}"
         if kind == "ssm_a" and suffix == "weight":
-            return f"model.layers.{layer}.linear_attn.A_log"
+            return f"{prefix}.linear_attn.A_log"
         if kind == "ssm_dt" and suffix == "bias":
-            return f"model.layers.{layer}.linear_attn.dt_bias"
+            return f"{prefix}.linear_attn.dt_bias"
         if kind in BLOCK_TENSORS:
-            return f"model.layers.{layer}.{BLOCK_TENSORS[kind]}.{suffix}"
+            return f"{prefix}.{BLOCK_TENSORS[kind]}.{suffix}"
     if re.match(r"^blk\.\d+\.ssm_a$", name):
         return "model.layers.%s.linear_attn.A_log" % name.split(".")[1]
     raise KeyError(f"qwen35 GGUF tensor {name!r} has no Hugging Face counterpart this converter knows")
+
+
+def hf_to_gguf(hf: str, n_layers: int | None) -> str:
+    """The qwen35 GGUF name of a checkpoint tensor (inverse of :func:`gguf_to_hf`; ``KeyError`` if none)."""
+    for g, h in GLOBAL_TENSORS.items():
+        if hf == h + ".weight":
+            return g + ".weight"
+    for kind, module in NEXTN_TENSORS.items():
+        if hf == module + ".weight":
+            if n_layers is None:
+                raise KeyError(f"{hf!r}: the MTP block index needs the decoder layer count")
+            return f"blk.{n_layers}.nextn.{kind}.weight"
+    m = re.match(r"^(model|mtp)\.layers\.(\d+)\.(.+)$", hf)
+    if m:
+        where, layer, rest = m.group(1), int(m.group(2)), m.group(3)
+        if where == "mtp":
+            if n_layers is None:
+                raise KeyError(f"{hf!r}: the MTP block index needs the decoder layer count")
+            layer += n_layers
+        if rest == "linear_attn.A_log":
+            return f"blk.{layer}.ssm_a"
+        if rest == "linear_attn.dt_bias":
+            return f"blk.{layer}.ssm_dt.bias"
+        module, _, suffix = rest.rpartition(".")
+        if suffix in ("weight", "bias") and module in _BLOCK_KINDS:
+            return f"blk.{layer}.{_BLOCK_KINDS[module]}.{suffix}"
+    raise KeyError(f"checkpoint tensor {hf!r} has no qwen35 GGUF name")
 
 
 def vperm(num_v_heads: int, num_k_heads: int, unit: int) -> np.ndarray:
@@ -172,6 +294,7 @@ class _Plan:
         self.spec: H.HadamardSpec | None = None
         self.tokenizer_writer = None
         self.generation_config: dict[str, Any] = {}
+        self.hf_dir: Path | None = None  # tokenizer files (Hugging Face layout), for GGUF output
 
 
 def _float_array(src, info) -> np.ndarray:
@@ -190,14 +313,6 @@ def _float_array(src, info) -> np.ndarray:
     return a.reshape(tuple(int(d) for d in info.shape)).astype(np.float32, copy=False)
 
 
-def _dequantize(qweight: np.ndarray, scales: np.ndarray, group: int) -> np.ndarray:
-    """Canonical (codes t+1, 4 per byte along K; f16 group scales) → float32 ``W`` (code 3 is refused)."""
-    return TernaryTensor(qweight, scales, group).dequantize("float32")
-
-
-EMBED_CHUNK_ROWS = 4096  # rows dequantized / un-rotated at a time (bounds memory for 248k-row vocabularies)
-
-
 def _unrotate_rows(x: np.ndarray, signs: np.ndarray, block: int) -> np.ndarray:
     """``W'·H·D`` row by row (WHT then ·s) with the Rust FWHT; float32 in, float32 out."""
     from .. import _core
@@ -206,42 +321,6 @@ def _unrotate_rows(x: np.ndarray, signs: np.ndarray, block: int) -> np.ndarray:
     out = np.empty_like(x)
     _core.fwht(x, out, int(block), "float32", True, np.ascontiguousarray(signs, dtype=np.float32), None)
     return out
-
-
-def _dense_embedding(plan: "_Plan") -> None:
-    """vLLM's ``Qwen3_5Model`` builds ``embed_tokens`` without a quant config, so it cannot hold a ternary
-    table: store the embedding dense in float16 (half the size of float32, 8× finer than bfloat16 — a tiny
-    random Qwen3.5 already moves its logits by 12 % of their spread from bf16 rounding of the table alone),
-    un-rotated (``e = WHT(row)·s``) if the file lists it as inverse-rotated. Done in row chunks: Bonsai 2's
-    table is 248k × 5120."""
-    module = "model.embed_tokens"
-    produce = plan.ternary.pop(module, None)
-    if produce is None:
-        return
-    shape = plan.ternary_shape.pop(module)
-    g = plan.group_size
-    spec = plan.spec
-    signs = None
-    if spec is not None and module in spec.inverse_embeddings:
-        signs = spec.signs.get(shape[1])
-        if signs is None:
-            raise ValidationError(f"{plan.source}: embedding width {shape[1]} has no sign vector")
-        inverse = tuple(n for n in spec.inverse_embeddings if n != module)
-        plan.spec = H.HadamardSpec(spec.block_size, dict(spec.signs), dict(spec.layers), inverse, source=spec.source)
-
-    def dense(produce=produce, signs=signs, block=None if spec is None else spec.block_size):
-        q, s = (np.asarray(a) for a in produce())
-        out = np.empty(shape, dtype=np.float16)
-        for r in range(0, shape[0], EMBED_CHUNK_ROWS):
-            rows = _dequantize(q[r:r + EMBED_CHUNK_ROWS], s[r:r + EMBED_CHUNK_ROWS], g)
-            if signs is not None:
-                rows = _unrotate_rows(rows, signs, block)
-            if np.abs(rows).max(initial=0.0) > np.finfo(np.float16).max:
-                raise ValidationError(f"{plan.source}: {module}: values beyond the float16 range")
-            out[r:r + EMBED_CHUNK_ROWS] = rows
-        return out
-
-    plan.dense[module + ".weight"] = (dense, "F16", shape)
 
 
 def _v_rows(hf: str, cfg: dict) -> np.ndarray | None:
@@ -268,7 +347,11 @@ def _config_from_gguf(md: dict, tensors: dict, path: str) -> dict:
             raise FormatError(f"{path}: GGUF metadata key '{a}.{key}' is missing (needed for config.json)")
         return v
 
-    n_layers = int(get("block_count"))
+    n_mtp = int(md.get(f"{a}.nextn_predict_layers", 0) or 0)
+    n_layers = int(get("block_count")) - n_mtp
+    if n_mtp < 0 or n_layers <= 0:
+        raise FormatError(f"{path}: {a}.block_count {get('block_count')} and {a}.nextn_predict_layers {n_mtp} "
+                          "leave no decoder blocks")
     hidden = int(get("embedding_length"))
     head_dim = int(get("attention.key_length"))
     nv = int(get("ssm.time_step_rank"))
@@ -291,7 +374,7 @@ def _config_from_gguf(md: dict, tensors: dict, path: str) -> dict:
         rope["mrope_interleaved"] = True
     vocab = int(tensors["token_embd.weight"].shape[0])
     md_eos = md.get("tokenizer.ggml.eos_token_id")
-    return {
+    config = {
         "architectures": [HF_ARCHITECTURE],
         "model_type": HF_MODEL_TYPE,
         "vocab_size": vocab,
@@ -319,17 +402,22 @@ def _config_from_gguf(md: dict, tensors: dict, path: str) -> dict:
         "bos_token_id": None,
         "dtype": "bfloat16",
     }
+    if n_mtp:
+        for j in range(n_mtp):
+            if f"blk.{n_layers + j}.attn_q.weight" not in tensors:
+                raise FormatError(f"{path}: MTP block {n_layers + j} has no attn_q.weight (a full-attention layer)")
+        config["mtp_num_hidden_layers"] = n_mtp
+    return config
 
 
 def _group_size(requested: int | None, native: set[int], where: str) -> int:
-    """The checkpoint's group size: the requested one, or the source's smallest native group."""
+    """The checkpoint's group size: the requested one, or the source's smallest native group.
+
+    A requested group larger than a native one is accepted here: :func:`ternary_rs.tensor.repack` merges
+    groups only where every merged scale agrees (lossless, e.g. PrismML's g64 files repeat each g128 scale)
+    and raises ``ValidationError`` naming the tensor otherwise."""
     if requested is None:
         return min(native) if native else 128
-    if any(g < requested for g in native):
-        raise ValidationError(
-            f"{where}: group size {requested} is larger than the source's native groups {sorted(native)}; "
-            "that would requantize the weights"
-        )
     return requested
 
 
@@ -352,11 +440,15 @@ def _plan_from_gguf(src, options) -> _Plan:
     cfg = plan.config = _config_from_gguf(md, tensors, path)
     native = set()
     kinds = {}
+    n_layers = int(cfg["num_hidden_layers"])
     for name, info in tensors.items():
-        hf = gguf_to_hf(name)
+        try:
+            hf = gguf_to_hf(name, n_layers)
+        except KeyError as e:
+            raise UnsupportedTypeError(f"{path}: {e.args[0]}") from None
         kinds[name] = hf
         if info.type in GGUF_TERNARY_TYPES:
-            native.add(128 if info.type in ("PQ2_0", "PTQ1_0", "Q2_0") else 256)
+            native.add(GGUF_TERNARY_GROUPS[info.type])
     g = plan.group_size = _group_size(options.group_size, native, path)
 
     for name, info in tensors.items():
@@ -404,17 +496,14 @@ def _plan_from_gguf(src, options) -> _Plan:
         for name, hf in kinds.items():
             if hf.endswith(".weight") and len(tensors[name].shape) == 2:
                 width_of[name] = (hf[: -len(".weight")], int(tensors[name].shape[1]))
-        grouped = prism.get("gdn_v_grouped")
-        listed = prism.get("weight_names") or []
-        if grouped is None and any(str(n).endswith("ssm_out.weight") for n in listed):
+        if H.tied_output(prism, path) and "output.weight" in tensors:
             raise ValidationError(
-                f"{path}: prism.hadamard.gdn_v_grouped is missing, so the head order ssm_out was rotated in "
-                "is unknown; refusing rather than guessing"
+                f"{path}: prism.hadamard.tied_output says token_embd is also the output head, but the file has an "
+                "output.weight; refusing rather than guessing which head to serve"
             )
-        plan.spec = H.HadamardSpec.from_prism(
-            prism, width_of.get, _gdn_permute_for(cfg, bool(grouped) if grouped is not None else True), path
-        )
-    _dense_embedding(plan)
+        # Upstream's loader reads an absent gdn_v_grouped as false (ssm_out rotated in the tiled basis).
+        grouped = bool(prism.get("gdn_v_grouped", False))
+        plan.spec = H.HadamardSpec.from_prism(prism, width_of.get, _gdn_permute_for(cfg, grouped), path)
     plan.spec = _fold_dense_rotations(plan)
 
     def tokenizer(out_dir: Path):
@@ -477,6 +566,7 @@ def _plan_from_mlx(src, options) -> _Plan:
         raise UnsupportedTypeError(f"{where}: gdn_activation_layout {cfg_all.get('gdn_activation_layout')!r}")
     native = int(quant.get("group_size", 128))
     plan = _Plan(where)
+    plan.hf_dir = root
     text = dict(cfg_all.get("text_config") or {})
     if not text:
         raise FormatError(f"{where}/config.json: no text_config")
@@ -551,7 +641,7 @@ def _plan_from_mlx(src, options) -> _Plan:
             return module, plan.dense[module + ".weight"][2][-1]
         return None
 
-    grouped = had.get("gdn_v_grouped", True)
+    grouped = had.get("gdn_v_grouped", False)  # absent means false, as in a GGUF (upstream loader)
     plan.spec = H.HadamardSpec.from_prism(had, resolve, _gdn_permute_for(plan.config, bool(grouped)),
                                           f"{where}/{had_name}")
     # The pack's own module list must agree with hadamard.json (a rotated module it does not list would be
@@ -570,7 +660,6 @@ def _plan_from_mlx(src, options) -> _Plan:
         want = plan.spec.signs.get(s.size)
         if want is None or not np.array_equal(s, want.astype(np.float32)):
             raise ValidationError(f"{where}: '{sname}' differs from hadamard.json's sign vector of width {s.size}")
-    _dense_embedding(plan)
     plan.spec = _fold_dense_rotations(plan)
 
     def side_files(out_dir: Path):
@@ -581,6 +670,196 @@ def _plan_from_mlx(src, options) -> _Plan:
 
     plan.tokenizer_writer = side_files
     return plan
+
+
+def _plan_from_checkpoint(src, options) -> _Plan:
+    """A ternary_rs Bonsai 2 checkpoint (``model_type qwen3_5_text``, canonical ``qweight``/``scales``,
+    float32 dense tensors, ``quantization_config.hadamard``) — to GGUF, or re-grouped into a new checkpoint."""
+    from ..checkpoint import SUPPORTED_GROUP_SIZES
+    from ..hf_gguf import copy_hf_side_files
+    from ..tensor import TernaryTensor, repack
+
+    root = Path(getattr(src, "path", src))
+    root = root if root.is_dir() else root.parent
+    where = str(root)
+    config = json.loads((root / "config.json").read_text())
+    qc = config.pop("quantization_config", None) or {}
+    if qc.get("quant_method") != "ternary":
+        raise UnsupportedTypeError(
+            f"{where}/config.json: model_type {HF_MODEL_TYPE!r} without quantization_config.quant_method "
+            "'ternary': not a ternary_rs checkpoint (dense Qwen3.5 weights are not ternarized implicitly)"
+        )
+    native = int(qc.get("group_size", 0))
+    if native not in SUPPORTED_GROUP_SIZES:
+        raise ValidationError(f"{where}/config.json: quantization_config.group_size {native!r} is not one of "
+                              f"{SUPPORTED_GROUP_SIZES}")
+    plan = _Plan(where)
+    plan.hf_dir = root
+    config.pop("transformers_version", None)
+    plan.config = config
+    g = plan.group_size = _group_size(options.group_size, {native}, where)
+    tensors = dict(src.tensors)
+    for name, info in tensors.items():
+        if name.endswith(".scales") and name[: -len(".scales")] + ".qweight" in tensors:
+            continue
+        shape = tuple(int(d) for d in info.shape)
+        if name.endswith(".qweight"):
+            module = name[: -len(".qweight")]
+            if module + ".scales" not in tensors or len(shape) != 2:
+                raise FormatError(f"{where}: tensor '{name}' has no '{module}.scales' beside it")
+            n, k = shape[0], shape[1] * 4
+
+            def produce(name=name, module=module, n=n, k=k):
+                q = np.asarray(src.raw(name)).reshape(n, k // 4)
+                sc = np.asarray(src.raw(module + ".scales")).view("<f2").reshape(n, k // native)
+                t = TernaryTensor(q, sc, native, name=module)  # validates codes and scales
+                if g != native:
+                    t = repack(t, g)
+                return np.ascontiguousarray(t.qweight), np.ascontiguousarray(t.scales).view(np.float16)
+
+            plan.ternary[module] = produce
+            plan.ternary_shape[module] = (n, k)
+            continue
+
+        def dense(info=info):
+            return _float_array(src, info)  # float32: the stored value exactly
+
+        plan.dense[name] = (dense, "F32", shape)
+    if qc.get("hadamard") is not None:
+        plan.spec = H.HadamardSpec.from_config(qc["hadamard"], source=f"{where}/config.json: hadamard")
+        missing = sorted(m for m in list(plan.spec.layers) + list(plan.spec.inverse_embeddings)
+                         if m not in plan.ternary)
+        if missing:
+            raise ValidationError(f"{where}: rotated modules {missing[:4]} are not stored ternary")
+
+    def side_files(out_dir: Path):
+        copy_hf_side_files(root, out_dir)
+
+    plan.tokenizer_writer = side_files
+    return plan
+
+
+# PrismML's ternary GGUF types a qwen35 file is written in: (ggml type id, values per block, bytes per block).
+QWEN35_GGUF_OUTPUT = {"PQ2_0": (142, 128, 34), "PTQ1_0": (143, 128, 28)}
+GGUF_F32 = 0
+# The fork's llama ftype of a PQ2_0 file (FORMATS.md §1.3: LLAMA_FTYPE_MOSTLY_PQ2_0 = 141).
+GGUF_FILE_TYPES = {"PQ2_0": 141}
+
+
+def _tiled_rows(hf: str, cfg: dict) -> np.ndarray | None:
+    """Row gather turning HF's grouped GDN V-head order back into llama.cpp's tiled one (inverse of _v_rows)."""
+    rows = _v_rows(hf, cfg)
+    return None if rows is None else np.argsort(rows)
+
+
+def _prism_metadata(plan: _Plan) -> list[tuple[str, Any, str]]:
+    """``prism.hadamard.*`` for the plan's rotation (FORMATS.md §1.3.5), GGUF names, as PrismML writes them."""
+    spec = plan.spec
+    n_layers = int(plan.config["num_hidden_layers"])
+    perms = {(p.source, p.target) for _, p in spec.layers.values() if p is not None}
+    if perms - {("grouped", "tiled")} or (perms and any(
+            p is None for m, (_, p) in spec.layers.items() if m.endswith("linear_attn.out_proj"))):
+        raise ValidationError(f"{plan.source}: GDN permutations {sorted(perms)} do not match one "
+                              "prism.hadamard.gdn_v_grouped value; cannot write them to GGUF")
+    tied = bool(plan.config.get("tie_word_embeddings")) and "model.embed_tokens" in spec.inverse_embeddings
+    widths = sorted(spec.signs)
+    kv: list[tuple[str, Any, str]] = [
+        ("prism.hadamard.version", 2 if tied else 1, "u32"),
+        ("prism.hadamard.transform", H.PRISM_TRANSFORM, "string"),
+        ("prism.hadamard.axis", H.PRISM_AXIS, "string"),
+        ("prism.hadamard.sign_mode", "explicit", "string"),
+        ("prism.hadamard.block_size", spec.block_size, "u32"),
+        ("prism.hadamard.sign_widths", widths, "array[u32]"),
+        ("prism.hadamard.sign_values", [int(v) for w in widths for v in spec.signs[w]], "array[i32]"),
+        ("prism.hadamard.weight_names", [hf_to_gguf(m + ".weight", n_layers) for m in sorted(spec.layers, key=_natural)],
+         "array[string]"),
+        ("prism.hadamard.inverse_weight_names",
+         [hf_to_gguf(m + ".weight", n_layers) for m in spec.inverse_embeddings], "array[string]"),
+        ("prism.hadamard.gdn_v_grouped", not perms, "bool"),
+    ]
+    if tied:
+        kv.append(("prism.hadamard.tied_output", True, "bool"))
+    return kv
+
+
+def _write_gguf(plan: _Plan, out_path: Path, options) -> None:
+    """Write the plan as a qwen35 GGUF: ternary tensors re-encoded (group 128, llama.cpp row order), dense
+    tensors float32 with PrismML's conventions restored (norms ``w + 1``, ``ssm_a = −exp(A_log)``, tiled GDN
+    rows, 2-D conv1d), hyper-parameters, tokenizer and ``prism.hadamard.*``. Streams tensor by tensor."""
+    from ..checkpoint import GGUF_MARK_KEY, Job, OutTensor, run_jobs
+    from ..gguf_metadata import metadata_for_gguf_output
+    from ..io import GGUFWriter
+    from ..tensor import TernaryTensor, encode, repack
+    from .._core import __version__
+
+    gtype = (options.gguf_type or "PQ2_0").upper()
+    if gtype not in QWEN35_GGUF_OUTPUT:
+        raise UnsupportedTypeError(f"--gguf-type {gtype}: a qwen35 GGUF is written as {sorted(QWEN35_GGUF_OUTPUT)}")
+    type_id, block, block_bytes = QWEN35_GGUF_OUTPUT[gtype]
+    cfg = plan.config
+    n_layers = int(cfg["num_hidden_layers"])
+    if plan.hf_dir is None:
+        raise UnsupportedTypeError(f"{plan.source}: no tokenizer directory to take GGUF tokenizer metadata from")
+    shapes = list(plan.ternary_shape.values()) + [shape for _, _, shape in plan.dense.values()]
+    metadata = metadata_for_gguf_output(plan.hf_dir, cfg, ARCH, GGUF_FILE_TYPES.get(gtype), shapes)
+    if plan.spec is not None:
+        metadata += _prism_metadata(plan)
+    # The mark lets a later ``--force`` tell this file from a user's own GGUF (which it never replaces).
+    metadata.append((GGUF_MARK_KEY, __version__, "string"))
+
+    jobs = []
+    g = plan.group_size
+    order = sorted(set(plan.ternary) | {k.rsplit(".", 1)[0] for k in plan.dense}, key=_natural)
+    for module in order:
+        if module in plan.ternary:
+            n, k = plan.ternary_shape[module]
+            if k % block:
+                raise ValidationError(f"{plan.source}: '{module}' has K = {k}, not a multiple of the {gtype} "
+                                      f"block of {block}")
+            gname = hf_to_gguf(module + ".weight", n_layers)
+
+            def produce(module=module, rows=_tiled_rows(module + ".weight", cfg)):
+                q, sc = plan.ternary[module]()
+                t = TernaryTensor(q, sc, g, name=module, validate=False)
+                if g != block:  # to a divisor: scales repeat; to a multiple: only when lossless (else raises)
+                    t = repack(t, block)
+                if rows is not None:
+                    t = TernaryTensor(np.ascontiguousarray(t.qweight[rows]), np.ascontiguousarray(t.scales[rows]),
+                                      t.group_size, name=module, validate=False)
+                return (np.frombuffer(memoryview(encode(t, gtype)), dtype=np.uint8),)
+
+            jobs.append(Job([OutTensor(gname, gtype, (n, k), n * (k // block) * block_bytes)], produce,
+                            f"{plan.source}: {module}", meta={"type_id": type_id}))
+        for hf in sorted(t for t in plan.dense if t.rsplit(".", 1)[0] == module):
+            produce_dense, _, shape = plan.dense[hf]
+            gname = hf_to_gguf(hf, n_layers)
+            out_shape = (shape[0], shape[2]) if hf.endswith("conv1d.weight") and len(shape) == 3 else tuple(shape)
+
+            def produce(hf=hf, produce_dense=produce_dense, rows=_tiled_rows(hf, cfg), out_shape=out_shape):
+                x = np.asarray(produce_dense(), dtype=np.float32)
+                if hf.endswith("norm.weight") and not hf.endswith("linear_attn.norm.weight"):
+                    x = x + np.float32(1.0)  # llama.cpp's Qwen3.5 norms are x·w with w = 1 + HF's weight
+                elif hf.endswith("linear_attn.A_log"):
+                    x = -np.exp(x)
+                x = x.reshape(out_shape)
+                if rows is not None:
+                    x = x[rows]
+                return (np.ascontiguousarray(x, dtype=np.float32).view(np.uint8).reshape(-1),)
+
+            jobs.append(Job([OutTensor(gname, "F32", out_shape, int(np.prod(out_shape)) * 4)], produce,
+                            f"{plan.source}: {hf}", meta={"type_id": GGUF_F32}))
+    writer = GGUFWriter(out_path)
+    try:
+        for key, value, vtype in metadata:
+            writer.add_metadata(key, value, vtype)
+        for job in jobs:
+            o = job.outputs[0]
+            writer.add_tensor_info(o.name, tuple(o.shape), job.meta["type_id"], o.nbytes)
+        run_jobs(jobs, lambda i, job, buffers: writer.write_tensor_data(job.outputs[0].name, buffers[0]))
+    except BaseException:
+        writer.abort()  # deletes the partial file
+        raise
+    writer.close()
 
 
 def _write(plan: _Plan, out_dir: Path, options) -> None:

@@ -5,7 +5,9 @@ imported by ``import ternary_rs``. Modules:
 
 * :mod:`.config` — :class:`~.config.TernaryConfig` (reads ``quantization_config``, picks a method per layer);
 * :mod:`.linear` — :class:`~.linear.TernaryLinearMethod` (TP sharding via vLLM parameter classes);
-* :mod:`.embedding` — :class:`~.embedding.TernaryEmbeddingMethod` (ternary ``embed_tokens`` / ``lm_head``).
+* :mod:`.embedding` — :class:`~.embedding.TernaryEmbeddingMethod` (ternary ``embed_tokens`` / ``lm_head``);
+* :mod:`.qwen3_5` — Qwen3.5 model classes (main model and MTP drafter) whose ``embed_tokens`` is built with
+  the quant config, registered under vLLM's own architecture names by :func:`plugin.register`.
 
 Hook for rotated checkpoints (Bonsai 2 Hadamard, FORMATS.md §1.3.5)
 -------------------------------------------------------------------

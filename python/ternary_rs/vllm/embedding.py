@@ -9,7 +9,8 @@ this rank's padded vocabulary shard, K = hidden size), sharded along the vocabul
 * ``apply`` (lm_head): ``torch.ops.ternary_rs.ternary_linear`` on the kernel layout from
   ``ops.prepare_weight``.
 * ``tie_weights``: a tied lm_head shares the embedding's ``qweight``/``scales`` Parameters (so vLLM's
-  loader skips the alias); the kernel layout is prepared once per shared tensor and cached on it.
+  loader skips the alias); the kernel layout is prepared once per shared tensor and cached on it. A tie to a
+  dense placeholder table is deferred (see :mod:`ternary_rs.vllm.qwen3_5`) and refused if never redone.
 """
 
 from __future__ import annotations
@@ -51,12 +52,15 @@ class TernaryEmbeddingMethod(TernaryMethodBase, QuantizeMethodBase):
 
     def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module):
         if not isinstance(getattr(embed_tokens, "quant_method", None), TernaryEmbeddingMethod):
-            raise ValueError(
-                f"ternary checkpoint: {self.prefix!r} is tied to the input embeddings, which are not ternary"
-            )
+            # A model whose constructor builds embed_tokens without the quant config (vLLM's Qwen3.5) ties to
+            # that placeholder first; ternary_rs.vllm.qwen3_5 then swaps in a ternary table and ties again.
+            # Still untied when the weights are processed: the embedding really is dense (an error there).
+            layer.ternary_tie_pending = True
+            return layer
         layer.qweight = embed_tokens.qweight
         layer.scales = embed_tokens.scales
         layer.ternary_tied = True
+        layer.ternary_tie_pending = False
         return layer
 
     def _kernel_tensors(self, layer: torch.nn.Module):
@@ -68,6 +72,10 @@ class TernaryEmbeddingMethod(TernaryMethodBase, QuantizeMethodBase):
         return cached
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if getattr(layer, "ternary_tie_pending", False):
+            raise ValueError(
+                f"ternary checkpoint: {self.prefix!r} is tied to the input embeddings, which are not ternary"
+            )
         if not getattr(layer.qweight, "_ternary_validated", False):
             validate_loaded(self.prefix, layer.qweight.data, layer.scales.data)
             layer.qweight._ternary_validated = True

@@ -7,8 +7,10 @@ Checkpoint tensors of a ternary linear ``<prefix>`` (``W[N, K]``, ``N`` = out_fe
 
 Both are registered as vLLM parameter classes with ``output_dim=0`` / ``input_dim=1``, so vLLM's own
 v2 weight loader shards them: column-parallel and fused layers (``qkv_proj``, ``gate_up_proj``) take
-row slices along N, row-parallel layers take column slices along K (a K shard must be a multiple of
-``lcm(4, g)`` so that it holds whole bytes and whole groups — checked in ``create_weights``).
+row slices along N, row-parallel layers take column slices along K. A K shard that splits a checkpoint group
+(e.g. group 256, K shard 128 at TP=2) is served at group ``gcd(g, K shard)``: each scale is repeated while
+loading (:class:`RegroupedScaleParameter`), which is lossless; only a shard that is not a multiple of 32 is
+refused (:func:`load_group_size`).
 
 After loading, ``ternary_rs.ops.prepare_weight`` permutes the tensors once into the layout of the
 kernel of the target device (opaque here); ``apply`` calls ``torch.ops.ternary_rs.ternary_linear``.
@@ -16,33 +18,81 @@ kernel of the target device (opaque here); ``apply`` calls ``torch.ops.ternary_r
 
 from __future__ import annotations
 
+import math
+
 import torch
 from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
 from .. import ops as ternary_ops  # registers torch.ops.ternary_rs.*
-from .config import CODES_PER_BYTE, TernaryConfig, k_shard_multiple
+from .config import CODES_PER_BYTE, SUPPORTED_GROUP_SIZES, TernaryConfig, k_shard_multiple
 
 
-def check_partition(prefix: str, in_features: int, out_features: int, full_in: int, group_size: int, tp_size: int):
-    """Refuse shard shapes the canonical layout cannot express (whole bytes, whole groups along K)."""
-    multiple = k_shard_multiple(group_size)
-    if in_features % multiple:
-        what = (
-            f"a row-parallel K shard of {in_features} (K = {full_in} split over tensor_parallel_size={tp_size})"
-            if in_features != full_in
-            else f"in_features = {in_features}"
-        )
-        raise ValueError(
-            f"ternary layer {prefix!r}: {what} is not a multiple of lcm(4, group_size={group_size}) = {multiple}; "
-            "use a tensor-parallel size that splits K at group boundaries"
-        )
+# Smallest K shard a row-parallel rank may hold: the smallest group of the contract (whole bytes of codes too).
+MIN_K_SHARD = min(SUPPORTED_GROUP_SIZES)
+
+
+def _working_tp_sizes(full_in: int, tp_size: int) -> list[int]:
+    """TP sizes below ``tp_size`` that split ``full_in`` into shards of a multiple of MIN_K_SHARD."""
+    return [t for t in range(1, tp_size) if full_in % t == 0 and (full_in // t) % MIN_K_SHARD == 0]
+
+
+def load_group_size(prefix: str, in_features: int, out_features: int, full_in: int, group_size: int,
+                    tp_size: int) -> int:
+    """The group size this rank serves ``prefix`` at: the checkpoint's ``group_size`` when the K shard holds
+    whole groups, else ``gcd(group_size, K shard)`` — each scale repeated, lossless — as long as the shard
+    is a multiple of MIN_K_SHARD (32). Anything else is refused, naming the layer and TP sizes that work."""
     if out_features <= 0:
         raise ValueError(f"ternary layer {prefix!r}: out_features must be positive, got {out_features}")
+    if in_features == full_in:  # K not split: the checkpoint itself must hold whole groups
+        multiple = k_shard_multiple(group_size)
+        if in_features % multiple:
+            raise ValueError(
+                f"ternary layer {prefix!r}: in_features = {in_features} is not a multiple of "
+                f"lcm(4, group_size={group_size}) = {multiple}"
+            )
+        return group_size
+    if in_features % MIN_K_SHARD:
+        working = [str(t) for t in _working_tp_sizes(full_in, tp_size)]
+        choices = ", ".join(working[:-1]) + (" or " if len(working) > 1 else "") + working[-1]
+        raise ValueError(
+            f"ternary layer {prefix!r}: a row-parallel K shard of {in_features} (K = {full_in} split over "
+            f"tensor_parallel_size={tp_size}) is not a multiple of {MIN_K_SHARD}, the smallest group a ternary "
+            f"layer can be served at; tensor_parallel_size {choices} splits it "
+            f"into multiples of {MIN_K_SHARD}"
+        )
+    return math.gcd(group_size, in_features)
 
 
-def create_ternary_parameters(layer, out_features: int, in_features: int, group_size: int, weight_loader):
-    """Register ``qweight`` (uint8 [N, K/4]) and ``scales`` (fp16 [N, K/g]) on ``layer``."""
+class RegroupedScaleParameter(GroupQuantScaleParameter):
+    """Scales of a K shard served at a finer group than the checkpoint's (``repeat`` = checkpoint group /
+    served group): every checkpoint scale is repeated ``repeat`` times along K before vLLM's own loader
+    takes this rank's slice, so the shard starts and ends on group boundaries. Exact: same values."""
+
+    def __init__(self, *, repeat: int, **kwargs):
+        self.repeat = int(repeat)
+        super().__init__(**kwargs)
+
+    def _expand(self, loaded_weight: torch.Tensor) -> torch.Tensor:
+        return loaded_weight.repeat_interleave(self.repeat, dim=self.input_dim)
+
+    def load_row_parallel_weight(self, loaded_weight: torch.Tensor):
+        super().load_row_parallel_weight(self._expand(loaded_weight))
+
+    def load_column_parallel_weight(self, loaded_weight: torch.Tensor):
+        super().load_column_parallel_weight(self._expand(loaded_weight))
+
+    def load_merged_column_weight(self, loaded_weight: torch.Tensor, **kwargs):
+        super().load_merged_column_weight(self._expand(loaded_weight), **kwargs)
+
+    def load_qkv_weight(self, loaded_weight: torch.Tensor, **kwargs):
+        super().load_qkv_weight(self._expand(loaded_weight), **kwargs)
+
+
+def create_ternary_parameters(layer, out_features: int, in_features: int, group_size: int, weight_loader,
+                              checkpoint_group_size: int | None = None):
+    """Register ``qweight`` (uint8 [N, K/4]) and ``scales`` (fp16 [N, K/g]) on ``layer``; ``g`` is the served
+    group, finer than ``checkpoint_group_size`` when a K shard splits checkpoint groups."""
     qweight = PackedvLLMParameter(
         data=torch.empty(out_features, in_features // CODES_PER_BYTE, dtype=torch.uint8),
         input_dim=1,
@@ -51,12 +101,10 @@ def create_ternary_parameters(layer, out_features: int, in_features: int, group_
         packed_factor=CODES_PER_BYTE,
         weight_loader=weight_loader,
     )
-    scales = GroupQuantScaleParameter(
-        data=torch.empty(out_features, in_features // group_size, dtype=torch.float16),
-        input_dim=1,
-        output_dim=0,
-        weight_loader=weight_loader,
-    )
+    scale_args = dict(data=torch.empty(out_features, in_features // group_size, dtype=torch.float16),
+                      input_dim=1, output_dim=0, weight_loader=weight_loader)
+    repeat = (checkpoint_group_size or group_size) // group_size
+    scales = RegroupedScaleParameter(repeat=repeat, **scale_args) if repeat > 1 else GroupQuantScaleParameter(**scale_args)
     layer.register_parameter("qweight", qweight)
     layer.register_parameter("scales", scales)
 
@@ -102,11 +150,12 @@ class TernaryMethodBase:
         params_dtype: torch.dtype,
         **extra_weight_attrs,
     ) -> None:
-        g = self.quant_config.group_size
+        checkpoint_g = self.quant_config.group_size
         out_features = sum(output_partition_sizes)
-        check_partition(self.prefix, input_size_per_partition, out_features, input_size, g, self._tp_size(layer))
+        g = load_group_size(self.prefix, input_size_per_partition, out_features, input_size, checkpoint_g,
+                            self._tp_size(layer))
         create_ternary_parameters(
-            layer, out_features, input_size_per_partition, g, extra_weight_attrs.get("weight_loader")
+            layer, out_features, input_size_per_partition, g, extra_weight_attrs.get("weight_loader"), checkpoint_g
         )
         layer.ternary_out_features = out_features
         layer.ternary_in_features = input_size_per_partition

@@ -8,12 +8,20 @@ from __future__ import annotations
 
 _registered = False
 
+# Architecture name -> "module:class" of the model classes the plugin supplies (imported lazily by vLLM,
+# only when such a model loads): Qwen3.5 with a ternary embed_tokens (ternary_rs.vllm.qwen3_5).
+MODEL_CLASSES = {
+    "Qwen3_5ForCausalLM": "ternary_rs.vllm.qwen3_5:TernaryQwen3_5ForCausalLM",
+    "Qwen3_5MTP": "ternary_rs.vllm.qwen3_5:TernaryQwen3_5MTP",
+}
+
 
 def register() -> None:
-    """Register the ``"ternary"`` quantization config with vLLM (idempotent)."""
+    """Register the ``"ternary"`` quantization config and the model classes with vLLM (idempotent)."""
     global _registered
     if _registered:
         return
+    from vllm import ModelRegistry
     from vllm.model_executor.layers.quantization import (
         _CUSTOMIZED_METHOD_TO_QUANT_CONFIG,
         register_quantization_config,
@@ -23,4 +31,6 @@ def register() -> None:
 
     if _CUSTOMIZED_METHOD_TO_QUANT_CONFIG.get(QUANT_METHOD) is not TernaryConfig:
         register_quantization_config(QUANT_METHOD)(TernaryConfig)
+    for arch, target in MODEL_CLASSES.items():
+        ModelRegistry.register_model(arch, target)
     _registered = True

@@ -1,0 +1,290 @@
+"""A 27B-shaped Bonsai 2 on this machine: vLLM CPU peak resident memory (load and serving) and decode speed.
+
+    python benches/bench_27b.py [--workdir DIR] [--layers 64] [--tokens 32] [--batch 1] [--keep]
+                                [--max-model-len 1024] [--kv-space-gib 1] [--compile]
+
+1. Builds a synthetic Ternary-Bonsai-2-27B-shaped checkpoint in ternary_rs's vLLM layout (qwen35 text:
+   hidden 5120, 64 layers — 48 Gated-DeltaNet + 16 full attention at layers 3, 7, …, 63 —, ffn 17408,
+   vocab 248320, attention heads 24 / kv 4 × 256, GDN 16 key / 48 value heads × 128, conv 4; every linear,
+   the embedding and lm_head ternary at group 128 with the Hadamard rotation description of the real
+   file: block 1024, one ±1 sign vector per input width 5120 / 6144 / 17408). Weights are random codes
+   drawn tensor by tensor and streamed into the shards (``ternary_rs.checkpoint.write_shards``): the model
+   is never in memory, only a couple of tensors (the largest, the embedding, is 0.34 GB packed).
+   The bf16 model would be 54 GB; this checkpoint is about 7.2 GB.
+2. Serves it with vLLM CPU in a fresh process (the engine in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+   so one process holds everything) from token ids (no tokenizer), batch ``--batch``, greedy, and prints:
+   checkpoint size; peak resident memory (VmHWM) after loading and after serving, with the split into
+   anonymous and file-backed pages at those points; the KV cache space configured; the ratio to the goal
+   ``1.3 × checkpoint + KV cache``; time to first token; decode tokens/s (``--tokens`` new tokens,
+   excluding the first).
+
+By design it fits in 24 GiB: weights stay ternary in vLLM (linear, lm_head and — through the plugin's
+Qwen3.5 class — embed_tokens), vLLM's placeholder dense embedding is never touched (no resident pages), the
+safetensors are read tensor by tensor, and the KV cache / recurrent state is bounded by
+``--kv-space-gib`` (``VLLM_CPU_KVCACHE_SPACE``). Timings on a shared machine are not results; smoke-test
+with ``--layers 4``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+# Ternary-Bonsai-2-27B geometry (FORMATS.md §1.1, read from the GGUF by a third party).
+HIDDEN = 5120
+LAYERS = 64
+FFN = 17408
+VOCAB = 248320
+HEADS, KV_HEADS, HEAD_DIM = 24, 4, 256
+GDN_K_HEADS, GDN_V_HEADS, GDN_HEAD_DIM = 16, 48, 128
+CONV_KERNEL = 4
+FULL_ATTENTION_INTERVAL = 4
+GROUP = 128
+HADAMARD_BLOCK = 1024
+ROPE_DIMS = 64
+SHARD_BYTES = 2 * 10**9
+# All 81 bytes whose four 2-bit fields are valid codes (0, 1, 2): random ternary weights, drawn per byte.
+VALID_CODE_BYTES = np.array([a | b << 2 | c << 4 | d << 6 for a in range(3) for b in range(3) for c in range(3)
+                             for d in range(3)], dtype=np.uint8)
+
+
+def layer_types(layers: int) -> list[str]:
+    return ["full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
+            for i in range(layers)]
+
+
+def config(layers: int) -> dict:
+    return {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": FFN,
+        "num_hidden_layers": layers,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": ROPE_DIMS / HEAD_DIM,
+                            "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        "attention_bias": False,
+        "linear_conv_kernel_dim": CONV_KERNEL,
+        "linear_key_head_dim": GDN_HEAD_DIM,
+        "linear_value_head_dim": GDN_HEAD_DIM,
+        "linear_num_key_heads": GDN_K_HEADS,
+        "linear_num_value_heads": GDN_V_HEADS,
+        "layer_types": layer_types(layers),
+        "eos_token_id": 0,
+        "pad_token_id": 0,
+        "bos_token_id": None,
+        "dtype": "bfloat16",
+    }
+
+
+def tensor_list(layers: int) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, ...]]]:
+    """``(ternary modules -> (N, K), dense tensors -> shape)`` in Hugging Face / vLLM names."""
+    ternary = {"model.embed_tokens": (VOCAB, HIDDEN), "lm_head": (VOCAB, HIDDEN)}
+    dense: dict[str, tuple[int, ...]] = {"model.norm.weight": (HIDDEN,)}
+    qk, v = GDN_K_HEADS * GDN_HEAD_DIM, GDN_V_HEADS * GDN_HEAD_DIM
+    for i, kind in enumerate(layer_types(layers)):
+        p = f"model.layers.{i}."
+        dense[p + "input_layernorm.weight"] = (HIDDEN,)
+        dense[p + "post_attention_layernorm.weight"] = (HIDDEN,)
+        ternary[p + "mlp.gate_proj"] = (FFN, HIDDEN)
+        ternary[p + "mlp.up_proj"] = (FFN, HIDDEN)
+        ternary[p + "mlp.down_proj"] = (HIDDEN, FFN)
+        if kind == "full_attention":
+            ternary[p + "self_attn.q_proj"] = (2 * HEADS * HEAD_DIM, HIDDEN)  # queries + output gate
+            ternary[p + "self_attn.k_proj"] = (KV_HEADS * HEAD_DIM, HIDDEN)
+            ternary[p + "self_attn.v_proj"] = (KV_HEADS * HEAD_DIM, HIDDEN)
+            ternary[p + "self_attn.o_proj"] = (HIDDEN, HEADS * HEAD_DIM)
+            dense[p + "self_attn.q_norm.weight"] = (HEAD_DIM,)
+            dense[p + "self_attn.k_norm.weight"] = (HEAD_DIM,)
+        else:
+            ternary[p + "linear_attn.in_proj_qkv"] = (2 * qk + v, HIDDEN)
+            ternary[p + "linear_attn.in_proj_z"] = (v, HIDDEN)
+            ternary[p + "linear_attn.out_proj"] = (HIDDEN, v)
+            dense[p + "linear_attn.in_proj_a.weight"] = (GDN_V_HEADS, HIDDEN)  # dense in Bonsai 2 (BF16)
+            dense[p + "linear_attn.in_proj_b.weight"] = (GDN_V_HEADS, HIDDEN)
+            dense[p + "linear_attn.conv1d.weight"] = (2 * qk + v, 1, CONV_KERNEL)
+            dense[p + "linear_attn.A_log"] = (GDN_V_HEADS,)
+            dense[p + "linear_attn.dt_bias"] = (GDN_V_HEADS,)
+            dense[p + "linear_attn.norm.weight"] = (GDN_HEAD_DIM,)
+    return ternary, dense
+
+
+def build(out_dir: Path, layers: int, seed: int = 0) -> Path:
+    """Stream the synthetic checkpoint into ``out_dir`` (config.json, shards, index)."""
+    from ternary_rs.checkpoint import Job, OutTensor, quantization_config, write_shards
+    from ternary_rs.hadamard import HadamardSpec
+
+    ternary, dense = tensor_list(layers)
+    jobs = []
+    for i, (module, (n, k)) in enumerate(ternary.items()):
+        def produce(n=n, k=k, i=i):
+            rng = np.random.default_rng([seed, i])
+            q = VALID_CODE_BYTES[rng.integers(0, VALID_CODE_BYTES.size, size=(n, k // 4), dtype=np.uint8)]
+            s = (rng.random((n, k // GROUP), dtype=np.float32) * 0.02 + 0.005).astype(np.float16)
+            return q, s
+
+        jobs.append(Job([OutTensor(module + ".qweight", "U8", (n, k // 4), n * k // 4),
+                         OutTensor(module + ".scales", "F16", (n, k // GROUP), n * (k // GROUP) * 2)],
+                        produce, module, n * k // 4))
+    for j, (name, shape) in enumerate(dense.items()):
+        def produce(name=name, shape=shape, j=j):
+            rng = np.random.default_rng([seed, 10**6 + j])
+            if name.endswith("A_log"):
+                return (np.log(rng.uniform(1, 8, shape)).astype(np.float32),)
+            if name.endswith("linear_attn.norm.weight"):
+                return (np.ones(shape, np.float32),)
+            if "norm" in name:
+                return (np.zeros(shape, np.float32),)  # Qwen3.5 RMSNorm: x·(1 + w)
+            return ((rng.standard_normal(shape) * 0.02).astype(np.float32),)
+
+        jobs.append(Job([OutTensor(name, "F32", shape, int(np.prod(shape)) * 4)], produce, name))
+    # Widest dtype first keeps every tensor aligned in the shards (F32, then F16 scales, then U8 codes).
+    jobs.sort(key=lambda job: {"F32": 0}.get(job.outputs[0].dtype, 1))
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write_shards(tmp, jobs, SHARD_BYTES)
+    rng = np.random.default_rng([seed, 99])
+    widths = sorted({HIDDEN, GDN_V_HEADS * GDN_HEAD_DIM, FFN})
+    signs = {w: rng.choice(np.array([-1, 1], np.int8), size=w) for w in widths}
+    rotated = {m: (k, None) for m, (n, k) in ternary.items() if m != "model.embed_tokens"}
+    spec = HadamardSpec(HADAMARD_BLOCK, signs, rotated, ("model.embed_tokens",), source="bench_27b")
+    qc = quantization_config(GROUP)
+    qc["hadamard"] = spec.to_config()
+    (tmp / "config.json").write_text(json.dumps({**config(layers), "quantization_config": qc}, indent=2) + "\n")
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def checkpoint_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.glob("*.safetensors"))
+
+
+def parameters(layers: int) -> int:
+    ternary, dense = tensor_list(layers)
+    return sum(n * k for n, k in ternary.values()) + sum(int(np.prod(s)) for s in dense.values())
+
+
+# ------------------------------------------------------------------------------------------ serving (child)
+def _status() -> dict[str, int]:
+    """VmRSS / VmHWM / RssAnon / RssFile of this process, bytes."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+            out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def serve(model: Path, tokens: int, batch: int, max_model_len: int, compile_: bool) -> dict:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: its peak RSS is the total
+    ncpu = os.cpu_count() or 1
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}" if ncpu > 1 else "0")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    from vllm import LLM, SamplingParams
+
+    import torch  # noqa: F401  (imported before the baseline, as vLLM will)
+    import ternary_rs.vllm.plugin  # noqa: F401
+    import vllm.model_executor.models.qwen3_5  # noqa: F401
+
+    before = _status()
+    t0 = time.perf_counter()
+    llm = LLM(model=str(model), dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=max(1, batch),
+              enforce_eager=not compile_, skip_tokenizer_init=True, seed=0, enable_prefix_caching=False)
+    load_s = time.perf_counter() - t0
+    loaded = _status()
+    prompts = [{"prompt_token_ids": [int(x) for x in np.random.default_rng(i).integers(1, VOCAB, 16)]}
+               for i in range(batch)]
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    t0 = time.perf_counter()
+    llm.generate(prompts, first, use_tqdm=False)
+    ttft = time.perf_counter() - t0
+    sp = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True, detokenize=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    total = time.perf_counter() - t0
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    served = _status()
+    kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "0")) * 2**30
+    return {
+        "load_s": load_s, "ttft_s": ttft,
+        # The second run re-does the prefill (prefix caching off): subtract one first-token time.
+        "decode_tok_per_s": (generated - batch) / max(total - ttft, 1e-9),
+        "generated": generated, "batch": batch, "kv_cache_bytes": kv,
+        "rss_before": before, "rss_loaded": loaded, "rss_served": served,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", type=Path, default=None, help="where the checkpoint goes (default: a temp dir)")
+    ap.add_argument("--layers", type=int, default=LAYERS, help="decoder layers (64 = the real model; 4 to smoke-test)")
+    ap.add_argument("--tokens", type=int, default=32, help="decode tokens to time")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--kv-space-gib", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--compile", action="store_true", help="torch.compile (default: eager; compiling 64 layers is slow)")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoint")
+    ap.add_argument("--serve-child", type=Path, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_child is not None:
+        print("RESULT " + json.dumps(serve(args.serve_child, args.tokens, args.batch, args.max_model_len,
+                                             args.compile)))
+        return
+
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="bench_27b_"))
+    root.mkdir(parents=True, exist_ok=True)
+    ckpt = root / f"bonsai2-27b-shaped-{args.layers}L"
+    try:
+        if not (ckpt / "config.json").is_file():
+            t0 = time.perf_counter()
+            build(ckpt, args.layers)
+            print(f"built {ckpt} in {time.perf_counter() - t0:.0f} s")
+        size = checkpoint_bytes(ckpt)
+        params = parameters(args.layers)
+        print(f"checkpoint: {params / 1e9:.2f} B parameters, {size / 2**30:.2f} GiB on disk "
+              f"({8 * size / params:.3f} bits/weight; bf16 would be {2 * params / 2**30:.1f} GiB)")
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{args.kv_space_gib:g}"}
+        cmd = [sys.executable, __file__, "--serve-child", str(ckpt), "--tokens", str(args.tokens), "--batch",
+               str(args.batch), "--max-model-len", str(args.max_model_len)] + (["--compile"] if args.compile else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        line = next((s for s in proc.stdout.splitlines() if s.startswith("RESULT ")), None)
+        if proc.returncode != 0 or line is None:
+            sys.exit(f"vLLM run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        r = json.loads(line[len("RESULT "):])
+        gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+        goal = 1.3 * size + r["kv_cache_bytes"]
+        base = r["rss_before"]
+        print(f"process before vLLM: RSS {gib(base['VmRSS'])} (Python, torch, vLLM and ternary_rs imported)")
+        for phase in ("rss_loaded", "rss_served"):
+            s = r[phase]
+            print(f"{phase[4:]:>7}: peak RSS {gib(s['VmHWM'])} (now {gib(s['VmRSS'])}: anon {gib(s['RssAnon'])}, "
+                  f"file {gib(s['RssFile'])})")
+        peak = r["rss_served"]["VmHWM"]
+        print(f"peak RSS {gib(peak)} vs goal 1.3 x checkpoint + KV cache = {gib(goal)} "
+              f"(ratio {peak / goal:.2f}; KV cache space {gib(r['kv_cache_bytes'])})")
+        print(f"load {r['load_s']:.0f} s, first token {r['ttft_s']:.2f} s, decode {r['decode_tok_per_s']:.2f} tok/s "
+              f"(batch {r['batch']}, {r['generated']} tokens)")
+    finally:
+        if not args.keep and args.workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
