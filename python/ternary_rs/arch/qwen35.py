@@ -802,9 +802,11 @@ def _write_gguf(plan: _Plan, out_path: Path, options) -> None:
         raise UnsupportedTypeError(f"{plan.source}: no tokenizer directory to take GGUF tokenizer metadata from")
     shapes = list(plan.ternary_shape.values()) + [shape for _, _, shape in plan.dense.values()]
     metadata = metadata_for_gguf_output(plan.hf_dir, cfg, ARCH, GGUF_FILE_TYPES.get(gtype), shapes)
-    if plan.spec is not None:
-        metadata += _prism_metadata(plan)
-    # The mark lets a later ``--force`` tell this file from a user's own GGUF (which it never replaces).
+    # The rotation is described from the plan (what this file holds), replacing the keys of a stored
+    # source GGUF; the mark lets a later ``--force`` tell this file from a user's own GGUF.
+    prism = _prism_metadata(plan) if plan.spec is not None else []
+    ours = {k for k, _, _ in prism} | {GGUF_MARK_KEY}
+    metadata = [e for e in metadata if e[0] not in ours and not e[0].startswith("prism.")] + prism
     metadata.append((GGUF_MARK_KEY, __version__, "string"))
 
     jobs = []
