@@ -36,7 +36,10 @@ PROMPTS = [
     "A scale per group",
 ]
 MAX_TOKENS = 10
-NEAR_TIE = 0.15  # × std of the reference logits at that step
+# × std of the reference logits at that step. The served default quantizes bf16 activations to int8 per
+# token and weight group (as llama.cpp's Q8_K does), which moves near-ties further than bf16 alone: worst
+# gap measured 0.156 (0.067 with TERNARY_RS_CPU_INT8=0); a dropped rotation gives 5.7 (the control below).
+NEAR_TIE = 0.25
 MIN_EXACT = 0.8  # fraction of steps where vLLM's token is exactly transformers' argmax
 
 
