@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--shard-size", default="5GB")
     c.add_argument("--force", action="store_true", help="replace an existing destination")
     c.add_argument("--no-progress", action="store_true")
+    c.add_argument("--ternarize", action="store_true",
+                   help="ternarize dense float linear weights by the architecture's own convention (BitNet "
+                        "master weights: per tensor by absmean, as transformers' WeightQuant); lossy, opt-in")
     c.add_argument("--no-transformers", action="store_true",
                    help="GGUF sources: rebuild config.json/tokenizer with the built-in mapping instead of "
                         "transformers' GGUF loader (faster start; gpt2 BPE tokenizers only)")
@@ -121,7 +124,8 @@ def _run(args) -> int:
         try:
             out = conv.convert(src, args.dst, to=args.to, gguf_type=args.gguf_type, group_size=args.group_size,
                                threads=args.threads, shard_size=args.shard_size, force=args.force,
-                               progress=not args.no_progress, use_transformers=not args.no_transformers)
+                               progress=not args.no_progress, use_transformers=not args.no_transformers,
+                               ternarize=args.ternarize)
         except conv.BulkConversionError as e:
             for r in e.results:
                 print(f"wrote {r}")

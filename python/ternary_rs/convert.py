@@ -190,7 +190,7 @@ class SourceTensor:
 
     name: str                      # tensor name in the source file
     hf_name: str                   # Hugging Face name of the (logical) weight
-    kind: str                      # "packed" | "canonical" | "dense" | "copy"
+    kind: str                      # "packed" | "canonical" | "dense" | "ternarize" | "copy"
     dtype: str                     # source storage type (GGUF type name or safetensors dtype)
     shape: tuple[int, ...]         # logical shape (PyTorch order; [N, K] for ternary)
     nbytes: int                    # bytes read from the source
@@ -201,7 +201,7 @@ class SourceTensor:
 
     @property
     def ternary(self) -> bool:
-        return self.kind in ("packed", "canonical", "dense")
+        return self.kind in ("packed", "canonical", "dense", "ternarize")
 
 
 @dataclass
@@ -217,6 +217,7 @@ class ConvertOptions:
     progress: bool = True
     source_paths: list[Path] = field(default_factory=list)
     use_transformers: bool = True   # GGUF -> HF config/tokenizer via transformers (else built-in)
+    ternarize: bool = False         # dense linear weights -> ternary by the architecture's own convention
     digests: dict[str, Any] = field(default_factory=dict)  # SHA-256 (futures) of files already written
 
 
@@ -250,6 +251,9 @@ class Source:
             self.config = self._read_config()
             self.arch = arch_for_config(self.config)
             self.shape_config = self.config
+            check = getattr(self.arch, "check_source_config", None)
+            if check is not None:
+                check(self.config, path, options)
         self.tensors: list[SourceTensor] = []
 
     # -- helpers
@@ -289,6 +293,12 @@ class Source:
             g = dense_ternary_group(self.file.raw(name), typ, shape)
             if g is not None:
                 st.kind, st.group = "dense", g
+            elif self.options.ternarize:
+                if getattr(self.arch, "ternarize_dense", None) is None:
+                    raise ConversionError(
+                        f"{self.path}: tensor {name}: --ternarize: architecture {self.arch.gguf_arch!r} defines no "
+                        "ternarization of dense weights (ternary_rs.ternarize does it in Python)")
+                st.kind = "ternarize"  # one scale per tensor: any group size holds it
         return st
 
     def _classify_gguf(self) -> list[SourceTensor]:
@@ -361,6 +371,8 @@ class Source:
             q = np.asarray(self.file.raw(st.name)).reshape(n, k // 4)
             s = np.asarray(self.file.raw(st.aux[0])).view(np.float16).reshape(n, k // st.group)
             t = TernaryTensor(q, s, st.group, name=st.name)
+        elif st.kind == "ternarize":
+            t = self.arch.ternarize_dense(self.file.raw(st.name), st.dtype, st.shape, group_size, st.name)
         else:
             t = decode(self.file, st.name)
         if t.shape != (n, k):
@@ -408,7 +420,7 @@ def _vllm_jobs(source: Source, group_size: int) -> tuple[list[Job], list[str]]:
     jobs, not_converted = [], []
     for st in source.tensors:
         src_label = f"{source.path}: tensor {st.name}"
-        if st.ternary and st.dtype in FLOAT_BYTES and st.shape[1] % group_size:
+        if st.kind == "dense" and st.shape[1] % group_size:
             st.kind = "copy"  # dense weight whose K does not split into groups: keep it float
         if st.kind == "dense" and st.group is not None and st.group < group_size:
             raise ValidationError(
@@ -748,7 +760,8 @@ def _convert_one(src: Path, dst: Path, options: ConvertOptions) -> Path:
                 "architecture": source.arch.gguf_arch,
                 "source_format": source.format,
                 "conversion": {"to": "vllm", **details},
-                "options": {"group_size": options.group_size, "shard_size": options.shard_size},
+                "options": {"group_size": options.group_size, "shard_size": options.shard_size,
+                            "ternarize": options.ternarize},
             }, digests=options.digests)
             log.info("%s: waited %.1f s for source SHA-256, output SHA-256 + manifest in %.1f s",
                      src.name, t1 - t0, time.perf_counter() - t1)
@@ -774,12 +787,15 @@ def _refuse_colliding_outputs(sources: list[Path], targets: list[Path]) -> None:
 
 def convert(src, dst, to: str = "vllm", gguf_type: str | None = None, group_size: int | None = None,
             threads: int | None = None, shard_size: int | str = "5GB", force: bool = False,
-            progress: bool = True, *, use_transformers: bool = True):
+            progress: bool = True, *, use_transformers: bool = True, ternarize: bool = False):
     """Convert a ternary checkpoint into a vLLM directory (``to="vllm"``) or a ternary GGUF (``to="gguf"``).
 
     ``src`` is a GGUF, a safetensors file, a sharded ``*.index.json`` or a Hugging Face directory; a list or
     a glob makes a *bulk job*: ``dst`` is then a folder receiving one output per input, a failing input
     does not stop the others, and :class:`BulkConversionError` lists the failures at the end.
+    ``ternarize`` (opt-in, lossy by nature): dense float linear weights that are not already ternary are
+    ternarized by the architecture's own training convention (BitNet: per tensor by absmean, exactly as
+    transformers' ``WeightQuant``); architectures without one refuse it.
     Returns the output path (bulk: the list of outputs).
     """
     if to not in ("vllm", "gguf"):
@@ -790,7 +806,7 @@ def convert(src, dst, to: str = "vllm", gguf_type: str | None = None, group_size
         set_num_threads(int(threads))
     options = ConvertOptions(to=to, gguf_type=gguf_type.upper() if gguf_type else None, group_size=group_size,
                              threads=threads, shard_size=parse_size(shard_size), force=force,
-                             progress=progress, use_transformers=use_transformers)
+                             progress=progress, use_transformers=use_transformers, ternarize=ternarize)
     sources, bulk = _expand_sources(src)
     if not bulk:
         target = Path(dst)
