@@ -171,14 +171,17 @@ def _int8_activations(x: torch.Tensor, g: int, per_token: bool) -> tuple[torch.T
     valued ``q`` (exact in fp16) and ``y = (q·W)·xs``; per group → the dequantized ``q·xs`` in f32 (its
     scale varies along K, so it cannot be factored out of the product) and ``None``."""
     xf = x.float()
+    # ``127 / amax`` as one correctly rounded division, as the CPU kernel computes it: torch's ``127.0 / t``
+    # is ``t.reciprocal() * 127`` (two roundings), an ulp off for some amax.
+    int8_max = xf.new_full((), 127.0)
     if per_token:
-        scale = 127.0 / xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
+        scale = int8_max / xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
         q = (xf * scale).round().clamp(-128, 127)  # torch.round is half to even
         return q.to(torch.float16), 1.0 / scale
     xg = xf.reshape(*xf.shape[:-1], -1, g)
     amax = xg.abs().amax(dim=-1, keepdim=True)
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    q = (xg * (127.0 / safe)).round().clamp(-127, 127)
+    q = (xg * (int8_max / safe)).round().clamp(-127, 127)
     return (q * (amax / 127.0)).reshape(xf.shape), None
 
 

@@ -8,12 +8,19 @@ from __future__ import annotations
 
 _registered = False
 
+# Architecture name -> "module:class" of the model classes the plugin supplies (imported lazily by vLLM,
+# only when such a model loads): BitNet b1.58, which vLLM has no model for (ternary_rs.vllm.bitnet).
+MODEL_CLASSES = {
+    "BitNetForCausalLM": "ternary_rs.vllm.bitnet:BitNetForCausalLM",
+}
+
 
 def register() -> None:
-    """Register the ``"ternary"`` quantization config with vLLM (idempotent)."""
+    """Register the ``"ternary"`` quantization config and the model classes with vLLM (idempotent)."""
     global _registered
     if _registered:
         return
+    from vllm import ModelRegistry
     from vllm.model_executor.layers.quantization import (
         _CUSTOMIZED_METHOD_TO_QUANT_CONFIG,
         register_quantization_config,
@@ -23,4 +30,6 @@ def register() -> None:
 
     if _CUSTOMIZED_METHOD_TO_QUANT_CONFIG.get(QUANT_METHOD) is not TernaryConfig:
         register_quantization_config(QUANT_METHOD)(TernaryConfig)
+    for arch, target in MODEL_CLASSES.items():
+        ModelRegistry.register_model(arch, target)
     _registered = True
