@@ -124,10 +124,12 @@ def encode_i2_s(trits, scale: float):
     return np.concatenate([packed, tail])
 
 
-def write_bitnet_gguf(hf_dir: Path, out_path: Path, linear_type: str = "I2_S", arch: str = "bitnet") -> Path:
+def write_bitnet_gguf(hf_dir: Path, out_path: Path, linear_type: str = "I2_S", arch: str = "bitnet",
+                      magnitude_of=None) -> Path:
     """A bitnet.cpp-style GGUF of a *packed* tiny checkpoint, written with gguf-py: llama.cpp's BitNet tensor
     names (``blk.N.attn_sub_norm`` / ``blk.N.ffn_sub_norm``), linear weights as ``linear_type`` (I2_S from
-    :func:`encode_i2_s`, TQ1_0 / TQ2_0 by gguf-py's own quantizers), norms F32, embeddings BF16, the
+    :func:`encode_i2_s`, TQ1_0 / TQ2_0 by gguf-py's own quantizers, or F16 / F32 ``t · magnitude`` as
+    llama.cpp's own BitNet converter writes them), norms F32, embeddings BF16, the
     tokenizer as gpt2 BPE metadata. The trits come from transformers' ``unpack_weights``."""
     import gguf
     import numpy as np
@@ -180,10 +182,15 @@ def write_bitnet_gguf(hf_dir: Path, out_path: Path, linear_type: str = "I2_S", a
             trits = unpack_weights(t, dtype=torch.float32)
             ws = float(tensors[name + "_scale"].float())
             magnitude = ws if linear_class == "autobitlinear" else 1.0 / ws
+            if magnitude_of is not None:  # tests: a magnitude that is not an fp16 value
+                magnitude = magnitude_of(magnitude)
             n, k = trits.shape
             if linear_type == "I2_S":
                 raw = encode_i2_s(trits.numpy(), magnitude)
                 w.add_tensor_info(gname, (n, k), np.dtype(np.float32), raw.nbytes, raw_dtype=I2_S_TYPE_ID)
+            elif linear_type in ("F16", "F32"):  # llama.cpp's convert_hf_to_gguf BitnetModel: t · mean, dense
+                raw = (trits * magnitude).numpy().astype(np.float16 if linear_type == "F16" else np.float32)
+                w.add_tensor_info(gname, raw.shape, raw.dtype, raw.nbytes)
             else:
                 qtype = getattr(gguf.GGMLQuantizationType, linear_type)
                 raw = gguf.quants.quantize((trits * magnitude).numpy().astype(np.float32), qtype)

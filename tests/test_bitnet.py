@@ -226,7 +226,7 @@ def test_unsupported_bitnet_settings_are_refused(change, match, packed_auto, roo
 # bitnet.cpp-style GGUFs
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("linear_type, arch", [("I2_S", "bitnet-b1.58"), ("I2_S", "bitnet"), ("TQ2_0", "bitnet"),
-                                               ("TQ1_0", "bitnet")])
+                                               ("TQ1_0", "bitnet"), ("F16", "bitnet")])
 def test_bitnet_cpp_gguf_converts_to_the_same_checkpoint(linear_type, arch, packed_auto, root):
     gguf_path = write_bitnet_gguf(packed_auto, root / f"auto-{linear_type}-{arch}.gguf", linear_type, arch)
     from_hf = ternary_rs.convert(packed_auto, root / f"hf-{linear_type}-{arch}", progress=False)
@@ -245,6 +245,18 @@ def test_bitnet_cpp_gguf_converts_to_the_same_checkpoint(linear_type, arch, pack
     assert AutoTokenizer.from_pretrained(from_hf)(text).input_ids == AutoTokenizer.from_pretrained(from_gguf)(text).input_ids
     r = ternary_rs.inspect(gguf_path)
     assert r["architecture"] == arch and r["is_ternary"] and not r["problems"] and not r["warnings"]
+
+
+def test_dense_ternary_gguf_with_inexact_scale_needs_ternarize(packed_auto, root):
+    """llama.cpp's F32 BitNet GGUF holds ``t · a`` with an f32 ``a`` that fp16 cannot hold: kept dense, the
+    model would lose BitNet's int8 activations, so it is refused unless --ternarize (trits kept, a -> fp16)."""
+    odd = lambda a: a * (1 + 2.0 ** -13)  # noqa: E731 - not an fp16 value, but rounds to a's fp16 value
+    gguf_path = write_bitnet_gguf(packed_auto, root / "auto-F32.gguf", "F32", "bitnet", magnitude_of=odd)
+    with pytest.raises(ConversionError, match="--ternarize"):
+        ternary_rs.convert(gguf_path, root / "f32-refused", progress=False)
+    assert not (root / "f32-refused").exists()
+    out = read_checkpoint(ternary_rs.convert(gguf_path, root / "f32-ternarized", ternarize=True, progress=False))
+    assert_same_values(out, read_checkpoint(ternary_rs.convert(packed_auto, root / "f32-ref", progress=False)))
 
 
 def test_hf_bitnet_to_gguf_and_back(packed_auto, root):

@@ -299,6 +299,11 @@ class Source:
                         f"{self.path}: tensor {name}: --ternarize: architecture {self.arch.gguf_arch!r} defines no "
                         "ternarization of dense weights (ternary_rs.ternarize does it in Python)")
                 st.kind = "ternarize"  # one scale per tensor: any group size holds it
+            elif not getattr(self.arch, "dense_linears_allowed", True):
+                raise ConversionError(
+                    f"{self.path}: tensor {name} ({typ}) is a dense linear weight that is not exactly ternary with "
+                    f"fp16 scales, which {self.arch.gguf_arch!r} serves only as ternary; pass --ternarize "
+                    "(ternarize=True) to ternarize it")
         return st
 
     def _classify_gguf(self) -> list[SourceTensor]:

@@ -91,8 +91,8 @@ def _renamed_kv(blob: memoryview, key: str, start: int, end: int, rename_arch: t
     if key == "general.architecture":
         return _gguf_string(key) + struct.pack("<I", _GGUF_STRING) + _gguf_string(new)
     if key.startswith(old + "."):
-        value = bytes(blob[start + 8 + len(key.encode()):end])
-        return _gguf_string(new + key[len(old):]) + value
+        (key_len,) = struct.unpack_from("<Q", blob, start)
+        return _gguf_string(new + key[len(old):]) + bytes(blob[start + 8 + key_len:end])
     return bytes(blob[start:end])
 
 

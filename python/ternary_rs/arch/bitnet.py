@@ -102,6 +102,9 @@ class BitNetArch(DenseDecoderArch):
                 return hf
         return super().hf_name(gguf_name, n_blocks)
 
+    # Every BitNet linear is a BitLinear: one kept dense would silently lose the int8 activation numerics.
+    dense_linears_allowed = False
+
     def ternary_candidate(self, hf_name: str, shape: tuple[int, ...]) -> bool:
         # BitNet keeps embed_tokens / lm_head dense (transformers never converts lm_head).
         return len(shape) == 2 and hf_name.endswith(LINEAR_SUFFIXES)
@@ -135,9 +138,11 @@ class BitNetArch(DenseDecoderArch):
                 "with attention_bias / mlp_bias and linear_class 'autobitlinear' are not supported")
 
     def ternarize_dense(self, raw: np.ndarray, dtype: str, shape, group_size: int, name: str):
-        """A dense master weight -> ``TernaryTensor`` by :func:`weight_quant` (``convert(ternarize=True)``):
-        the scale is ``1/s`` rounded to the source dtype (the value transformers serves), then to fp16
-        (exact for bf16/fp16 sources whose scale is a normal fp16 number)."""
+        """A dense linear weight -> ``TernaryTensor`` (``convert(ternarize=True)``). Already ternary with one
+        magnitude ``a`` (llama.cpp's F32/F16 BitNet GGUFs store ``t · a``): those trits and ``fp16(a)``.
+        Otherwise a master weight, by :func:`weight_quant`: the scale is ``1/s`` rounded to the source dtype
+        (the value transformers serves), then to fp16 (exact for bf16/fp16 sources whose scale is a normal
+        fp16 number)."""
         try:
             import torch
         except ImportError as e:
@@ -150,8 +155,12 @@ class BitNetArch(DenseDecoderArch):
 
         n, k = int(shape[0]), int(shape[1])
         w = torch.from_numpy(np.array(float_view(raw, dtype), copy=True).reshape(n, k))
-        trits, magnitude = weight_quant(w)
-        served = magnitude.to({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[dtype])
+        amax = w.abs().max()
+        if float(amax) > 0 and bool(((w.abs() == amax) | (w == 0)).all()):
+            trits, served = torch.sign(w), amax  # t · a already: keep it, a rounded to fp16
+        else:
+            trits, magnitude = weight_quant(w)
+            served = magnitude.to({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[dtype])
         scale = np.float16(float(served.float()))
         if not np.isfinite(scale) or scale == 0:
             from .._core import ValidationError
