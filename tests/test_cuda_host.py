@@ -67,3 +67,33 @@ def test_cuda_int8_emulation_quantizes_like_the_cpu_kernel(per_token):
         assert torch.equal(y, q.float() * xs)
     else:
         assert xs is None and torch.equal(y, q)  # per group: the emulation hands over q · xs_g itself
+
+
+def test_cuda_int8_token_path_with_a_host_stand_in_kernel(monkeypatch):
+    """``_ops_cuda.ternary_linear(activations=INT8_TOKEN)`` with the fused kernel replaced by its arithmetic
+    (fp16 inputs, exact products, output rounded to fp16): equal to the CPU kernel's BitNet mode within the
+    fp16 output rounding — also for a row whose integer sum ``Σ q·W`` (≈ 1.4e6 here) would overflow fp16
+    if the codes were fed unscaled."""
+    torch = pytest.importorskip("torch")
+    from ternary_rs import _ops_cuda, ops, pack_codes
+
+    n, k, g = 8, 4096, 128
+    gen = torch.Generator().manual_seed(3)
+    trits = torch.randint(-1, 2, (n, k), generator=gen, dtype=torch.int8)
+    w = trits.double() * 4.0
+    x = torch.randn(5, k, generator=gen)
+    x[0] = trits[0].float() * 0.5  # token 0 aligned with row 0: q = ±127 wherever W[0] != 0
+    seen = []
+
+    def stand_in(x2, qweight, scales, b, y, m, n_, k_, g_):
+        seen.append(x2.dtype)
+        y.copy_((x2.double() @ w.T).to(y.dtype))
+
+    monkeypatch.setattr(_ops_cuda, "_require_kernels", lambda: None)
+    monkeypatch.setattr(_ops_cuda, "_check_weight", lambda *args: None)
+    monkeypatch.setattr(_ops_cuda, "_launch", stand_in)
+    got = _ops_cuda.ternary_linear(x, None, None, n, k, g, None, ops.INT8_TOKEN)
+    assert seen == [torch.float16] and got.dtype == torch.float32 and torch.isfinite(got).all()
+    qk, sk = ops.prepare_weight(torch.from_numpy(pack_codes(trits.numpy())), torch.full((n, k // g), 4.0, dtype=torch.float16), g)
+    want = ops.ternary_linear(x, qk, sk, n, k, g, None, ops.INT8_TOKEN)
+    torch.testing.assert_close(got, want, rtol=2.0 ** -10, atol=0)

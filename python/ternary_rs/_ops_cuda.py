@@ -160,6 +160,10 @@ def _check_weight(qweight, scales, x, n, k, g) -> None:
             raise ValueError(f"{name} must be contiguous")
 
 
+# The int8-per-token codes go to the fp16 kernels as q · 2⁻⁷ (exact: |q| <= 128 has <= 8 significant bits),
+# so the fp16 output (≈ y / max|x|) cannot overflow where q itself (up to 127 · Σ|W|) could.
+INT8_CODE_SCALE = 2.0 ** -7
+
 # Values of the op's ``activations`` argument (see ternary_rs.ops).
 _AUTO, _EXACT, _INT8_GROUP, _INT8_TOKEN = (
     _core.ACTIVATIONS_AUTO, _core.ACTIVATIONS_EXACT, _core.ACTIVATIONS_INT8_GROUP, _core.ACTIVATIONS_INT8_TOKEN,
@@ -189,8 +193,8 @@ def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bi
     """``y[..., N] = x[..., K] @ W.T (+ bias)`` on CUDA; output dtype = ``x.dtype``.
 
     ``activations`` 0/1 run the kernels on x as it is; 3 (int8 per token, BitNet) feeds the integer codes
-    (exact in fp16) and applies the token scale to the f32-accumulated product; 2 (int8 per group) feeds
-    the dequantized activations."""
+    (times ``INT8_CODE_SCALE``, exact in fp16) and applies the token scale to the f32-accumulated product;
+    2 (int8 per group) feeds the dequantized activations."""
     _require_kernels()
     n, k, g = int(out_features), int(in_features), int(group_size)
     if activations in (_INT8_TOKEN, _INT8_GROUP):
@@ -199,7 +203,7 @@ def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bi
         xq, xs = _int8_activations(x, g, activations == _INT8_TOKEN)
         if xs is None:
             return ternary_linear(xq, qweight, scales, n, k, g, bias, _EXACT).to(x.dtype)
-        y = ternary_linear(xq, qweight, scales, n, k, g, None, _EXACT).float() * xs
+        y = ternary_linear(xq * INT8_CODE_SCALE, qweight, scales, n, k, g, None, _EXACT).float() * (xs / INT8_CODE_SCALE)
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype)

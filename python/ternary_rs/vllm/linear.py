@@ -153,8 +153,10 @@ def int8_token_sharded(layer: torch.nn.Module, x: torch.Tensor, qweight_k, scale
     amax = tensor_model_parallel_all_gather(xf.abs().amax(dim=-1, keepdim=True), dim=-1).amax(dim=-1, keepdim=True)
     scale = xf.new_full((), 127.0) / amax.clamp(min=1e-5)  # one rounding, as the op (not torch's 127 · 1/amax)
     q = (xf * scale).round().clamp(-128, 127)  # torch.round: half to even, as the op
+    # The CUDA kernels take fp16: q · 2⁻⁷ is exact there and keeps the output in range (as _ops_cuda does).
+    code_scale = 2.0 ** -7 if q.is_cuda else 1.0
     y = torch.ops.ternary_rs.ternary_linear(
-        q.to(torch.float16) if q.is_cuda else q,  # the CUDA kernels take fp16/bf16; |q| <= 128 is exact
+        (q * code_scale).to(torch.float16) if q.is_cuda else q,
         qweight_k,
         scales_k,
         layer.ternary_out_features,
@@ -162,7 +164,7 @@ def int8_token_sharded(layer: torch.nn.Module, x: torch.Tensor, qweight_k, scale
         layer.ternary_group_size,
         None,
         ternary_ops.EXACT,
-    ).float() * (1.0 / scale)
+    ).float() * (1.0 / (scale * code_scale))
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
