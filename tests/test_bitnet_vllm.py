@@ -21,8 +21,9 @@ code whose ``x·s`` lies within an ulp of .5 by one, and these random tiny model
 log-prob (measured: with bit-identical inputs and fp16-exact scales, vLLM float32 matches to ~1e-6).
 bfloat16 adds transformers' and vLLM's different bf16 roundings (attention, norms, residuals).
 
-Model B uses head_dim 48: vLLM's AMX attention kernel (bf16, head_dim % 32 == 0) dies with SIGILL on this
-project's CPU machines (Qwen3 too); head_dim 48 selects its portable ``vec16`` kernel.
+Model B uses head_dim 48: vLLM's AMX attention kernel (bf16, head_dim % 32 == 0) died with SIGILL in
+``cpu_attention_with_kv_cache`` under ``tests/vllm_runner.py`` on this project's CPU machine (a tiny Qwen3 too);
+head_dim 48 selects its portable ``vec16`` kernel.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def expected_shards(model, tp: int, rank: int) -> dict[str, np.ndarray]:
     cfg = model.config
     rows = lambda w, parts, r: w[r * (w.shape[0] // parts):(r + 1) * (w.shape[0] // parts)]  # noqa: E731
     cols = lambda w, parts, r: w[:, r * (w.shape[1] // parts):(r + 1) * (w.shape[1] // parts)]  # noqa: E731
-    kv_parts, kv_rank = (tp, rank) if cfg.num_key_value_heads >= tp else (cfg.num_key_value_heads, rank * cfg.num_key_value_heads // tp)
+    kv = cfg.num_key_value_heads  # split across ranks when there are enough, replicated otherwise
+    kv_parts, kv_rank = (tp, rank) if kv >= tp else (kv, rank * kv // tp)
     out = {}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."

@@ -94,6 +94,7 @@ def test_cuda_int8_token_path_with_a_host_stand_in_kernel(monkeypatch):
     monkeypatch.setattr(_ops_cuda, "_launch", stand_in)
     got = _ops_cuda.ternary_linear(x, None, None, n, k, g, None, ops.INT8_TOKEN)
     assert seen == [torch.float16] and got.dtype == torch.float32 and torch.isfinite(got).all()
-    qk, sk = ops.prepare_weight(torch.from_numpy(pack_codes(trits.numpy())), torch.full((n, k // g), 4.0, dtype=torch.float16), g)
+    scales = torch.full((n, k // g), 4.0, dtype=torch.float16)
+    qk, sk = ops.prepare_weight(torch.from_numpy(pack_codes(trits.numpy())), scales, g)
     want = ops.ternary_linear(x, qk, sk, n, k, g, None, ops.INT8_TOKEN)
     torch.testing.assert_close(got, want, rtol=2.0 ** -10, atol=0)

@@ -203,7 +203,8 @@ def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bi
         xq, xs = _int8_activations(x, g, activations == _INT8_TOKEN)
         if xs is None:
             return ternary_linear(xq, qweight, scales, n, k, g, bias, _EXACT).to(x.dtype)
-        y = ternary_linear(xq * INT8_CODE_SCALE, qweight, scales, n, k, g, None, _EXACT).float() * (xs / INT8_CODE_SCALE)
+        y = ternary_linear(xq * INT8_CODE_SCALE, qweight, scales, n, k, g, None, _EXACT).float()
+        y = y * (xs / INT8_CODE_SCALE)
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype)

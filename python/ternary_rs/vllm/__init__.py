@@ -5,7 +5,9 @@ imported by ``import ternary_rs``. Modules:
 
 * :mod:`.config` — :class:`~.config.TernaryConfig` (reads ``quantization_config``, picks a method per layer);
 * :mod:`.linear` — :class:`~.linear.TernaryLinearMethod` (TP sharding via vLLM parameter classes);
-* :mod:`.embedding` — :class:`~.embedding.TernaryEmbeddingMethod` (ternary ``embed_tokens`` / ``lm_head``).
+* :mod:`.embedding` — :class:`~.embedding.TernaryEmbeddingMethod` (ternary ``embed_tokens`` / ``lm_head``);
+* :mod:`.bitnet` — ``BitNetForCausalLM`` (BitNet b1.58; registered with vLLM's ``ModelRegistry`` by
+  :func:`.plugin.register`), whose linear layers ask the op for int8-per-token activations.
 
 Hook for rotated checkpoints (Bonsai 2 Hadamard, FORMATS.md §1.3.5)
 -------------------------------------------------------------------
