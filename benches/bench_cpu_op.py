@@ -166,7 +166,7 @@ def main() -> None:
                     print(f"{k:>6} x {n:<6} {m:>4} {th:>3} {mode:>5} {t * 1e3:9.3f} {row['G_weights_per_s']:7.1f} "
                           f"{row['G_weight_tokens_per_s']:7.1f} {row['packed_GBps']:6.2f} "
                           f"{100 * row['fraction_of_bandwidth']:5.1f} {bf}", flush=True)
-        del tq, ts, dense
+        tq = ts = dense = None  # free this shape's copies before the next
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -219,7 +219,7 @@ def main() -> int:
                       f"{gbps:>8.0f} {100 * row['hbm_fraction']:>5.0f}% {100 * row['copy_fraction']:>5.0f}% "
                       f"{c_us:>10.1f} {c_gbps:>11.0f} "
                       f"{row['speedup']:>8.2f}x", flush=True)
-        del tq, ts, wb, q_k, s_k, w_bf16
+        tq = ts = wb = q_k = s_k = w_bf16 = None  # free this shape's copies before the next
         if dev == "cuda":
             torch.cuda.empty_cache()
 

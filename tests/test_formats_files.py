@@ -152,7 +152,7 @@ def test_bitnet_safetensors_checkpoint(tmp_path, linear_class):
 
 
 def test_mlx_and_dense_safetensors(tmp_path):
-    ml_dtypes = pytest.importorskip("ml_dtypes")
+    pytest.importorskip("ml_dtypes")
     rng = np.random.default_rng(4)
     trits = random_trits(rng, 8, 256)
     scales = rng.uniform(0.01, 1, size=(8, 2)).astype(np.float16)

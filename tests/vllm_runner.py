@@ -51,13 +51,15 @@ def dump_weights(model, out_dir: str):
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
     rank = get_tensor_model_parallel_rank()
-    arrays, methods = {}, {}
+    arrays, methods, activations = {}, {}, {}
     with torch.no_grad():
         for name, module in model.named_modules():
             qm = getattr(module, "quant_method", None)
             if qm is None:
                 continue
             methods[name] = type(qm).__name__
+            if hasattr(module, "ternary_activations"):  # the op's activation mode this layer asks for
+                activations[name] = int(module.ternary_activations)
             if isinstance(qm, TernaryLinearMethod) or (
                 isinstance(qm, TernaryEmbeddingMethod) and isinstance(module, ParallelLMHead)
             ):
@@ -68,7 +70,7 @@ def dump_weights(model, out_dir: str):
                 arrays[name] = qm.embedding(module, ids).float().numpy()
     os.makedirs(out_dir, exist_ok=True)
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **arrays)
-    return {"rank": rank, "methods": methods}
+    return {"rank": rank, "methods": methods, "activations": activations}
 
 
 def spec_decode_counters(llm) -> dict:

@@ -160,6 +160,10 @@ def _check_weight(qweight, scales, x, n, k, g) -> None:
             raise ValueError(f"{name} must be contiguous")
 
 
+# The int8-per-token codes go to the fp16 kernels as q · 2⁻⁷ (exact: |q| <= 128 has <= 8 significant bits),
+# so the fp16 output (≈ y / max|x|) cannot overflow where q itself (up to 127 · Σ|W|) could.
+INT8_CODE_SCALE = 2.0 ** -7
+
 # Values of the op's ``activations`` argument (see ternary_rs.ops).
 _AUTO, _EXACT, _INT8_GROUP, _INT8_TOKEN = (
     _core.ACTIVATIONS_AUTO, _core.ACTIVATIONS_EXACT, _core.ACTIVATIONS_INT8_GROUP, _core.ACTIVATIONS_INT8_TOKEN,
@@ -171,14 +175,17 @@ def _int8_activations(x: torch.Tensor, g: int, per_token: bool) -> tuple[torch.T
     valued ``q`` (exact in fp16) and ``y = (q·W)·xs``; per group → the dequantized ``q·xs`` in f32 (its
     scale varies along K, so it cannot be factored out of the product) and ``None``."""
     xf = x.float()
+    # ``127 / amax`` as one correctly rounded division, as the CPU kernel computes it: torch's ``127.0 / t``
+    # is ``t.reciprocal() * 127`` (two roundings), an ulp off for some amax.
+    int8_max = xf.new_full((), 127.0)
     if per_token:
-        scale = 127.0 / xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
+        scale = int8_max / xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
         q = (xf * scale).round().clamp(-128, 127)  # torch.round is half to even
         return q.to(torch.float16), 1.0 / scale
     xg = xf.reshape(*xf.shape[:-1], -1, g)
     amax = xg.abs().amax(dim=-1, keepdim=True)
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    q = (xg * (127.0 / safe)).round().clamp(-127, 127)
+    q = (xg * (int8_max / safe)).round().clamp(-127, 127)
     return (q * (amax / 127.0)).reshape(xf.shape), None
 
 
@@ -186,8 +193,8 @@ def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bi
     """``y[..., N] = x[..., K] @ W.T (+ bias)`` on CUDA; output dtype = ``x.dtype``.
 
     ``activations`` 0/1 run the kernels on x as it is; 3 (int8 per token, BitNet) feeds the integer codes
-    (exact in fp16) and applies the token scale to the f32-accumulated product; 2 (int8 per group) feeds
-    the dequantized activations."""
+    (times ``INT8_CODE_SCALE``, exact in fp16) and applies the token scale to the f32-accumulated product;
+    2 (int8 per group) feeds the dequantized activations."""
     _require_kernels()
     n, k, g = int(out_features), int(in_features), int(group_size)
     if activations in (_INT8_TOKEN, _INT8_GROUP):
@@ -196,7 +203,8 @@ def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bi
         xq, xs = _int8_activations(x, g, activations == _INT8_TOKEN)
         if xs is None:
             return ternary_linear(xq, qweight, scales, n, k, g, bias, _EXACT).to(x.dtype)
-        y = ternary_linear(xq, qweight, scales, n, k, g, None, _EXACT).float() * xs
+        y = ternary_linear(xq * INT8_CODE_SCALE, qweight, scales, n, k, g, None, _EXACT).float()
+        y = y * (xs / INT8_CODE_SCALE)
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype)

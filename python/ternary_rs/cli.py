@@ -256,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--parents", action="store_true", help="create missing parent folders of DST")
     c.add_argument("--no-progress", action="store_true", help="no progress bar (never shown when stderr is not a "
                                                               "terminal)")
+    c.add_argument("--ternarize", action="store_true",
+                   help="ternarize dense float linear weights by the architecture's own convention (BitNet "
+                        "master weights: per tensor by absmean, as transformers' WeightQuant); lossy, opt-in")
     c.add_argument("--no-transformers", action="store_true",
                    help="never import transformers: tokenizers the built-in rebuild does not cover (other than "
                         "byte-level BPE and Llama SentencePiece) then fail")
@@ -344,7 +347,8 @@ def _convert(args, ap: argparse.ArgumentParser) -> int:
         out = convert(src, args.dst, to=args.to, gguf_type=args.gguf_type, group_size=args.group_size,
                       threads=args.threads, shard_size=args.shard_size, force=args.force,
                       progress=not args.no_progress, use_transformers=not args.no_transformers,
-                      requantize=args.requantize, parents=args.parents)
+                      requantize=args.requantize, parents=args.parents,
+                      ternarize=args.ternarize)
     except BulkConversionError as e:
         for r in e.results:
             print(f"wrote {r}")

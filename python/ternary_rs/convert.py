@@ -97,7 +97,7 @@ class SourceTensor:
 
     name: str                      # tensor name in the source file
     hf_name: str                   # Hugging Face name of the (logical) weight
-    kind: str                      # "packed" | "canonical" | "dense" | "copy"
+    kind: str                      # "packed" | "canonical" | "dense" | "ternarize" | "copy"
     dtype: str                     # source storage type (GGUF type name or safetensors dtype)
     shape: tuple[int, ...]         # logical shape (PyTorch order; [N, K] for ternary)
     nbytes: int                    # bytes read from the source
@@ -108,7 +108,7 @@ class SourceTensor:
 
     @property
     def ternary(self) -> bool:
-        return self.kind in ("packed", "canonical", "dense")
+        return self.kind in ("packed", "canonical", "dense", "ternarize")
 
 
 @dataclass
@@ -126,6 +126,7 @@ class ConvertOptions:
     use_transformers: bool = True   # transformers may rebuild GGUF tokenizers the built-in rebuild does not cover
     requantize: bool = False        # allow a lossy regroup (re-ternarize with absmax) where a lossless one fails
     parents: bool = False           # create missing parent folders of the destination
+    ternarize: bool = False         # dense linear weights -> ternary by the architecture's own convention
     digests: dict[str, Any] = field(default_factory=dict)  # SHA-256 (futures) of files already written
     # Set when the conversion is abandoned (error, Ctrl-C): long-running jobs check it between chunks.
     stop: threading.Event = field(default_factory=threading.Event)
@@ -161,6 +162,9 @@ class Source:
             self.config = self._read_config()
             self.arch = arch_for_config(self.config)
             self.shape_config = self.config
+            check = getattr(self.arch, "check_source_config", None)
+            if check is not None:
+                check(self.config, path, options)
         self.tensors: list[SourceTensor] = []
 
     # -- helpers
@@ -200,6 +204,17 @@ class Source:
             g = dense_ternary_group(self.file.raw(name), typ, shape)
             if g is not None:
                 st.kind, st.group = "dense", g
+            elif self.options.ternarize:
+                if getattr(self.arch, "ternarize_dense", None) is None:
+                    raise ConversionError(
+                        f"{self.path}: tensor {name}: --ternarize: architecture {self.arch.gguf_arch!r} defines no "
+                        "ternarization of dense weights (ternary_rs.ternarize does it in Python)")
+                st.kind = "ternarize"  # one scale per tensor: any group size holds it
+            elif not getattr(self.arch, "dense_linears_allowed", True):
+                raise ConversionError(
+                    f"{self.path}: tensor {name} ({typ}) is a dense linear weight that is not exactly ternary with "
+                    f"fp16 scales, which {self.arch.gguf_arch!r} serves only as ternary; pass --ternarize "
+                    "(ternarize=True) to ternarize it")
         return st
 
     def _classify_gguf(self) -> list[SourceTensor]:
@@ -273,6 +288,8 @@ class Source:
             q = np.asarray(self.file.raw(st.name)).reshape(n, k // 4)
             s = np.asarray(self.file.raw(st.aux[0])).view(np.float16).reshape(n, k // st.group)
             t = TernaryTensor(q, s, st.group, name=st.name)
+        elif st.kind == "ternarize":
+            t = self.arch.ternarize_dense(self.file.raw(st.name), st.dtype, st.shape, group_size, st.name)
         else:
             t = decode(self.file, st.name)
         if t.shape != (n, k):
@@ -323,7 +340,7 @@ def _vllm_jobs(source: Source, group_size: int) -> tuple[list[Job], list[str]]:
     jobs, not_converted = [], []
     for st in source.tensors:
         src_label = f"{source.path}: tensor {st.name}"
-        if st.ternary and st.dtype in FLOAT_BYTES and st.shape[1] % group_size:
+        if st.kind == "dense" and st.shape[1] % group_size:
             st.kind = "copy"  # dense weight whose K does not split into groups: keep it float
         if st.kind == "dense" and st.group is not None and st.group < group_size and not source.options.requantize:
             raise ValidationError(
@@ -684,7 +701,7 @@ def _convert_one_unchecked(src: Path, dst: Path, options: ConvertOptions) -> Pat
                 "source_format": source.format,
                 "conversion": {"to": "vllm", **details},
                 "options": {"group_size": options.group_size, "shard_size": options.shard_size,
-                            "requantize": options.requantize},
+                            "requantize": options.requantize, "ternarize": options.ternarize},
             }, digests=options.digests)
             log.info("%s: waited %.1f s for source SHA-256, output SHA-256 + manifest in %.1f s",
                      src.name, t1 - t0, time.perf_counter() - t1)
@@ -727,7 +744,7 @@ def output_kind(dst, to: str | None, bulk: bool = False) -> str:
 def convert(src, dst, to: str | None = None, gguf_type: str | None = None, group_size: int | None = None,
             threads: int | None = None, shard_size: int | str = "5GB", force: bool = False,
             progress: bool = True, *, use_transformers: bool = True, requantize: bool = False,
-            parents: bool = False):
+            parents: bool = False, ternarize: bool = False):
     """Convert a ternary checkpoint into a vLLM directory (``to="vllm"``) or a ternary GGUF (``to="gguf"``;
     the default when ``dst`` ends in ``.gguf``, see :func:`output_kind`).
 
@@ -736,6 +753,9 @@ def convert(src, dst, to: str | None = None, gguf_type: str | None = None, group
     does not stop the others, and :class:`BulkConversionError` lists the failures at the end.
     ``requantize`` allows a lossy regroup (re-ternarized with absmax) where a lossless one is impossible;
     ``parents`` creates a missing parent folder of ``dst`` (refused otherwise: a typo is not created).
+    ``ternarize`` (opt-in, lossy by nature): dense float linear weights that are not already ternary are
+    ternarized by the architecture's own training convention (BitNet: per tensor by absmean, exactly as
+    transformers' ``WeightQuant``); architectures without one refuse it.
     Returns the output path (bulk: the list of outputs).
     """
     sources, bulk = _expand_sources(src)
@@ -754,7 +774,7 @@ def convert(src, dst, to: str | None = None, gguf_type: str | None = None, group
     options = ConvertOptions(to=to, gguf_type=gguf_type.upper() if gguf_type else None, group_size=group_size,
                              threads=threads, shard_size=parse_size(shard_size), force=force,
                              progress=progress, use_transformers=use_transformers, requantize=requantize,
-                             parents=parents)
+                             parents=parents, ternarize=ternarize)
     if requantize:
         log.warning("--requantize: weights that cannot be regrouped losslessly are re-ternarized (they change)")
     if not bulk:

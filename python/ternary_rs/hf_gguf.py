@@ -84,15 +84,35 @@ def _gguf_kv_spans(blob: memoryview, path: str) -> tuple[int, list[tuple[str, in
     return version, spans
 
 
-def write_metadata_only_gguf(src: str | Path, dst: str | Path, drop_keys: tuple[str, ...] = ()) -> None:
-    """Copy ``src``'s header and key/value pairs byte for byte (minus ``drop_keys``), with zero tensors."""
+def _gguf_string(text: str) -> bytes:
+    raw = text.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _renamed_kv(blob: memoryview, key: str, start: int, end: int, rename_arch: tuple[str, str]) -> bytes:
+    """One key/value pair with architecture ``old`` read as ``new``: ``old.*`` keys become ``new.*`` and
+    ``general.architecture`` says ``new``; every other byte is copied."""
+    old, new = rename_arch
+    if key == "general.architecture":
+        return _gguf_string(key) + struct.pack("<I", _GGUF_STRING) + _gguf_string(new)
+    if key.startswith(old + "."):
+        (key_len,) = struct.unpack_from("<Q", blob, start)
+        return _gguf_string(new + key[len(old):]) + bytes(blob[start + 8 + key_len:end])
+    return bytes(blob[start:end])
+
+
+def write_metadata_only_gguf(src: str | Path, dst: str | Path, drop_keys: tuple[str, ...] = (),
+                             rename_arch: tuple[str, str] | None = None) -> None:
+    """Copy ``src``'s header and key/value pairs byte for byte (minus ``drop_keys``), with zero tensors;
+    ``rename_arch = (old, new)`` presents architecture ``old``'s keys as ``new``'s."""
     import mmap
 
     with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         blob = memoryview(mm)
         try:
             version, spans = _gguf_kv_spans(blob, str(src))
-            kept = [bytes(blob[a:b]) for key, a, b in spans if key not in drop_keys]
+            kept = [bytes(blob[a:b]) if rename_arch is None else _renamed_kv(blob, key, a, b, rename_arch)
+                    for key, a, b in spans if key not in drop_keys]
         except struct.error as e:
             raise FormatError(f"{src}: truncated GGUF metadata ({e})") from None
         finally:
@@ -168,7 +188,11 @@ def config_from_gguf(gguf_path: Path, metadata: dict[str, Any], tensor_names, ar
     if ("tokenizer.ggml.tokens" in metadata and not builtin_tokenizer_supported(metadata)
             and use_transformers and _transformers_available()):
         meta_copy = workdir / "metadata-only.gguf"
-        write_metadata_only_gguf(gguf_path, meta_copy)
+        # An architecture transformers cannot read (e.g. bitnet) presents its keys as ``alias``'s: tokenizer
+        # keys do not depend on the architecture.
+        alias = getattr(arch, "transformers_gguf_alias", None)
+        write_metadata_only_gguf(gguf_path, meta_copy,
+                                 rename_arch=None if alias is None else (arch.gguf_arch, alias))
     config = builtin_config_from_gguf(metadata, arch)
     arch.config_fixups_from_gguf(config, metadata)
     _shortest_f32_floats(config)

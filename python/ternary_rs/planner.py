@@ -3,7 +3,8 @@
 Memory model (bytes; every term is reported separately):
 
 * ``weights``: the served (canonical) form — per ternary weight ``N·K/4`` code bytes + ``N·K/g·2`` fp16
-  scale bytes; every other tensor at 2 bytes per parameter (vLLM loads floats in the model dtype).
+  scale bytes (BitNet master weights count as ternary: they are served after ``convert --ternarize``);
+  every other tensor at 2 bytes per parameter (vLLM loads floats in the model dtype).
 * ``kv_cache_per_token = 2 · L_attn · kv_heads · head_dim · kv_bytes`` (K and V; GQA-aware; ``L_attn``
   counts only attention layers: ``layer_types`` / per-layer KV heads / ``full_attention_interval`` for
   hybrids such as qwen35, all layers otherwise); ``kv_bytes`` = 2 (fp16) or 1 (fp8).
@@ -87,7 +88,7 @@ def served_weight_bytes(report: dict[str, Any]) -> tuple[int, int]:
     total = 0
     for e in report["tensor_table"]:
         params = int(e["params"])
-        if e["kind"] in ("ternary", "dense-ternary") and len(e["shape"]) == 2:
+        if (e["kind"] in ("ternary", "dense-ternary") or e.get("ternarize")) and len(e["shape"]) == 2:
             n, k = e["shape"]
             total += n * k // 4 + n * -(-k // g) * 2
         else:

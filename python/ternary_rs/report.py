@@ -73,6 +73,17 @@ def _linear_candidate(name: str, shape) -> bool:
     return len(shape) == 2 and name.endswith(".weight") and "norm" not in name
 
 
+def _dense_embeddings_by_design(architecture) -> bool:
+    """Whether the architecture (GGUF ``general.architecture`` / config ``model_type``, looked up by that name
+    in ``ternary_rs.arch``, which imports only its module) keeps embed_tokens / lm_head dense (BitNet)."""
+    from .arch import ARCHES
+
+    try:
+        return bool(getattr(ARCHES[str(architecture)], "dense_embeddings", False))
+    except KeyError:
+        return False
+
+
 def _code3_count(raw: np.ndarray) -> int:
     """Number of 2-bit fields equal to 3 in a byte array (both bits of a field set)."""
     raw = np.asarray(raw).reshape(-1)
@@ -408,6 +419,8 @@ def _build_report(path, level: str) -> tuple[dict[str, Any], list[str], list[str
         t["params"] += e["params"]
         t["bytes"] += e["bytes"]
     linear = [e for e in entries if e["linear"] and e["role"] is not None]
+    if _dense_embeddings_by_design(cfg.get("architecture")):
+        linear = [e for e in linear if e["role"] not in ("embed", "lm_head")]
     ternary = [e for e in entries if e["kind"] in ("ternary", "dense-ternary")]
     float_linear = [e["name"] for e in linear if e["kind"] == "float"]
     unchecked = [e["name"] for e in linear if e["kind"] == "float" and not e.get("checked_rows")]
@@ -451,6 +464,15 @@ def _build_report(path, level: str) -> tuple[dict[str, Any], list[str], list[str
     is_ternary: bool | None = bool(linear) and not float_linear
     if unchecked and len(unchecked) == len(float_linear):
         is_ternary = None
+    # BitNet master weights (transformers' online AutoBitLinear): dense on disk, ternarized at every forward.
+    bitnet_master = (isinstance(qc, dict) and qc.get("quant_method") == "bitnet"
+                     and qc.get("quantization_mode") == "online" and qc.get("linear_class") == "autobitlinear")
+    if bitnet_master and float_linear:
+        for e in linear:
+            e["ternarize"] = e["kind"] == "float"  # what `convert --ternarize` stores ternary (plan counts it so)
+        warnings.append(f"BitNet master weights: {len(float_linear)} dense linear weights that transformers "
+                        "ternarizes per tensor by absmean at every forward (quantization_mode 'online'); "
+                        "`ternary-rs convert --ternarize` stores them ternary")
     elif linear and len(float_linear) == len(linear):
         msg = (f"not a ternary checkpoint: all {len(linear)} linear weights are dense float "
                f"({', '.join(sorted({by for by in (e['type'] for e in linear)}))}) with non-ternary values")

@@ -43,8 +43,19 @@ An arch object provides (attributes / methods):
     hook for ``--to gguf`` from a non-GGUF source; writes the whole file at ``out_path`` (a temporary name
     ``convert`` renames into place).
 
+``check_source_config(config, path, options)`` (optional)
+    refuse a Hugging Face source whose settings the checkpoint contract cannot carry, before converting.
+``ternarize_dense(raw, dtype, shape, group_size, name)`` (optional)
+    the architecture's own ternarization of a dense float linear weight (``convert(ternarize=True)``):
+    a ``TernaryTensor`` at ``group_size``. Architectures without it refuse ``--ternarize``.
+``transformers_gguf_alias: str | None`` (optional)
+    a GGUF architecture whose metadata transformers' GGUF loader can read in place of this one (its
+    config then comes from the built-in mapping, its tokenizer from transformers).
+
 To add an architecture: write ``arch/<name>.py`` (``<name>`` = its GGUF ``general.architecture``) exposing
-``ARCH`` and add one line to ``_MODULES``. Modules are imported on first use (``ARCHES[name]``).
+``ARCH`` and add one line to ``_MODULES``. Modules are imported on first use (``ARCHES[name]``). A module may
+also expose ``ALIASES`` (arch objects for other ``general.architecture`` names of the same model family,
+listed in ``_ALIASES``).
 """
 
 from __future__ import annotations
@@ -56,7 +67,10 @@ _MODULES = (
     "llama",
     "qwen3",
     "qwen35",
+    "bitnet",
 )
+# Other GGUF ``general.architecture`` names -> the module whose ``ALIASES`` define them.
+_ALIASES = {"bitnet-b1.58": "bitnet", "bitnet-25": "bitnet"}
 
 
 class _Registry(dict):
@@ -65,10 +79,14 @@ class _Registry(dict):
     ``load_all()`` loads every module in ``_MODULES`` (needed before iterating)."""
 
     def __missing__(self, key: str) -> Any:
-        if key in _MODULES:
-            arch = register(importlib.import_module(f"{__name__}.{key}").ARCH)
-            if arch.gguf_arch == key:
-                return arch
+        module_name = _ALIASES.get(key, key)
+        if module_name in _MODULES:
+            module = importlib.import_module(f"{__name__}.{module_name}")
+            register(module.ARCH)
+            for alias in getattr(module, "ALIASES", ()):
+                register(alias)
+            if dict.__contains__(self, key):
+                return dict.__getitem__(self, key)
         raise KeyError(key)
 
     def load_all(self) -> "_Registry":

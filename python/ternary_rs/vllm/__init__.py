@@ -8,6 +8,8 @@ imported by ``import ternary_rs``. Modules:
 * :mod:`.embedding` — :class:`~.embedding.TernaryEmbeddingMethod` (ternary ``embed_tokens`` / ``lm_head``);
 * :mod:`.qwen3_5` — Qwen3.5 model classes (main model and MTP drafter) whose ``embed_tokens`` is built with
   the quant config, registered under vLLM's own architecture names by :func:`plugin.register`.
+* :mod:`.bitnet` — ``BitNetForCausalLM`` (BitNet b1.58; registered with vLLM's ``ModelRegistry`` by
+  :func:`.plugin.register`), whose linear layers ask the op for int8-per-token activations.
 
 Hook for rotated checkpoints (Bonsai 2 Hadamard, FORMATS.md §1.3.5)
 -------------------------------------------------------------------

@@ -151,7 +151,8 @@ class TernaryConfig(QuantizationConfig):
             ternary = self._embedding_is_ternary() if self.tie_word_embeddings else self._is_ternary(prefix)
             return TernaryEmbeddingMethod(self, prefix) if ternary else self._dense(prefix, UnquantizedEmbeddingMethod())
         if isinstance(layer, VocabParallelEmbedding):
-            if self._is_ternary(prefix):
+            # Some vLLM models (Llama's) build embed_tokens without a prefix: find it by its checkpoint name.
+            if self._is_ternary(prefix) if prefix else self._embedding_is_ternary():
                 return TernaryEmbeddingMethod(self, prefix)
             return self._dense(prefix, UnquantizedEmbeddingMethod())
         if isinstance(layer, LinearBase):

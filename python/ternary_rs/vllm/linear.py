@@ -14,6 +14,11 @@ refused (:func:`load_group_size`).
 
 After loading, ``ternary_rs.ops.prepare_weight`` permutes the tensors once into the layout of the
 kernel of the target device (opaque here); ``apply`` calls ``torch.ops.ternary_rs.ternary_linear``.
+
+Activation numerics: ``layer.ternary_activations`` (default ``ops.AUTO``) is passed to the op; a model sets
+it per layer (BitNet: ``ops.INT8_TOKEN``). Int8 per token means one scale per token over the layer's whole
+K, so a row-parallel layer whose K is split over TP ranks takes the token's max|x| over all ranks
+(:func:`int8_token_sharded`), and the result equals the unsharded layer's.
 """
 
 from __future__ import annotations
@@ -161,6 +166,8 @@ class TernaryMethodBase:
         layer.ternary_in_features = input_size_per_partition
         layer.ternary_group_size = g
         layer.ternary_input_transform = None
+        layer.ternary_activations = ternary_ops.AUTO
+        layer.ternary_k_sharded = input_size_per_partition != input_size  # row-parallel, TP > 1
 
     def _ternary_linear(
         self, layer: torch.nn.Module, x: torch.Tensor, qweight_k: torch.Tensor, scales_k: torch.Tensor, bias
@@ -169,6 +176,9 @@ class TernaryMethodBase:
         transform = layer.ternary_input_transform
         if transform is not None:
             x = transform(x)
+        activations = getattr(layer, "ternary_activations", ternary_ops.AUTO)
+        if activations == ternary_ops.INT8_TOKEN and getattr(layer, "ternary_k_sharded", False):
+            return int8_token_sharded(layer, x, qweight_k, scales_k, bias)
         return torch.ops.ternary_rs.ternary_linear(
             x,
             qweight_k,
@@ -177,7 +187,36 @@ class TernaryMethodBase:
             layer.ternary_in_features,
             layer.ternary_group_size,
             bias,
+            activations,
         )
+
+
+def int8_token_sharded(layer: torch.nn.Module, x: torch.Tensor, qweight_k, scales_k, bias) -> torch.Tensor:
+    """The op's int8-per-token mode for a K shard: the token scale ``127 / max(max|x|, 1e-5)`` takes max|x|
+    over every rank's shard (one all-gather of a float per token), ``q = clamp(round(x · scale), -128, 127)``
+    as the op does; the shard's integer products come from the op's exact mode on ``q`` (integers, exact
+    in f32 / fp16), then ``÷ scale`` (+ bias). Summed over ranks by the layer, this is the unsharded result."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    xf = x.float()
+    amax = tensor_model_parallel_all_gather(xf.abs().amax(dim=-1, keepdim=True), dim=-1).amax(dim=-1, keepdim=True)
+    scale = xf.new_full((), 127.0) / amax.clamp(min=1e-5)  # one rounding, as the op (not torch's 127 · 1/amax)
+    q = (xf * scale).round().clamp(-128, 127)  # torch.round: half to even, as the op
+    # The CUDA kernels take fp16: q · 2⁻⁷ is exact there and keeps the output in range (as _ops_cuda does).
+    code_scale = 2.0 ** -7 if q.is_cuda else 1.0
+    y = torch.ops.ternary_rs.ternary_linear(
+        (q * code_scale).to(torch.float16) if q.is_cuda else q,
+        qweight_k,
+        scales_k,
+        layer.ternary_out_features,
+        layer.ternary_in_features,
+        layer.ternary_group_size,
+        None,
+        ternary_ops.EXACT,
+    ).float() * (1.0 / (scale * code_scale))
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
 
 
 @register_weight_loader_v2_supported_method

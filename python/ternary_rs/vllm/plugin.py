@@ -9,10 +9,12 @@ from __future__ import annotations
 _registered = False
 
 # Architecture name -> "module:class" of the model classes the plugin supplies (imported lazily by vLLM,
-# only when such a model loads): Qwen3.5 with a ternary embed_tokens (ternary_rs.vllm.qwen3_5).
+# only when such a model loads): Qwen3.5 with a ternary embed_tokens (ternary_rs.vllm.qwen3_5), and
+# BitNet b1.58, which vLLM has no model for (ternary_rs.vllm.bitnet).
 MODEL_CLASSES = {
     "Qwen3_5ForCausalLM": "ternary_rs.vllm.qwen3_5:TernaryQwen3_5ForCausalLM",
     "Qwen3_5MTP": "ternary_rs.vllm.qwen3_5:TernaryQwen3_5MTP",
+    "BitNetForCausalLM": "ternary_rs.vllm.bitnet:BitNetForCausalLM",
 }
 
 
