@@ -473,6 +473,11 @@ def _build_report(path, level: str) -> tuple[dict[str, Any], list[str], list[str
         warnings.append(f"BitNet master weights: {len(float_linear)} dense linear weights that transformers "
                         "ternarizes per tensor by absmean at every forward (quantization_mode 'online'); "
                         "`ternary-rs convert --ternarize` stores them ternary")
+    elif linear and unchecked and len(unchecked) == len(float_linear) == len(linear):
+        # Header level: the values were not read, so "not ternary" would be a guess.
+        warnings.append(f"all {len(linear)} linear weights are dense float "
+                        f"({', '.join(sorted({e['type'] for e in linear}))}); their values were not read "
+                        "(inspect --scan tells whether they hold exactly ternary values)")
     elif linear and len(float_linear) == len(linear):
         msg = (f"not a ternary checkpoint: all {len(linear)} linear weights are dense float "
                f"({', '.join(sorted({by for by in (e['type'] for e in linear)}))}) with non-ternary values")
