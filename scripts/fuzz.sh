@@ -14,7 +14,8 @@
 # and then on until MIN_EXECS (default 10^6) executions, seeded from the test corpora
 # (scripts/fuzz_seeds.py) and rust/ternary-core/fuzz/regressions/<target>/. Limits: RSS_LIMIT_MB
 # (default 2048), MALLOC_LIMIT_MB (default 128: any single allocation above it is a finding — inputs are
-# at most MAX_LEN = 65536 bytes, so only sizes taken from a header unchecked could reach it), TIMEOUT_S
+# at most MAX_LEN = 65536 bytes (4096 for the decoders), so only sizes taken from a header unchecked
+# could reach it), TIMEOUT_S
 # per input (default 10: a hang). Findings land in $FUZZ_DIR/artifacts/<target>/ (default
 # target/fuzz-work); minimize one with `<binary> -minimize_crash=1 <file>` and copy it into
 # rust/ternary-core/fuzz/regressions/<target>/, where `cargo test` replays it.
@@ -88,9 +89,12 @@ for t in "${SELECTED[@]}"; do
       # -runs caps a continuation at what is still missing; the first round runs on time alone.
       runs=-1
       [ "$execs" -gt 0 ] && runs=$((MIN_EXECS - execs))
+      # Decoders read at most ~1 KiB (small shapes); longer inputs would only slow them down.
+      len=$MAX_LEN
+      case $t in decode_*) len=$((MAX_LEN < 4096 ? MAX_LEN : 4096)) ;; esac
       ASAN_OPTIONS=detect_odr_violation=0:allocator_may_return_null=0 nice -n 10 "$BIN_DIR/$t" \
         -max_total_time="$budget" -runs="$runs" -rss_limit_mb="$RSS_LIMIT_MB" \
-        -malloc_limit_mb="$MALLOC_LIMIT_MB" -timeout="$TIMEOUT_S" -max_len="$MAX_LEN" \
+        -malloc_limit_mb="$MALLOC_LIMIT_MB" -timeout="$TIMEOUT_S" -max_len="$len" \
         -print_final_stats=1 -artifact_prefix="$FUZZ_DIR/artifacts/$t/" \
         "$FUZZ_DIR/corpus/$t" "$FUZZ_DIR/seeds/$t" >>"$log" 2>&1 || true
       got=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)

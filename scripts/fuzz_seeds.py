@@ -133,34 +133,34 @@ def decoder_seeds(out: Path) -> None:
     rng = np.random.default_rng(1)
     for target, (fmt, block) in BLOCK_TARGETS.items():
         for sel in (0x00, 0x05, 0x0F, 0x3A, 0x4F):
-            rows, bpr = 1 + (sel & 3), 1 + ((sel >> 2) & 3)
+            rows, bpr = 1 + (sel & 1), 1 + ((sel >> 1) & 1)
             t = _ternary(rng, rows, bpr * block, block, binary=fmt == "Q1_0")
             _put(out, target, f"valid-{sel:02x}", bytes([sel]) + bytes(memoryview(ternary_rs.encode(t, fmt))))
         for fill in (0x00, 0xFF, 0x55):
-            _put(out, target, f"fill-{fill:02x}", bytes([0x0F]) + bytes([fill]) * 2048)
+            _put(out, target, f"fill-{fill:02x}", bytes([0x03]) + bytes([fill]) * 600)
     for sel in (0x00, 0x0F, 0x2F):
-        x = (rng.integers(-1, 2, size=(1 + (sel & 3), 256 * (1 + ((sel >> 2) & 3)))) * 0.25).astype(np.float32)
+        x = (rng.integers(-1, 2, size=(1 + (sel & 1), 256 * (1 + ((sel >> 1) & 1)))) * 0.25).astype(np.float32)
         for target, q in (("decode_tq1_0", gguf.GGMLQuantizationType.TQ1_0),
                           ("decode_tq2_0", gguf.GGMLQuantizationType.TQ2_0)):
             _put(out, target, f"gguf-py-{sel:02x}", bytes([sel]) + gguf.quants.quantize(x, q).tobytes())
-    for sel in (0x00, 0x0D, 0x21, 0x4B):  # I2_S: rows 1+(sel&3), cols 128·(1+(sel>>2&7))
-        rows, cols = 1 + (sel & 3), 128 * (1 + ((sel >> 2) & 7))
+    for sel in (0x00, 0x07, 0x21, 0x4B):  # I2_S: rows 1+(sel&1), cols 128·(1+(sel>>1&3))
+        rows, cols = 1 + (sel & 1), 128 * (1 + ((sel >> 1) & 3))
         t = _ternary(rng, rows, cols, 128)
         t = ternary_rs.TernaryTensor(t.qweight, np.full_like(t.scales, 0.75), 128)
         _put(out, "decode_i2_s", f"valid-{sel:02x}", bytes([sel]) + bytes(memoryview(ternary_rs.encode(t, "I2_S"))))
     for sel in (0x00, 0x05, 0x27):  # BitNet: 4 bytes weight_scale, then [rows/4, cols]
-        rows, cols = 4 * (1 + (sel & 3)), 32 * (1 + ((sel >> 2) & 7))
+        rows, cols = 4 * (1 + (sel & 1)), 32 * (1 + ((sel >> 1) & 3))
         codes = rng.integers(0, 3, size=(rows // 4, cols)).astype(np.uint8)
         packed = codes | rng.integers(0, 3, size=codes.shape).astype(np.uint8) << 2
         _put(out, "decode_bitnet", f"valid-{sel:02x}", bytes([sel]) + struct.pack("<f", 2.0) + packed.tobytes())
     for sel in (0x10, 0x35, 0x5F, 0x90):  # MLX: selector 0x10 sets bias = -scale
-        rows, cols = 1 + (sel & 3), 32 * (1 + ((sel >> 2) & 7))
+        rows, cols = 1 + (sel & 1), 32 * (1 + ((sel >> 1) & 3))
         w = rng.integers(0, 3, size=rows * cols).astype(np.uint8).reshape(-1, 4)
         words = (w[:, 0] | w[:, 1] << 2 | w[:, 2] << 4 | w[:, 3] << 6).astype(np.uint8)
         scales = rng.uniform(0.1, 1, size=64).astype(np.float16)
         _put(out, "decode_mlx", f"valid-{sel:02x}", bytes([sel]) + words.tobytes() + scales.tobytes())
     for sel in (0x80, 0x88, 0x90, 0xA5, 0x00):  # dense: 0x80 builds t·a groups from the data
-        _put(out, "decode_dense", f"seed-{sel:02x}", bytes([sel]) + rng.integers(0, 256, 2048, dtype=np.uint8).tobytes())
+        _put(out, "decode_dense", f"seed-{sel:02x}", bytes([sel]) + rng.integers(0, 256, 1100, dtype=np.uint8).tobytes())
 
 
 def regression_seeds(out: Path) -> None:

@@ -26,8 +26,11 @@ use crate::formats::tq2_0::BlockTq2_0;
 use crate::formats::{bitnet, dense, i2_s, mlx, BlockCodec, Format};
 use crate::repack::{decode_blocks_ref, decode_gguf, encode_blocks_ref, encode_gguf};
 
+/// A fuzz harness: returns on acceptable behaviour, panics otherwise.
+pub type Harness = fn(&[u8]);
+
 /// Every fuzz target, by the name `scripts/fuzz.sh` and `fuzz/regressions/` use.
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+pub const TARGETS: &[(&str, Harness)] = &[
     ("gguf_open", gguf_open),
     ("safetensors_open", safetensors_open),
     ("safetensors_index", safetensors_index),
@@ -143,12 +146,14 @@ pub fn safetensors_index(data: &[u8]) {
 
 // ------------------------------------------------------------------------------------- block codecs
 
-/// Shape chosen by the first input byte; the rest (zero-padded to size) is the tensor data. A set
-/// top bit keeps the data at its own length instead, to exercise the length checks.
+/// The first input byte selects: bit 0 rows (1, 2), bit 1 blocks per row (1, 2), bits 2–3 the group
+/// size a regroup tries, bits 4–6 the format a transcode tries (bit 6 also: requantize), bit 7 keeps
+/// the data at its own length instead of zero-padding or cutting it to size (the length checks).
+/// Shapes stay small: every path is reached with 2 rows of 2 blocks, and small inputs run fast.
 fn block_input<C: BlockCodec>(data: &[u8]) -> Option<(usize, usize, Vec<u8>, u8)> {
     let (&sel, rest) = data.split_first()?;
-    let rows = 1 + (sel & 3) as usize;
-    let blocks_per_row = 1 + ((sel >> 2) & 3) as usize;
+    let rows = 1 + (sel & 1) as usize;
+    let blocks_per_row = 1 + ((sel >> 1) & 1) as usize;
     let need = rows * blocks_per_row * C::BLOCK_BYTES;
     let bytes = if sel & 0x80 != 0 {
         rest.to_vec()
@@ -174,14 +179,15 @@ fn codes_of(t: &CanonicalTernary) -> Vec<u8> {
         .collect()
 }
 
-/// A valid canonical tensor: regroup to every group size (lossless when it succeeds without
-/// requantizing), and transcode to every GGUF block format; nothing may panic.
+/// A valid canonical tensor: regroup to the group size `sel` picks (lossless when it succeeds
+/// without requantizing) and transcode to the GGUF format it picks; nothing may panic.
 fn exercise_canonical(t: &CanonicalTernary, sel: u8) {
     t.as_ref()
         .validate("fuzz")
         .expect("decoder output validates");
     let dense = t.as_ref().dequantize_f32().expect("dequantize");
-    for &g in GROUP_SIZES.iter().filter(|&&g| t.cols.is_multiple_of(g)) {
+    let g = GROUP_SIZES[((sel >> 2) & 3) as usize];
+    if t.cols.is_multiple_of(g) {
         if let Ok(r) = t.as_ref().regroup("fuzz", g, false) {
             r.as_ref()
                 .validate("fuzz")
@@ -209,7 +215,7 @@ fn exercise_canonical(t: &CanonicalTernary, sel: u8) {
         Format::Ptq1_0,
         Format::Q1_0,
         Format::I2S,
-    ][(sel >> 4) as usize % 7];
+    ][((sel >> 4) & 7) as usize % 7];
     if let Ok(bytes) = encode_gguf(to, "fuzz", t.as_ref(), sel & 0x40 != 0) {
         let back = decode_gguf(to, "fuzz", &bytes, t.rows, t.cols, None, false)
             .expect("an encoder's output decodes");
@@ -315,11 +321,11 @@ pub fn decode_q1_0(data: &[u8]) {
     block_codec::<BlockQ1_0>(Format::Q1_0, data)
 }
 
-/// Shape `[rows, cols]` with rows ∈ 1..=4, cols a multiple of `unit` (1..=8 of them) from `sel`.
+/// Shape `[rows, cols]` from bits 0–2 of `sel`: rows ∈ 1..=2, cols a multiple of `unit` (1..=4 of them).
 fn small_shape(sel: u8, unit: usize) -> (usize, usize) {
     (
-        1 + (sel & 3) as usize,
-        unit * (1 + ((sel >> 2) & 7) as usize),
+        1 + (sel & 1) as usize,
+        unit * (1 + ((sel >> 1) & 3) as usize),
     )
 }
 
@@ -382,8 +388,8 @@ pub fn decode_bitnet(data: &[u8]) {
     }
     let (ws, rest) = rest.split_at(4);
     let weight_scale = f32::from_le_bytes([ws[0], ws[1], ws[2], ws[3]]);
-    let rows = 4 * (1 + (sel & 3) as usize);
-    let cols = 32 * (1 + ((sel >> 2) & 7) as usize);
+    let rows = 4 * (1 + (sel & 1) as usize);
+    let cols = 32 * (1 + ((sel >> 1) & 3) as usize);
     let convention = if sel & 0x20 != 0 {
         bitnet::ScaleConvention::AutoBitLinear
     } else {

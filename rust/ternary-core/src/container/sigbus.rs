@@ -13,7 +13,7 @@
 //! The handler only loads atomics and calls `mmap(2)`, which is a plain system call.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Once;
+use std::sync::{Once, OnceLock};
 
 /// Most maps guarded at once (a big sharded checkpoint has ~100 shards); more are simply unguarded.
 pub const MAX_GUARDED_MAPS: usize = 4096;
@@ -35,7 +35,8 @@ const EMPTY: Slot = Slot {
 };
 static SLOTS: [Slot; MAX_GUARDED_MAPS] = [EMPTY; MAX_GUARDED_MAPS];
 static INSTALL: Once = Once::new();
-static mut PREVIOUS: std::mem::MaybeUninit<libc::sigaction> = std::mem::MaybeUninit::uninit();
+/// The SIGBUS disposition before ours (faults outside guarded maps go there).
+static PREVIOUS: OnceLock<libc::sigaction> = OnceLock::new();
 static INSTALLED: AtomicBool = AtomicBool::new(false);
 
 /// Guard `[start, start + len)`; returns the slot to pass to [`tripped`] and [`unregister`], or None
@@ -80,15 +81,19 @@ pub fn tripped(slot: usize) -> Option<u64> {
 }
 
 fn install() {
-    // SAFETY: plain sigaction(2) calls; PREVIOUS is written once, here, before INSTALLED is set and
-    // before any handler invocation can read it.
+    // SAFETY: plain sigaction(2) calls on zero-initialised (valid) structs. The previous disposition
+    // is stored before ours is installed, so the handler always finds it.
     unsafe {
+        let mut previous: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(libc::SIGBUS, std::ptr::null(), &mut previous) != 0 {
+            return;
+        }
+        let _ = PREVIOUS.set(previous);
         let mut action: libc::sigaction = std::mem::zeroed();
         action.sa_sigaction = on_sigbus as *const () as usize;
         action.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
         libc::sigemptyset(&mut action.sa_mask);
-        let previous = &raw mut PREVIOUS;
-        if libc::sigaction(libc::SIGBUS, &action, (*previous).as_mut_ptr()) == 0 {
+        if libc::sigaction(libc::SIGBUS, &action, std::ptr::null_mut()) == 0 {
             INSTALLED.store(true, Ordering::Release);
         }
     }
@@ -140,17 +145,23 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
         break; // could not patch it up: behave as if unguarded
     }
     // Not ours: hand over to the previous disposition.
-    // SAFETY: PREVIOUS was filled by install() before this handler was installed.
+    let Some(prev) = PREVIOUS.get() else {
+        // SAFETY: restoring the default disposition is always valid.
+        unsafe { libc::signal(libc::SIGBUS, libc::SIG_DFL) };
+        return;
+    };
+    let handler = prev.sa_sigaction;
+    // SAFETY: `handler` is the function the previous owner of SIGBUS installed, called with the
+    // arguments the kernel gave us, in the form its flags declare; `info` is valid (see above).
     unsafe {
-        let prev = (*(&raw const PREVIOUS)).assume_init_ref();
-        let handler = prev.sa_sigaction;
-        if handler == libc::SIG_IGN {
-            return;
-        }
-        if handler == libc::SIG_DFL {
-            // Restore the default and return: the faulting access repeats and terminates the process
-            // with SIGBUS, as it would have without this handler.
+        if handler == libc::SIG_DFL || handler == libc::SIG_IGN {
+            // Restore the default and return: a faulting access repeats and terminates the process
+            // with SIGBUS, as it would have without this handler (the kernel does not let a fault be
+            // ignored either); a SIGBUS sent by kill(2) is raised again.
             libc::signal(libc::SIGBUS, libc::SIG_DFL);
+            if (*info).si_code <= 0 {
+                libc::raise(sig);
+            }
             return;
         }
         if prev.sa_flags & libc::SA_SIGINFO != 0 {
