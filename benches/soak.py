@@ -10,7 +10,7 @@ style Qwen3.5 hybrid of tests/bonsai2_model.py as PrismML's PQ2_0 GGUF), convert
 seconds. Each client loops over requests of mixed kinds:
 
 * streaming completions and chat completions: one of a few long shared system prompts (the prefix cache's
-  case) plus a random user text of 1–100 words, ``max_tokens`` 1–64 with ``ignore_eos``; the stream must
+  case) plus a random user text of 1–60 words, ``max_tokens`` 1–64 with ``ignore_eos``; the stream must
   end with ``[DONE]`` and its usage must report exactly ``max_tokens`` completion tokens (vLLM caps
   them at the context left: ``max_model_len − prompt_tokens``);
 * ``--disconnect-share`` of them read a few chunks and drop the connection mid-stream;
@@ -20,7 +20,8 @@ seconds. Each client loops over requests of mixed kinds:
   and send an error event whose code is a 4xx; that counts as refused and is reported as such.
 
 It samples the server's resident memory (the API process and its engine children) every few seconds and
-prints, and writes to ``--out`` as JSON: requests done per kind, errors (anything other than a correct
+prints, and writes to ``--out`` as JSON: requests done per kind, the prefix cache's hit rate (vLLM's
+/metrics), errors (anything other than a correct
 stream or the expected 4xx; must be 0), p50/p99 latency and time to first token, tokens/s, and RSS after
 warm-up, under full load (10% into the run), at the end and its maximum. Exit status 1 on any error, on a bad request that was not refused
 with a 4xx, or when RSS grew by more than ``--max-rss-growth`` (fraction; default 0.05) from under load
@@ -52,10 +53,11 @@ sys.path.insert(0, str(TESTS))
 SERVED_NAME = "soak"
 # The tiny models' max_position_embeddings.
 MAX_MODEL_LEN = 512
-# Prompt sizes in words (~2.7 tokens each with the tiny tokenizers): a shared system prompt (~90 tokens)
-# + the longest user text (~270) + 64 new tokens stay inside MAX_MODEL_LEN.
-SYSTEM_WORDS = 32
-MAX_USER_WORDS = 100
+# Prompt sizes in words (~2.7 tokens each with the tiny tokenizers): a shared system prompt of ~190
+# tokens fills at least one whole KV block (vLLM CPU's default block is 128 tokens; only whole blocks
+# are cached), and it + the longest user text (~160) + 64 new tokens stay inside MAX_MODEL_LEN.
+SYSTEM_WORDS = 70
+MAX_USER_WORDS = 60
 WORDS = ("ternary weights take one of three values minus one zero or plus one the quick brown fox jumps over the "
          "lazy dog a scale per group of weights restores the magnitude hello world this is a tiny model for "
          "testing vllm serves large language models fast on gpus and on cpus once upon a time").split()
@@ -89,7 +91,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Path, port: int, clients: int, prefix_caching: bool, log_path: Path) -> subprocess.Popen:
+def chat_template_args(model: Path, work: Path) -> list[str]:
+    """``--chat-template`` when the checkpoint has none (the tiny Bonsai 2 GGUF carries no template, unlike
+    PrismML's real files): the tiny models' own ChatML template, from a file beside the checkpoint."""
+    if (model / "chat_template.jinja").is_file():
+        return []
+    try:
+        if json.loads((model / "tokenizer_config.json").read_text()).get("chat_template"):
+            return []
+    except (OSError, ValueError):
+        pass
+    from models import CHAT_TEMPLATE
+
+    path = work / "chat_template.jinja"
+    path.write_text(CHAT_TEMPLATE)
+    return ["--chat-template", str(path)]
+
+
+def start_server(model: Path, port: int, clients: int, prefix_caching: bool, log_path: Path,
+                 extra: list[str]) -> subprocess.Popen:
     from vllm_runner import cpu_env
 
     saved = dict(os.environ)
@@ -103,6 +123,7 @@ def start_server(model: Path, port: int, clients: int, prefix_caching: bool, log
            "--max-num-seqs", str(clients), "--enforce-eager", "--no-enable-log-requests"]
     if prefix_caching:
         cmd.append("--enable-prefix-caching")
+    cmd += extra
     log = open(log_path, "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
@@ -120,6 +141,22 @@ def wait_healthy(proc: subprocess.Popen, base: str, log_path: Path) -> None:
             pass
         time.sleep(2)
     raise RuntimeError("server did not become healthy:\n" + log_path.read_text()[-5000:])
+
+
+def prefix_cache_stats(base: str) -> dict:
+    """vLLM's prefix-cache counters from /metrics (tokens queried and hit since start)."""
+    try:
+        with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+    except OSError as e:
+        return {"error": str(e)}
+    totals = {"queries": 0.0, "hits": 0.0}
+    for line in text.splitlines():
+        for key in totals:
+            if line.startswith(f"vllm:prefix_cache_{key}_total"):
+                totals[key] += float(line.rsplit(" ", 1)[1])
+    totals["hit_rate"] = totals["hits"] / totals["queries"] if totals["queries"] else None
+    return totals
 
 
 def tree_rss(pid: int) -> int:
@@ -336,7 +373,8 @@ def main() -> int:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log_path = work / "server.log"
-    proc = start_server(model, port, args.clients, not args.no_prefix_caching, log_path)
+    proc = start_server(model, port, args.clients, not args.no_prefix_caching, log_path,
+                        chat_template_args(model, work))
     try:
         wait_healthy(proc, base, log_path)
         # Warm-up (first requests allocate caches), then the baseline memory.
@@ -357,7 +395,8 @@ def main() -> int:
             healthy = r.status == 200
         summary = summarize(results, seconds, rss, rss_start)
         summary.update(model=args.model, clients=args.clients, prefix_caching=not args.no_prefix_caching,
-                       healthy_after=healthy, server_exit=proc.poll())
+                       prefix_cache_tokens=prefix_cache_stats(base), healthy_after=healthy,
+                       server_exit=proc.poll())
     finally:
         proc.terminate()
         try:
