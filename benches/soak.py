@@ -51,17 +51,27 @@ TESTS = ROOT / "tests"
 sys.path.insert(0, str(TESTS))
 
 SERVED_NAME = "soak"
-# The tiny models' max_position_embeddings.
-MAX_MODEL_LEN = 512
-# Prompt sizes in words (~2.7 tokens each with the tiny tokenizers): a shared system prompt of ~190
-# tokens fills at least one whole KV block (vLLM CPU's default block is 128 tokens; only whole blocks
-# are cached), and it + the longest user text (~160) + 64 new tokens stay inside MAX_MODEL_LEN.
-SYSTEM_WORDS = 70
+# Per model: the context and the shared system prompt's length in words (~2.7 tokens each with the tiny
+# tokenizers). Only whole KV blocks are cached, so the shared prefix must fill one: vLLM CPU's default
+# block is 128 tokens (qwen3: a ~190-token prompt); for the hybrid qwen35 model vLLM raises the attention
+# block to 640 tokens to match the GDN state page, more than the tiny model's 512 positions, so bonsai2
+# runs with a 2048-token context (VLLM_ALLOW_LONG_MAX_MODEL_LEN: RoPE positions past the configured
+# maximum are computed the same way) and a ~810-token system prompt.
+MODEL_SETTINGS = {"qwen3": (512, 70), "bonsai2": (2048, 300)}
+DEFAULT_SETTINGS = (512, 70)
 MAX_USER_WORDS = 60
 WORDS = ("ternary weights take one of three values minus one zero or plus one the quick brown fox jumps over the "
          "lazy dog a scale per group of weights restores the magnitude hello world this is a tiny model for "
          "testing vllm serves large language models fast on gpus and on cpus once upon a time").split()
-SYSTEM_PROMPTS = [" ".join(random.Random(i).choices(WORDS, k=SYSTEM_WORDS)) for i in range(4)]
+# Set by configure().
+MAX_MODEL_LEN = DEFAULT_SETTINGS[0]
+SYSTEM_PROMPTS: list[str] = []
+
+
+def configure(max_model_len: int, system_words: int) -> None:
+    global MAX_MODEL_LEN, SYSTEM_PROMPTS
+    MAX_MODEL_LEN = max_model_len
+    SYSTEM_PROMPTS = [" ".join(random.Random(i).choices(WORDS, k=system_words)) for i in range(4)]
 HEALTH_TIMEOUT_S = 900
 RSS_SAMPLE_S = 5.0
 
@@ -118,6 +128,7 @@ def start_server(model: Path, port: int, clients: int, prefix_caching: bool, log
     os.environ.clear()
     os.environ.update(saved)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's usual layout: engine in its own process
+    env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"  # see MODEL_SETTINGS
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--served-model-name", SERVED_NAME, "--max-model-len", str(MAX_MODEL_LEN),
            "--max-num-seqs", str(clients), "--enforce-eager", "--no-enable-log-requests"]
@@ -361,12 +372,16 @@ def main() -> int:
     ap.add_argument("--disconnect-share", type=float, default=0.1)
     ap.add_argument("--bad-share", type=float, default=0.05)
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: per model, see MODEL_SETTINGS")
+    ap.add_argument("--system-words", type=int, default=None, help="shared system prompt length in words")
     ap.add_argument("--max-rss-growth", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
+    max_len, system_words = MODEL_SETTINGS.get(args.model, DEFAULT_SETTINGS)
+    configure(args.max_model_len or max_len, args.system_words or system_words)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ternary_soak_"))
     work.mkdir(parents=True, exist_ok=True)
     model = build_model(args.model, work)
@@ -394,7 +409,8 @@ def main() -> int:
         with urllib.request.urlopen(base + "/health", timeout=30) as r:
             healthy = r.status == 200
         summary = summarize(results, seconds, rss, rss_start)
-        summary.update(model=args.model, clients=args.clients, prefix_caching=not args.no_prefix_caching,
+        summary.update(model=args.model, clients=args.clients, max_model_len=MAX_MODEL_LEN,
+                       prefix_caching=not args.no_prefix_caching,
                        prefix_cache_tokens=prefix_cache_stats(base), healthy_after=healthy,
                        server_exit=proc.poll())
     finally:

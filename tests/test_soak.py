@@ -1,7 +1,7 @@
 """Short form of benches/soak.py: the OpenAI server on a converted tiny ternary Qwen3, a few clients for a
 few seconds with prefix caching on, mid-stream disconnects and bad requests. Every good stream must be
 complete (``[DONE]``, usage = ``max_tokens``), every bad request refused with a 4xx, and the server
-healthy afterwards. (Memory growth is judged by the long run only: a few seconds say nothing.)"""
+healthy afterwards, and the prefix cache must have hit. (Memory growth is judged by the long run only: a few seconds say nothing.)"""
 
 from __future__ import annotations
 
@@ -33,4 +33,6 @@ def test_short_soak(tmp_path):
     assert s["healthy_after"] and s["prefix_caching"]
     assert s["by_kind"].get("bad", 0) >= 1 and s["by_kind"].get("completion", 0) + s["by_kind"].get("chat", 0) >= 2
     assert all(400 <= status < 500 for status in s["bad_statuses"])
+    # The shared system prompts fill a whole KV block, so prefix caching must actually hit.
+    assert s["prefix_cache_tokens"]["hits"] > 0, s["prefix_cache_tokens"]
     assert r.returncode == 0, r.stdout[-3000:]
