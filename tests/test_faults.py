@@ -118,15 +118,20 @@ def tmpfs(tmp_path):
         fs.close()
 
 
-@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.95])
-@pytest.mark.parametrize("to", ["vllm", "gguf"])
-def test_disk_full_mid_write(source, reference_output, reference_gguf, tmpfs, fraction, to):
+@pytest.mark.parametrize("src, to, fraction", [
+    ("hf", "vllm", 0.1), ("hf", "vllm", 0.5), ("hf", "vllm", 0.95),
+    ("hf", "gguf", 0.1), ("hf", "gguf", 0.5), ("hf", "gguf", 0.95),
+    # A GGUF source also writes the tokenizer through a scratch folder beside the destination.
+    ("gguf", "vllm", 0.5), ("gguf", "vllm", 0.95),
+])
+def test_disk_full_mid_write(source, reference_output, reference_gguf, tmpfs, src, to, fraction):
     """ENOSPC at several points (early in the shards, mid-way, at the very end): a clean error, an
     empty destination file system, and the same command succeeds once there is room."""
     need = _du(reference_gguf if to == "gguf" else reference_output)
     fs = tmpfs(max(4096, int(need * fraction)))
     dst = fs.path / ("out.gguf" if to == "gguf" else "out")
-    args = ["convert", str(source), str(dst), "--to", to, "--no-progress"]
+    src_path = reference_gguf if src == "gguf" else source
+    args = ["convert", str(src_path), str(dst), "--to", to, "--no-progress"]
     r = cli(*args)
     assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
     assert "No space left on device" in r.stderr and "Traceback" not in r.stderr, r.stderr
