@@ -28,6 +28,13 @@ TERNARY_SUFFIXES = (
 )
 
 
+# ChatML, as Qwen uses it.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def train_tokenizer(out_dir: Path, vocab_size: int = 320):
     """A byte-level BPE tokenizer trained on SENTENCES, saved as a transformers fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -49,10 +56,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 320):
         pad_token="<|endoftext|>",
         bos_token=None,
     )
-    fast.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
     return fast
 

@@ -234,8 +234,8 @@ def canonical(w, g):
 def test_config_keeps_extra_keys_and_validates():
     from ternary_rs.vllm.config import TernaryConfig
 
-    cfg = quant_config(64, hadamard={"block_size": 1024}, producer="x")
-    assert cfg.group_size == 64 and cfg.hadamard == {"block_size": 1024} and cfg.extra["producer"] == "x"
+    cfg = quant_config(64, producer="x")
+    assert cfg.group_size == 64 and cfg.hadamard is None and cfg.extra["producer"] == "x"
     assert cfg.get_name() == "ternary"
     assert quant_config().get_input_transform("p", torch.nn.Module()) is None
     for bad, match in (({"group_size": 48}, "group_size"), ({"format_version": 2}, "format_version"),

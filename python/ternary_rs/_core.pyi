@@ -39,6 +39,9 @@ class _Mapping(Buffer):
 
     def __len__(self) -> int: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
+    def check_unchanged(self) -> None:
+        """Raise FormatError if the file shrank under the map (its lost pages read as zeros), changed
+        size or modification time, or was replaced or removed since it was mapped."""
 
 class _GgufFile:
     """An open GGUF file (header parsed and validated; data mapped). Raises FormatError /

@@ -682,6 +682,7 @@ def _convert_one_unchecked(src: Path, dst: Path, options: ConvertOptions) -> Pat
                 else:
                     write_gguf_file(source, tmp, options)
                 hasher.cancel()  # a GGUF carries no manifest: no need to finish hashing the sources
+                source.file.check_unchanged()  # a source that changed while read: keep nothing
                 staging.commit()
             return dst
         with (staging := Staging(dst, force=options.force, directory=True, parents=options.parents)) as tmp:
@@ -705,6 +706,7 @@ def _convert_one_unchecked(src: Path, dst: Path, options: ConvertOptions) -> Pat
             }, digests=options.digests)
             log.info("%s: waited %.1f s for source SHA-256, output SHA-256 + manifest in %.1f s",
                      src.name, t1 - t0, time.perf_counter() - t1)
+            source.file.check_unchanged()  # a source that changed while read: keep nothing
             staging.commit()
         return dst
     except BaseException:

@@ -384,7 +384,7 @@ class HadamardSpec:
             raise ValidationError(f"{where}: transform {cfg.get('transform')!r} is not supported")
         block = _as_int(cfg.get("block_size"), where, "block_size")
         widths = [_as_int(w, where, "sign_widths") for w in _as_list(cfg.get("sign_widths"), where, "sign_widths")]
-        values = np.asarray(_as_list(cfg.get("sign_values"), where, "sign_values"))
+        values = _as_signs(cfg.get("sign_values"), where)
         if values.size != sum(widths) or len(set(widths)) != len(widths):
             raise ValidationError(f"{where}: {values.size} sign values do not match sign_widths {widths}")
         signs, at = {}, 0
@@ -401,14 +401,16 @@ class HadamardSpec:
             perm = None
             if "gdn_permute" in entry:
                 p = entry["gdn_permute"]
-                try:
-                    perm = GdnPermute(p["from"], p["to"], int(p["num_v_heads"]), int(p["num_k_heads"]),
-                                      int(p["head_dim"]))
-                except (KeyError, TypeError, ValueError) as e:
-                    raise ValidationError(f"{where}: layer '{name}': malformed gdn_permute {p!r}") from e
-                if {perm.source, perm.target} != {"tiled", "grouped"}:
+                what = f"layers.{name}.gdn_permute"
+                if not isinstance(p, Mapping) or set(p) != {"from", "to", "num_v_heads", "num_k_heads", "head_dim"}:
+                    raise ValidationError(f"{where}: layer '{name}': malformed gdn_permute {p!r}")
+                perm = GdnPermute(p["from"], p["to"], _as_int(p["num_v_heads"], where, f"{what}.num_v_heads"),
+                                  _as_int(p["num_k_heads"], where, f"{what}.num_k_heads"),
+                                  _as_int(p["head_dim"], where, f"{what}.head_dim"))
+                if not (isinstance(perm.source, str) and isinstance(perm.target, str)) or \
+                        {perm.source, perm.target} != {"tiled", "grouped"}:
                     raise ValidationError(f"{where}: layer '{name}': unknown GDN layouts {p!r}")
-                if perm.num_k_heads <= 0 or perm.num_v_heads % perm.num_k_heads:
+                if min(perm.num_k_heads, perm.num_v_heads, perm.head_dim) <= 0 or perm.num_v_heads % perm.num_k_heads:
                     raise ValidationError(f"{where}: layer '{name}': bad GDN head counts {p!r}")
             layers[str(name)] = (_as_int(entry.get("width"), where, f"layers.{name}.width"), perm)
         inverse = tuple(str(n) for n in _as_list(cfg.get("inverse_embeddings", []), where, "inverse_embeddings"))
@@ -419,6 +421,15 @@ def _as_int(v, where, key) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise ValidationError(f"{where}: '{key}' must be an integer, got {v!r}")
     return int(v)
+
+
+def _as_signs(v, where) -> np.ndarray:
+    """``sign_values`` as int8: a flat array of integers, each -1 or +1."""
+    values = _as_list(v, where, "sign_values")
+    for i, x in enumerate(values):
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x not in (-1, 1):
+            raise ValidationError(f"{where}: sign_values[{i}] = {x!r} is not -1 or +1")
+    return np.asarray(values, dtype=np.int8)
 
 
 def _as_list(v, where, key) -> list:
@@ -432,9 +443,7 @@ def _as_list(v, where, key) -> list:
 def _explicit_signs(kv: Mapping[str, Any], need, where: str) -> dict[int, np.ndarray]:
     """``sign_widths`` / ``sign_values`` (any integer element width) → one sign vector per width."""
     widths = [_as_int(w, where, "sign_widths") for w in _as_list(need("sign_widths"), where, "sign_widths")]
-    values = np.asarray(_as_list(need("sign_values"), where, "sign_values"))
-    if values.size and values.dtype.kind not in "iu":
-        raise ValidationError(f"{where}: sign_values must be integers, got {values.dtype} values")
+    values = _as_signs(need("sign_values"), where)
     if values.size != sum(widths):
         raise ValidationError(
             f"{where}: sign_values has {values.size} entries but sign_widths {widths} sum to {sum(widths)}"
@@ -450,7 +459,7 @@ def _explicit_signs(kv: Mapping[str, Any], need, where: str) -> dict[int, np.nda
 
 def _identity_signs(kv: Mapping[str, Any], widths: list[int], where: str) -> dict[int, np.ndarray]:
     """``sign_mode = "identity"``: s = 1 for every width in use. Sign arrays, if present anyway, must be +1."""
-    values = np.asarray(_as_list(kv.get("sign_values", []), where, "sign_values"))
+    values = _as_signs(kv.get("sign_values", []), where)
     if values.size and not np.all(values == 1):
         raise ValidationError(
             f"{where}: prism.hadamard.sign_mode is 'identity' but sign_values holds "

@@ -319,6 +319,19 @@ class TernaryFile:
             arr = raw.copy().view(dt)  # the copy is aligned
         return arr.reshape(info.shape)
 
+    def check_unchanged(self) -> None:
+        """Raise :class:`FormatError` (naming the file) if a file of this checkpoint shrank, changed,
+        or was replaced or removed since it was opened: bytes read from it since cannot be trusted.
+
+        A file truncated under the map would kill the process with SIGBUS when read; ternary_rs turns
+        that into zero bytes plus the mark this reports, so anything derived from the bytes must be
+        checked before it is kept (``convert`` checks every tensor and again before its output is
+        renamed into place).
+        """
+        self._check_open()
+        for m in self._mappings:
+            m.check_unchanged()
+
     # ---- lifetime ------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:

@@ -452,6 +452,23 @@ def decode(file_or_path: Any, name: str, *, group_size: int | None = None, forma
         from .io import open as _open
 
         f = _open(f)
+    # Bytes read from a file that shrank or changed under its map are not the tensor: say so instead
+    # (a shrunk map reads zeros, see TernaryFile.check_unchanged).
+    check = getattr(f, "check_unchanged", None)
+    try:
+        t = _decode_open(f, name, group_size=group_size, format=format, linear_class=linear_class,
+                         requantize=requantize)
+    except _core.TernaryError:
+        if check is not None:
+            check()
+        raise
+    if check is not None:
+        check()
+    return t
+
+
+def _decode_open(f: Any, name: str, *, group_size: int | None, format: str | None, linear_class: str | None,
+                 requantize: bool) -> TernaryTensor:
     prefix = _canonical_prefix(f.tensors, name)
     if prefix is not None and format is None:
         return _decode_canonical(f, prefix, group_size, requantize)

@@ -32,6 +32,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 
 from .. import _core
+from . import preflight
 
 QUANT_METHOD = "ternary"
 SUPPORTED_FORMAT_VERSIONS = (1,)
@@ -39,6 +40,7 @@ SUPPORTED_GROUP_SIZES = _core.GROUP_SIZES
 SUPPORTED_SCALE_DTYPES = ("float16",)
 # Codes are packed four per byte along K.
 CODES_PER_BYTE = 4
+_WHERE = f"ternary quantization_config ({preflight.CONFIG_FILE})"
 _KNOWN_KEYS = {"quant_method", "format_version", "group_size", "scale_dtype", "modules_not_converted"}
 
 
@@ -61,24 +63,35 @@ class TernaryConfig(QuantizationConfig):
         super().__init__()
         if format_version not in SUPPORTED_FORMAT_VERSIONS:
             raise ValueError(
-                f"ternary quantization_config: format_version {format_version!r} is not supported "
+                f"{_WHERE}: format_version {format_version!r} is not supported "
                 f"(this ternary_rs reads {SUPPORTED_FORMAT_VERSIONS}); upgrade ternary_rs"
             )
         if group_size not in SUPPORTED_GROUP_SIZES:
             raise ValueError(
-                f"ternary quantization_config: group_size {group_size!r} is not one of {SUPPORTED_GROUP_SIZES}"
+                f"{_WHERE}: group_size {group_size!r} is not one of {SUPPORTED_GROUP_SIZES}"
             )
         if scale_dtype not in SUPPORTED_SCALE_DTYPES:
             raise ValueError(
-                f"ternary quantization_config: scale_dtype {scale_dtype!r} is not one of {SUPPORTED_SCALE_DTYPES}"
+                f"{_WHERE}: scale_dtype {scale_dtype!r} is not one of {SUPPORTED_SCALE_DTYPES}"
             )
         self.group_size = group_size
         self.format_version = format_version
         self.scale_dtype = scale_dtype
         self.modules_not_converted = list(modules_not_converted or [])
         self.extra = dict(extra or {})
-        # Bonsai 2 rotation description, passed as-is to ternary_rs.vllm.hadamard.
+        # Bonsai 2 rotation description, passed as-is to ternary_rs.vllm.hadamard; parsed here once so
+        # that an entry this version cannot honour is refused before any weight is loaded.
         self.hadamard = self.extra.get("hadamard")
+        if self.hadamard is not None:
+            validate = getattr(self._hadamard_module(), "spec_index", None)
+            if validate is not None:
+                try:
+                    validate(self.hadamard)
+                except _core.ValidationError as e:
+                    raise _core.ValidationError(f"{_WHERE}: 'hadamard' entry refused: {e}") from None
+        # The local checkpoint's tensors (preflight.read_checkpoint), and vLLM name -> checkpoint name.
+        self.checkpoint: preflight.CheckpointTensors | None = None
+        self.checkpoint_names: dict[str, str] = {}
         # Filled from the safetensors headers by maybe_update_config (checkpoint names, vLLM-mapped).
         self.ternary_prefixes: set[str] = set()
         self.dense_prefixes: set[str] = set()
@@ -113,7 +126,7 @@ class TernaryConfig(QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> TernaryConfig:
         method = str(config.get("quant_method", "")).lower()
         if method != QUANT_METHOD:
-            raise ValueError(f"ternary quantization_config: quant_method is {method!r}, expected 'ternary'")
+            raise ValueError(f"{_WHERE}: quant_method is {method!r}, expected 'ternary'")
         group_size = cls.get_from_keys(config, ["group_size"])
         return cls(
             group_size=int(group_size),
@@ -124,8 +137,14 @@ class TernaryConfig(QuantizationConfig):
         )
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
-        """Learn from the safetensors headers which prefixes are ternary and which are dense."""
+        """Learn from the safetensors headers which prefixes are ternary and which are dense; refuse a local
+        checkpoint with malformed shards or qweight/scales tensors (preflight) before any weight loads."""
         from vllm.transformers_utils.config import get_safetensors_params_metadata
+
+        self.checkpoint = preflight.read_checkpoint(model_name)
+        if self.checkpoint is not None:
+            preflight.check_ternary_tensors(self.checkpoint, self.group_size)
+            self.checkpoint_names = {n: n for n in self.checkpoint.tensors}
 
         if hf_config is not None:
             text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
@@ -141,6 +160,7 @@ class TernaryConfig(QuantizationConfig):
         self.modules_not_converted = hf_to_vllm_mapper.apply_list(self.modules_not_converted)
         self.ternary_prefixes = set(hf_to_vllm_mapper.apply_list(sorted(self.ternary_prefixes)))
         self.dense_prefixes = set(hf_to_vllm_mapper.apply_list(sorted(self.dense_prefixes)))
+        self.checkpoint_names = hf_to_vllm_mapper.apply_dict(self.checkpoint_names)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from .embedding import TernaryEmbeddingMethod
@@ -192,6 +212,16 @@ class TernaryConfig(QuantizationConfig):
                 f"ternary checkpoint: fused layer {prefix!r} mixes ternary and dense parts "
                 f"({self._shard_prefixes(prefix)}); vLLM needs one format per fused layer"
             )
+        known = self.ternary_prefixes | self.dense_prefixes
+        missing = [p for p in self._shard_prefixes(prefix) if p not in known]
+        if missing and known and kinds != {"dense"}:
+            # Headers were read and this layer (or part of a fused one) has no tensors: vLLM would
+            # serve whatever memory the parameter was allocated with.
+            where = self.checkpoint.directory if self.checkpoint is not None else "the checkpoint"
+            raise ValueError(
+                f"ternary checkpoint {where}: layer {prefix!r} has no tensors for {missing} (expected "
+                f"'<p>.qweight' + '<p>.scales', or a dense '<p>.weight' listed in modules_not_converted)"
+            )
         # No header information (e.g. a remote repository without metadata): the contract default.
         return kinds != {"dense"}
 
@@ -201,6 +231,10 @@ class TernaryConfig(QuantizationConfig):
         if not embed:
             return not any(m.endswith("embed_tokens") for m in self.modules_not_converted)
         return all(self._is_ternary(n) for n in embed)
+
+    def locate_invalid(self, prefix: str) -> str:
+        """Where layer ``prefix``'s invalid values (code 3, NaN/Inf scales) are: file, tensor, index."""
+        return preflight.locate_invalid(self.checkpoint, self.checkpoint_names, self._shard_prefixes(prefix))
 
     # ---- Bonsai 2 Hadamard hook (implemented by ternary_rs.vllm.hadamard) ------------------------
     def _hadamard_module(self):

@@ -77,7 +77,8 @@ class TernaryEmbeddingMethod(TernaryMethodBase, QuantizeMethodBase):
                 f"ternary checkpoint: {self.prefix!r} is tied to the input embeddings, which are not ternary"
             )
         if not getattr(layer.qweight, "_ternary_validated", False):
-            validate_loaded(self.prefix, layer.qweight.data, layer.scales.data)
+            validate_loaded(self.prefix, layer.qweight.data, layer.scales.data,
+                            lambda: self.quant_config.locate_invalid(self.prefix))
             layer.qweight._ternary_validated = True
         if isinstance(layer, ParallelLMHead):
             qweight_k, scales_k = self._kernel_tensors(layer)

@@ -114,22 +114,26 @@ def create_ternary_parameters(layer, out_features: int, in_features: int, group_
     layer.register_parameter("scales", scales)
 
 
-def validate_loaded(prefix: str, qweight: torch.Tensor, scales: torch.Tensor) -> None:
-    """Reject code 3 and non-finite scales (the contract's invalid values) with the first bad index."""
+def validate_loaded(prefix: str, qweight: torch.Tensor, scales: torch.Tensor, locate=None) -> None:
+    """Reject code 3 and non-finite scales (the contract's invalid values) with the first bad index.
+
+    ``locate()``, called only on failure, says where in the checkpoint the bad values are (file, tensor).
+    """
+    where = (lambda: f"; in the checkpoint: {locate()}") if locate is not None else (lambda: "")
     # Code 3 = both bits of a 2-bit field set.
     bad_codes = (qweight & (qweight >> 1) & 0x55) != 0
     if bool(bad_codes.any()):
         row, col = (int(v) for v in bad_codes.nonzero()[0])
         raise ValueError(
             f"ternary layer {prefix!r}: qweight holds the invalid code 3 (first at byte [{row}, {col}] of this "
-            f"rank's shard, {int(bad_codes.sum())} bytes affected)"
+            f"rank's shard, {int(bad_codes.sum())} bytes affected){where()}"
         )
     bad_scales = ~torch.isfinite(scales)
     if bool(bad_scales.any()):
         row, col = (int(v) for v in bad_scales.nonzero()[0])
         raise ValueError(
             f"ternary layer {prefix!r}: scales hold NaN/Inf (first at [{row}, {col}] of this rank's shard, "
-            f"{int(bad_scales.sum())} values)"
+            f"{int(bad_scales.sum())} values){where()}"
         )
 
 
@@ -224,7 +228,8 @@ class TernaryLinearMethod(TernaryMethodBase, LinearMethodBase):
     """Linear method: ``y = transform(x) @ W.T (+ bias)`` with ternary ``W``."""
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        validate_loaded(self.prefix, layer.qweight.data, layer.scales.data)
+        validate_loaded(self.prefix, layer.qweight.data, layer.scales.data,
+                        lambda: self.quant_config.locate_invalid(self.prefix))
         qweight_k, scales_k = ternary_ops.prepare_weight(layer.qweight.data, layer.scales.data, layer.ternary_group_size)
         # Kernel layout replaces the canonical tensors (no second copy kept).
         layer.qweight = torch.nn.Parameter(qweight_k, requires_grad=False)

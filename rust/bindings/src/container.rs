@@ -8,9 +8,7 @@
 use std::collections::BTreeMap;
 use std::ffi::{c_int, c_void};
 use std::path::PathBuf;
-use std::sync::Arc;
 
-use memmap2::Mmap;
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
@@ -28,20 +26,16 @@ use crate::errors::to_py;
 /// A read-only memory map of one file, exposed through the buffer protocol.
 #[pyclass(frozen, module = "ternary_rs._core", name = "_Mapping")]
 pub struct Mapping {
-    map: Option<Arc<Mmap>>,
-    path: PathBuf,
+    file: MappedFile,
 }
 
 impl Mapping {
     fn new(m: &MappedFile) -> Self {
-        Mapping {
-            map: m.shared_map(),
-            path: m.path().to_path_buf(),
-        }
+        Mapping { file: m.clone() }
     }
 
     fn bytes(&self) -> &[u8] {
-        self.map.as_deref().map(|m| &m[..]).unwrap_or(&[])
+        self.file.bytes()
     }
 }
 
@@ -63,7 +57,7 @@ impl Mapping {
             ));
         }
         let bytes = slf.get().bytes();
-        // SAFETY: the pointer stays valid while `slf` (which owns the Arc<Mmap>) is alive, and
+        // SAFETY: the pointer stays valid while `slf` (which owns the shared map) is alive, and
         // PyBuffer_FillInfo stores a new reference to `slf` in the view.
         let rc = unsafe {
             ffi::PyBuffer_FillInfo(
@@ -85,10 +79,16 @@ impl Mapping {
         self.bytes().len()
     }
 
+    /// Raise FormatError if the file shrank under the map, changed, or was replaced or removed since
+    /// it was mapped (see `MappedFile::check_unchanged`).
+    fn check_unchanged(&self) -> PyResult<()> {
+        self.file.check_unchanged().map_err(to_py)
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "<ternary_rs mapping of {} ({} bytes)>",
-            self.path.display(),
+            self.file.path().display(),
             self.bytes().len()
         )
     }

@@ -14,6 +14,8 @@ pub mod canonical;
 pub mod container;
 pub mod error;
 pub mod formats;
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fuzzing;
 pub mod hadamard;
 pub mod kernels;
 pub mod repack;

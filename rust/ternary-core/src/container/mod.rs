@@ -15,6 +15,7 @@ pub mod limits;
 pub mod mapping;
 pub mod safetensors;
 pub mod safetensors_writer;
+pub mod sigbus;
 
 pub use ggml_types::GgmlType;
 pub use gguf::{GgufFile, GgufTensorInfo, GgufValue, GgufValueType};

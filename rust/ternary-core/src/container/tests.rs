@@ -495,3 +495,68 @@ fn empty_tensor_past_an_unpadded_header_is_an_empty_slice() {
     assert!(f.data_offset > h.len() as u64);
     assert_eq!(f.tensor_data(0), Some(&[][..]));
 }
+
+// ---- files that change under a map -------------------------------------------------------------
+
+#[test]
+fn truncated_file_reads_zeros_and_is_reported_not_fatal() {
+    let dir = std::env::temp_dir().join(format!("ternary-sigbus-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("shrinks.bin");
+    let page = 4096usize;
+    std::fs::write(&path, vec![0xA5u8; 16 * page]).unwrap();
+    let map = crate::container::MappedFile::open(&path).unwrap();
+    map.check_unchanged().unwrap();
+    assert_eq!(map.bytes()[5 * page], 0xA5);
+    // Shrink to 2 pages: pages 2.. are gone; touching them would raise SIGBUS without the guard.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(2 * page as u64)
+        .unwrap();
+    let tail: u64 = map.bytes()[3 * page..].iter().map(|&b| b as u64).sum();
+    assert_eq!(tail, 0, "lost pages read as zeros");
+    assert_eq!(
+        map.bytes()[page],
+        0xA5,
+        "pages still in the file keep their bytes"
+    );
+    let e = map.check_unchanged().unwrap_err().to_string();
+    assert!(e.contains("shrank") && e.contains("shrinks.bin"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn modified_replaced_and_removed_files_are_reported() {
+    let dir = std::env::temp_dir().join(format!("ternary-changed-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("f.bin");
+    std::fs::write(&path, [1u8; 64]).unwrap();
+    let map = crate::container::MappedFile::open(&path).unwrap();
+    // Same size, rewritten in place: caught by the modification time.
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    std::fs::write(&path, [2u8; 64]).unwrap();
+    let e = map.check_unchanged().unwrap_err().to_string();
+    assert!(e.contains("was modified"), "{e}");
+
+    let map = crate::container::MappedFile::open(&path).unwrap();
+    std::fs::write(dir.join("g.bin"), [3u8; 64]).unwrap();
+    std::fs::rename(dir.join("g.bin"), &path).unwrap();
+    let e = map.check_unchanged().unwrap_err().to_string();
+    assert!(e.contains("replaced"), "{e}");
+    assert_eq!(
+        map.bytes()[0],
+        2,
+        "a replaced file's map keeps the old bytes"
+    );
+
+    let map = crate::container::MappedFile::open(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert!(map
+        .check_unchanged()
+        .unwrap_err()
+        .to_string()
+        .contains("removed"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
