@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models import SENTENCES, TERNARY_SUFFIXES, ternarize_absmax
+from models import SENTENCES, TERNARY_SUFFIXES, ternarize_absmax, train_tokenizer
 
 TQ_GROUP = 256
 # The split regex of Qwen2/Qwen3's tokenizer.json (the pre-tokenizer llama.cpp calls "qwen2").
@@ -70,25 +70,37 @@ def train_qwen2_tokenizer(out_dir: Path, vocab_size: int = 320) -> None:
 
 def build_model(out_dir: Path, arch: str, seed: int = 0, hidden: int = 256, intermediate: int = 512,
                 layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
-                ternary_embeddings: bool = False) -> Path:
+                ternary_embeddings: bool = False, tied: bool = False, vocab_size: int | None = None,
+                tokenizer: str | None = None, config_extra: dict | None = None) -> Path:
     """Random ternarized (group 256) ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` with the matching vocabulary,
-    saved in float16 (which holds ``t · fp16(a)`` exactly)."""
+    saved in float16 (which holds ``t · fp16(a)`` exactly).
+
+    ``tied``: one embedding matrix for input and output (``tie_word_embeddings``, no ``lm_head.weight``);
+    ``vocab_size``: config.json's, larger than the tokenizer's like real checkpoints (Qwen3: 151936 rows for
+    ~151.7k tokens; the GGUF then lists ``[PAD{i}]`` tokens); ``tokenizer``: ``"gpt2"`` for the plain
+    byte-level BPE of ``models.train_tokenizer`` (GPT-2's regex), else the architecture's own;
+    ``config_extra``: further config keys (e.g. ``rope_parameters``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen3Config
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if arch == "llama":
-        train_sentencepiece(out_dir)
-    elif arch == "qwen3":
-        train_qwen2_tokenizer(out_dir)
-    else:
+    if arch not in ("llama", "qwen3"):
         raise ValueError(arch)
+    if tokenizer == "gpt2":
+        train_tokenizer(out_dir)
+    elif arch == "llama":
+        train_sentencepiece(out_dir)
+    else:
+        train_qwen2_tokenizer(out_dir)
     tok = AutoTokenizer.from_pretrained(str(out_dir))
-    common = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                  max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6,
-                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if vocab_size is not None and vocab_size < len(tok):
+        raise ValueError(f"vocab_size {vocab_size} < {len(tok)} tokens")
+    common = dict(vocab_size=vocab_size or len(tok), hidden_size=hidden, intermediate_size=intermediate,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                  max_position_embeddings=512, tie_word_embeddings=tied, rms_norm_eps=1e-6,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                  **(config_extra or {}))
     cfg = LlamaConfig(**common) if arch == "llama" else Qwen3Config(**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

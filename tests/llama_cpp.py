@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,16 +22,26 @@ CONVERT_TIMEOUT_S = 600
 # Runs llama.cpp's converter with its own gguf-py; optionally pins tokenizer.ggml.pre. The converter picks
 # the pre-tokenizer by hashing the tokenization of a test string against published models: a tokenizer
 # trained on a few test sentences matches none of them, so the test says which regex family it built.
+# Optionally (third argument "1") token_embd / output are quantized like every other weight instead of the
+# F16 the converter writes for them in a TQ1_0 / TQ2_0 file (ModelBase.prepare_tensors): its
+# ``tensor_force_quant`` hook answering True means "quantize with the file type".
 _CONVERT_WRAPPER = r"""
 import runpy, sys
 from pathlib import Path
-root, pre = Path(sys.argv[1]), sys.argv[2]
+root, pre, quantize_embeddings = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
 sys.path.insert(0, str(root))
 sys.path.insert(1, str(root / "gguf-py"))
+from conversion import base
 if pre:
-    from conversion import base
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
-sys.argv = [str(root / "convert_hf_to_gguf.py")] + sys.argv[3:]
+if quantize_embeddings:
+    default_force_quant = base.ModelBase.tensor_force_quant
+    def tensor_force_quant(self, name, new_name, bid, n_dims):
+        if new_name in ("token_embd.weight", "output.weight"):
+            return True
+        return default_force_quant(self, name, new_name, bid, n_dims)
+    base.ModelBase.tensor_force_quant = tensor_force_quant
+sys.argv = [str(root / "convert_hf_to_gguf.py")] + sys.argv[4:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
@@ -69,14 +80,16 @@ def require_converter() -> Path:
     return d
 
 
-def reference_convert(hf_dir: Path, out: Path, outtype: str, tokenizer_pre: str = "", extra: tuple[str, ...] = ()) -> Path:
-    """``convert_hf_to_gguf.py hf_dir --outtype outtype --outfile out [extra…]`` (llama.cpp's own writer)."""
+def reference_convert(hf_dir: Path, out: Path, outtype: str, tokenizer_pre: str = "", extra: tuple[str, ...] = (),
+                      quantize_embeddings: bool = False) -> Path:
+    """``convert_hf_to_gguf.py hf_dir --outtype outtype --outfile out [extra…]`` (llama.cpp's own writer);
+    ``quantize_embeddings``: token_embd / output in ``outtype`` too (see ``_CONVERT_WRAPPER``)."""
     root = require_converter()
     env = dict(os.environ)
     env.pop("NO_LOCAL_GGUF", None)  # the converter must use its own gguf-py, not the installed one
     proc = subprocess.run(
-        [sys.executable, "-c", _CONVERT_WRAPPER, str(root), tokenizer_pre, str(hf_dir), "--outtype", outtype,
-         "--outfile", str(out), *extra],
+        [sys.executable, "-c", _CONVERT_WRAPPER, str(root), tokenizer_pre, "1" if quantize_embeddings else "0",
+         str(hf_dir), "--outtype", outtype, "--outfile", str(out), *extra],
         capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S, env=env, check=False)
     if proc.returncode != 0:
         raise AssertionError(f"convert_hf_to_gguf.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -106,6 +119,90 @@ def complete(gguf_path: Path, prompt: str, n_predict: int = 24) -> bytes:
         if proc.stdout.endswith(b"\n\n"):
             return proc.stdout[: -len(b"\n\n")]
     raise AssertionError(f"{' '.join(cmd)}: output incomplete in {COMPLETION_ATTEMPTS} runs; last: {proc.stdout!r}")
+
+
+SERVER_START_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=COMPLETION_TIMEOUT_S) as r:
+        return json.loads(r.read())
+
+
+@dataclass
+class Greedy:
+    """A greedy ``llama-server`` run: prompt token ids, generated token ids, and per generated token the
+    log-probability lead of the chosen token over the runner-up (how close that step was to a tie)."""
+
+    prompt: list[int]
+    tokens: list[int]
+    margins: list[float]
+
+
+def greedy_tokens(gguf_path: Path, prompt: str, n_predict: int = 24) -> Greedy:
+    """Greedy generation by ``llama-server`` (CPU, one thread), as token ids.
+
+    Token ids rather than text: a model whose vocabulary is padded (``[PAD{i}]`` tokens, type UNUSED) may
+    generate padding tokens, which llama.cpp detokenizes to nothing, so text would hide a difference.
+    The end-of-generation token is ignored so that every run generates ``n_predict`` tokens."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    exe = require_binary("llama-server")
+    port = _free_port()
+    cmd = [str(exe), "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-c", "256",
+           "-np", "1", "-ngl", "0", "--no-warmup", "--seed", "0"]
+    import tempfile
+
+    log_file = tempfile.TemporaryFile()  # not a pipe: the server's start-up log would fill it and block it
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                log_file.seek(0)
+                raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n"
+                                     f"{log_file.read()[-4000:].decode(errors='replace')}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{' '.join(cmd)}: no /health answer in {SERVER_START_TIMEOUT_S} s")
+            time.sleep(0.2)
+        prompt_ids = _post(base + "/tokenize", {"content": prompt, "add_special": True})["tokens"]
+        out = _post(base + "/completion", {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0,
+                                           "top_k": 1, "seed": 0, "ignore_eos": True, "cache_prompt": False,
+                                           "return_tokens": True, "samplers": ["top_k"], "n_probs": 2})
+        margins = []
+        for step in out["completion_probabilities"]:
+            top = sorted((t["logprob"] for t in step["top_logprobs"]), reverse=True)
+            margins.append(top[0] - top[1])
+        return Greedy(list(prompt_ids), list(out["tokens"]), margins)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log_file.close()
 
 
 def gguf_contents(path: Path) -> tuple[dict, dict]:

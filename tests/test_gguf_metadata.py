@@ -158,3 +158,106 @@ def test_hf_source_without_tokenizer_is_refused_clearly(tmp_path, llama_files):
     assert r.returncode == 1
     assert "no tokenizer.json or tokenizer.model" in r.stderr
     assert not (tmp_path / "x.gguf").exists()
+
+
+# ------------------------------------------------------------------------------------------ rope scaling
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+
+
+@pytest.fixture(scope="module")
+def llama3_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf_meta_llama3")
+    hf = build_model(root / "tiny-llama3", "llama", config_extra={"rope_parameters": dict(LLAMA3_ROPE)})
+    ours = root / "tiny-llama3-TQ2_0.gguf"
+    run("convert", hf, ours, "--to", "gguf", "--gguf-type", "TQ2_0", "--no-progress")
+    return root, hf, ours
+
+
+def test_llama3_rope_freqs_match_transformers(llama3_files):
+    """``rope_freqs.weight`` divides llama.cpp's rotary frequencies: default / llama3 inverse frequencies
+    of transformers' own rope code (``ROPE_INIT_FUNCTIONS``)."""
+    import numpy as np
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    _, hf, ours = llama3_files
+    _, tensors = gguf_contents(ours)
+    dtype, shape, data = tensors["rope_freqs.weight"]
+    assert (dtype, shape) == ("F32", (32,))  # head_dim 64 / 2
+    factors = np.frombuffer(data, dtype=np.float32)
+    config = AutoConfig.from_pretrained(str(hf))
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
+    default = 1.0 / (LLAMA3_ROPE["rope_theta"] ** (np.arange(0, 64, 2, dtype=np.float64) / 64))  # unscaled
+    np.testing.assert_allclose(default / scaled.double().numpy(), factors, rtol=2e-6)
+    assert factors.min() == 1.0 and factors.max() == 8.0 and ((factors > 1) & (factors < 8)).any()
+
+
+def test_llama3_rope_factors_without_torch_agree():
+    """The numpy path (no torch installed) gives upstream's torch values to within a few float32 ulps."""
+    import numpy as np
+
+    from ternary_rs.arch.rope import llama3_rope_factors
+
+    for theta, dim, orig in ((500000.0, 64, 64), (500000.0, 128, 8192), (10000.0, 128, 1024)):
+        config = {"hidden_size": 4 * dim, "num_attention_heads": 4, "head_dim": dim,
+                  "rope_parameters": {**LLAMA3_ROPE, "rope_theta": theta, "original_max_position_embeddings": orig}}
+        a = llama3_rope_factors(config, use_torch=True)
+        b = llama3_rope_factors(config, use_torch=False)
+        np.testing.assert_array_max_ulp(a, b, maxulp=4)
+    assert llama3_rope_factors({"hidden_size": 256, "num_attention_heads": 4, "rope_theta": 1e4}) is None
+
+
+def _hparam_keys(arch_name: str, config: dict) -> dict:
+    import gguf
+
+    from ternary_rs.arch import ARCHES
+    from ternary_rs.gguf_metadata import writer_entries
+
+    w = gguf.GGUFWriter(None, arch_name)
+    ARCHES[arch_name].gguf_hparams(w, config)
+    return {k: v for k, v, _ in writer_entries(w)}
+
+
+@pytest.mark.parametrize("arch_name", ["llama", "qwen3"])
+def test_rope_scaling_keys_from_config(arch_name):
+    """llama.cpp's ``rope.scaling.*`` keys for linear and YaRN, from transformers 5's ``rope_parameters``
+    and from the older ``rope_scaling`` + top-level ``rope_theta`` layout (``type`` spelling)."""
+    base = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 400, "rms_norm_eps": 1e-6}
+    yarn = {"factor": 4.0, "original_max_position_embeddings": 32768, "beta_fast": 32.0, "beta_slow": 1.0}
+    a = f"{arch_name}."
+    new = _hparam_keys(arch_name, {**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, **yarn}})
+    old = _hparam_keys(arch_name, {**base, "rope_theta": 1e6, "rope_scaling": {"type": "yarn", **yarn}})
+    assert new == old
+    assert new[a + "rope.scaling.type"] == "yarn" and new[a + "rope.scaling.factor"] == 4.0
+    assert new[a + "rope.scaling.original_context_length"] == 32768 and new[a + "rope.freq_base"] == 1e6
+    assert new[a + "rope.scaling.yarn_beta_fast"] == 32.0 and new[a + "rope.scaling.yarn_beta_slow"] == 1.0
+    linear = _hparam_keys(arch_name, {**base, "rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert (linear[a + "rope.scaling.type"], linear[a + "rope.scaling.factor"]) == ("linear", 2.0)
+    plain = _hparam_keys(arch_name, {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    llama3 = _hparam_keys(arch_name, {**base, "rope_parameters": dict(LLAMA3_ROPE)})
+    for keys in (plain, llama3):  # llama3 is a tensor (rope_freqs), not a key
+        assert not [k for k in keys if ".rope.scaling." in k]
+
+
+def test_gguf_to_gguf_keeps_llama_rows_and_rope_freqs(llama3_files):
+    """A GGUF re-encoded into another GGUF holds the same values in the same rows: llama's q/k rows stay
+    in llama.cpp's permuted order (they came out in Hugging Face order), and ``rope_freqs`` stays."""
+    import gguf
+    import numpy as np
+
+    root, _, src = llama3_files
+    meta_s, tens_s = gguf_contents(src)
+    same = root / "same-TQ2_0.gguf"
+    run("convert", src, same, "--to", "gguf", "--gguf-type", "TQ2_0", "--no-progress")
+    assert gguf_contents(same) == (meta_s, tens_s)
+    retyped = root / "retyped-TQ1_0.gguf"
+    run("convert", src, retyped, "--to", "gguf", "--gguf-type", "TQ1_0", "--no-progress")
+    a, b = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(retyped))
+    tb = {t.name: t for t in b.tensors}
+    assert set(tb) == {t.name for t in a.tensors}
+    for t in a.tensors:
+        np.testing.assert_array_equal(gguf.quants.dequantize(tb[t.name].data, tb[t.name].tensor_type),
+                                      gguf.quants.dequantize(t.data, t.tensor_type), err_msg=t.name)
+    assert tb["blk.0.attn_q.weight"].tensor_type == gguf.GGMLQuantizationType.TQ1_0

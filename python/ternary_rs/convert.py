@@ -219,6 +219,7 @@ class Source:
 
     def _classify_gguf(self) -> list[SourceTensor]:
         arch, out = self.arch, []
+        self.skipped = []
         n_blocks = arch.n_blocks_from_gguf(self.metadata, arch.gguf_arch)
         for name, info in self.file.tensors.items():
             try:
@@ -469,6 +470,33 @@ def _default_gguf_type(source: Source) -> str:
     return "PQ2_0"
 
 
+def _derived_gguf_jobs(source: Source) -> list[Job]:
+    """Tensors llama.cpp derives from hyper-parameters (llama3's ``rope_freqs``): copied from a GGUF source
+    as they are, computed from ``config.json`` as ``convert_hf_to_gguf.py`` computes them otherwise
+    (``arch.gguf_extra_tensors``). First in the file, where upstream puts them. Without them llama.cpp
+    silently runs an unscaled rope."""
+    jobs = []
+    if source.is_gguf:
+        for name in source.skipped:
+            info = source.file.tensors[name]
+            if info.type != "F32":
+                raise UnsupportedTypeError(f"{source.path}: tensor {name} is {info.type}; llama.cpp derives it "
+                                           "as F32 and ternary_rs copies only that")
+            shape = tuple(int(d) for d in info.shape)
+            jobs.append(Job([OutTensor(name, "F32", shape, int(info.nbytes))],
+                            lambda name=name: (np.ascontiguousarray(source.file.raw(name)).view(np.uint8).reshape(-1),),
+                            f"{source.path}: tensor {name}", int(info.nbytes),
+                            meta={"type_id": GGUF_FLOAT_TYPE_IDS["F32"]}))
+        return jobs
+    extra = getattr(source.arch, "gguf_extra_tensors", None)
+    for name, values in (extra(source.config) if extra is not None else []):
+        data = np.ascontiguousarray(values, dtype=np.float32)
+        jobs.append(Job([OutTensor(name, "F32", data.shape, data.nbytes)],
+                        lambda data=data: (data.view(np.uint8).reshape(-1),),
+                        f"{source.path}: config.json ({name})", 0, meta={"type_id": GGUF_FLOAT_TYPE_IDS["F32"]}))
+    return jobs
+
+
 def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> dict[str, Any]:
     from .io import GGUFWriter
     from .tensor import encode, repack
@@ -481,19 +509,20 @@ def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> 
     file_type = GGUF_FILE_TYPES.get(gtype)
     if source.is_gguf:
         n_blocks = source.arch.n_blocks_from_gguf(source.metadata, source.arch.gguf_arch)
-        perm_config = None
     else:
         n_blocks = int(source.config["num_hidden_layers"])
-        perm_config = source.config
 
-    jobs, fallback = [], []
+    jobs, fallback = _derived_gguf_jobs(source), []
     for st in source.tensors:
         gname = st.gguf_name or source.arch.gguf_name(st.hf_name, n_blocks)
         if gname is None:
             raise ConversionError(f"{source.path}: tensor {st.name} has no llama.cpp name in {source.arch.gguf_arch}")
         src_label = f"{source.path}: tensor {st.name}"
         n = st.shape[0] if st.shape else 0
-        perm = source.arch.rows_to_gguf(st.hf_name, perm_config, n) if perm_config is not None else None
+        # Ternary tensors are decoded in Hugging Face row order (``Source.canonical`` undoes llama.cpp's q/k
+        # permutation of a GGUF source), so they get llama.cpp's row order back whatever the source; float
+        # tensors of a GGUF source are already in it.
+        perm = source.arch.rows_to_gguf(st.hf_name, source.shape_config, n)
         if st.ternary and st.shape[1] % block_values == 0:
             n, k = st.shape
             nbytes = n * (k // block_values) * block_bytes
@@ -534,10 +563,10 @@ def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> 
             # llama.cpp wants norms (1-D tensors) in F32, as convert_hf_to_gguf.py writes them.
             out_dtype = "F32" if len(st.shape) <= 1 or gname.endswith("_norm.weight") else st.dtype
 
-            def produce(st=st, perm=perm, out_dtype=out_dtype):
-                raw = source.raw_hf_order(st) if perm is None else None
-                if perm is not None:
-                    raw = np.asarray(source.file.raw(st.name)).reshape(st.shape[0], -1)[perm]
+            def produce(st=st, perm=None if source.is_gguf else perm, out_dtype=out_dtype):
+                raw = source.file.raw(st.name)
+                if perm is not None:  # HF rows -> llama.cpp rows
+                    raw = np.asarray(raw).reshape(st.shape[0], -1)[perm]
                 if out_dtype != st.dtype:
                     raw = float_view(raw, st.dtype).view(np.uint8)
                 return (np.ascontiguousarray(raw).reshape(-1),)

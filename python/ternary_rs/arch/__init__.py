@@ -22,7 +22,9 @@ An arch object provides (attributes / methods):
 ``config_fixups_from_gguf(config: dict, metadata: dict) -> None``
     fill what transformers' GGUF config mapping misses (e.g. ``head_dim`` from ``key_length``).
 ``gguf_hparams(writer: gguf.GGUFWriter, config: dict) -> None``
-    add llama.cpp's hyper-parameter keys (GGUF output).
+    add llama.cpp's hyper-parameter keys (GGUF output), rope scaling included (``arch.rope``).
+``gguf_extra_tensors(config: dict) -> list[tuple[str, np.ndarray]]``
+    tensors llama.cpp's converter derives from the config (llama's ``rope_freqs`` for a llama3 rope).
 ``default_tokenizer_pre: str``
     ``tokenizer.ggml.pre`` used when the Hugging Face pre-tokenizer is not recognised.
 ``gguf_vocab: str``

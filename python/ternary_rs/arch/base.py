@@ -13,8 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from .rope import ROPE_FREQS_TENSOR, add_rope_keys
+
 # GGUF tensors llama.cpp derives from hyper-parameters: they have no Hugging Face weight to map to.
-DERIVED_GGUF_TENSORS = ("rope_freqs.weight",)
+DERIVED_GGUF_TENSORS = (ROPE_FREQS_TENSOR,)
 DERIVED_GGUF_SUFFIXES = (".attn_rot_embd.weight",)
 
 # Hugging Face suffixes of the weights a Bonsai-style ternary checkpoint stores as ternary.
@@ -125,7 +127,7 @@ class DenseDecoderArch:
 
     def gguf_hparams(self, writer, config: dict[str, Any]) -> None:
         """Add llama.cpp's hyper-parameter keys for ``config`` to a ``gguf.GGUFWriter`` (as
-        ``convert_hf_to_gguf.py``'s ``TextModel.set_gguf_parameters`` does)."""
+        ``convert_hf_to_gguf.py``'s ``TextModel.set_gguf_parameters`` does, rope scaling included)."""
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or hidden // heads)
@@ -136,22 +138,15 @@ class DenseDecoderArch:
         writer.add_feed_forward_length(int(config["intermediate_size"]))
         writer.add_head_count(heads)
         writer.add_head_count_kv(int(config.get("num_key_value_heads") or heads))
-        theta = rope_theta(config)
-        if theta is not None:
-            writer.add_rope_freq_base(float(theta))
+        add_rope_keys(writer, config)
         writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
 
-
-def rope_theta(config: dict[str, Any]) -> float | None:
-    """rope_theta from a config dict (transformers 5 nests it in ``rope_parameters``)."""
-    if config.get("rope_theta") is not None:
-        return float(config["rope_theta"])
-    params = config.get("rope_parameters") or {}
-    if isinstance(params, dict) and params.get("rope_theta") is not None:
-        return float(params["rope_theta"])
-    return None
+    def gguf_extra_tensors(self, config: dict[str, Any]) -> list[tuple[str, np.ndarray]]:
+        """Tensors llama.cpp's converter derives from the config (``generate_extra_tensors``), as
+        ``(GGUF name, float32 array)``; written before the weights, as upstream writes them."""
+        return []
 
 
 def llama_qk_permutation(n_rows: int, n_head: int) -> np.ndarray:

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from .base import DenseDecoderArch, llama_qk_permutation
+from .rope import ROPE_FREQS_TENSOR, llama3_rope_factors
 
 
 class LlamaArch(DenseDecoderArch):
@@ -42,6 +43,11 @@ class LlamaArch(DenseDecoderArch):
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         writer.add_vocab_size(int(config["vocab_size"]))
         writer.add_rope_dimension_count(int(config.get("head_dim") or hidden // heads))
+
+    def gguf_extra_tensors(self, config):
+        # LlamaModel.generate_extra_tensors: llama3 rope scaling is a tensor, not a key
+        factors = llama3_rope_factors(config)
+        return [] if factors is None else [(ROPE_FREQS_TENSOR, factors)]
 
 
 ARCH = LlamaArch()
