@@ -40,7 +40,7 @@ HANG_S = 2.0
 EDGE_INTS = [0, 1, -1, 2, 3, 4, 7, 8, 16, 32, 1024, 4096, 2**16, 2**16 + 1, 2**31 - 1, 2**31, 2**32, 2**63 - 1,
              2**63, 2**64, -(2**63), 10**30]
 EDGE_FLOATS = [0.0, -0.0, 0.5, 1.0, -1.0, 1e308, float("inf"), float("-inf"), float("nan")]
-EDGE_STRS = ["", "x", "grouped", "tiled", H.PRISM_TRANSFORM, H.PRISM_AXIS, H.PRISM_SIGN_MODE, "identity",
+EDGE_STRS = ["", "x", "grouped", "tiled", H.PRISM_TRANSFORM, H.PRISM_AXIS, H.PRISM_SIGN_MODES[0], "identity",
              "blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj", "\x00", "é" * 3]
 
 
@@ -53,9 +53,10 @@ def _tiny_spec_inputs():
           "model.layers.1.linear_attn.out_proj.weight", "lm_head.weight"]
     widths = {hf[0]: 8, hf[1]: 16, hf[2]: 16, hf[3]: 8}
     fake = SimpleNamespace(block_size=4, signs={w: rng.choice(np.array([-1, 1], np.int8), size=w) for w in (8, 16)},
-                           rotated_names=hf, inverse_names=["model.embed_tokens.weight"])
+                           rotated_names=hf, inverse_names=["model.embed_tokens.weight"],
+                           config={}, sign_mode="explicit", num_layers=2)
     kv = {k[len(H.PRISM_PREFIX):]: v for k, (v, _, _) in prism_metadata(fake).items()}
-    by_gguf = {gguf_name(n): (n[: -len(".weight")], widths.get(n, 8)) for n in hf + fake.inverse_names}
+    by_gguf = {gguf_name(n, 2): (n[: -len(".weight")], widths.get(n, 8)) for n in hf + fake.inverse_names}
 
     def resolve(name):
         return by_gguf.get(name) if isinstance(name, str) else None

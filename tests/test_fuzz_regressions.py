@@ -27,7 +27,7 @@ SIGNS16 = SIGNS8 + SIGNS8[::-1]
 
 
 def prism_kv(**override):
-    kv = {"version": 1, "transform": H.PRISM_TRANSFORM, "axis": H.PRISM_AXIS, "sign_mode": H.PRISM_SIGN_MODE,
+    kv = {"version": 1, "transform": H.PRISM_TRANSFORM, "axis": H.PRISM_AXIS, "sign_mode": H.PRISM_SIGN_MODES[0],
           "block_size": 4, "sign_widths": [8, 16], "sign_values": SIGNS8 + SIGNS16,
           "weight_names": ["blk.0.attn_q.weight", "blk.1.ssm_out.weight"]}
     return {**kv, **override}
