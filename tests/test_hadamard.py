@@ -238,7 +238,7 @@ def test_prism_missing_key_and_bad_sign():
         H.HadamardSpec.from_prism(kv, MODULES.get)
     kv = prism_kv()
     kv["sign_values"][3] = 0
-    with pytest.raises(ternary_rs.ValidationError, match="index 3"):
+    with pytest.raises(ternary_rs.ValidationError, match=r"sign_values\[3\]"):
         H.HadamardSpec.from_prism(kv, MODULES.get)
 
 

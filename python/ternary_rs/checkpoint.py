@@ -218,6 +218,7 @@ class Staging:
         return self.tmp
 
     def commit(self) -> Path:
+        _sleep_hook()  # tests: a window with every output file closed, before the rename
         old = None
         # Checked again: the destination may have appeared (or changed) while we were writing.
         self._check_replaceable("exists now (it appeared or changed during the conversion)")
