@@ -401,3 +401,32 @@ def test_torch_compile_fullgraph():
     for m in (1, 5):
         x = torch.randn(m, k, dtype=torch.bfloat16)
         torch.testing.assert_close(compiled(x), layer(x))
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_large_m_bf16_takes_the_dense_tile_path(with_bias):
+    """bf16, default mode, M ≥ 48 (prefill): row chunks decoded to bf16 (t · bf16(s), exact) and
+    multiplied by torch's GEMM — within bf16 weight rounding (2⁻⁹ relative per weight) of float64 and
+    the output rounding; below 48 tokens it is the int8 kernel, bit for bit."""
+    assert ops.NATIVE_CPU_UNAVAILABLE is None  # the path lives in the native kernel
+    rng = np.random.default_rng(23)
+    n, k, g = 4201, 2048, 128  # 17 MB dense: two decode chunks; N not a multiple of 4
+    q, s = make_weight(rng, n, k, g)
+    qk, sk = ops.prepare_weight(q, s, g)
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).bfloat16() if with_bias else None
+    w64 = dequantize64(q, s, g)
+    for m in (47, 48, 200):
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).bfloat16()
+        auto = OP(x, qk, sk, n, k, g, bias)
+        int8 = run_op(x, qk, sk, n, k, g, bias, activations=ops.INT8_GROUP)
+        y64, mag = reference(x, w64, bias)
+        if m < 48:
+            assert torch.equal(auto, int8)
+        else:
+            assert not torch.equal(auto, int8)
+            got = auto.double().numpy()
+            tol = 2.0**-8 * np.abs(y64) + 2.0**-8 * mag + 1e-30
+            assert np.all(np.abs(got - y64) <= tol)
+    # 3-D input, the same rows.
+    x = torch.from_numpy(rng.standard_normal((3, 20, k)).astype(np.float32)).bfloat16()
+    assert torch.equal(OP(x, qk, sk, n, k, g, bias).reshape(60, n), OP(x.reshape(60, k), qk, sk, n, k, g, bias))

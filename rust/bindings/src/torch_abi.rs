@@ -22,7 +22,9 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use half::{bf16, f16};
-use ternary_core::kernels::cpu::{self, layout, Activation, Precision, PreparedRef, Variant};
+use ternary_core::kernels::cpu::{
+    self, dense, layout, Activation, Precision, PreparedRef, Variant,
+};
 use ternary_core::threads::ParallelFor;
 
 type Handle = *mut c_void;
@@ -68,6 +70,27 @@ type ParallelForFn = unsafe extern "C" fn(i64, i64, i64, ParallelFunc, *mut c_vo
 type U32OutFn = unsafe extern "C" fn(*mut u32) -> Status;
 type DeleteIValueFn = unsafe extern "C" fn(*mut u64) -> Status;
 type ConstFn = unsafe extern "C" fn() -> i32;
+type FromBlobFn = unsafe extern "C" fn(
+    *mut c_void,
+    i64,
+    *const i64,
+    *const i64,
+    i64,
+    i32,
+    i32,
+    i32,
+    *mut Handle,
+) -> Status;
+type MmOutFn = unsafe extern "C" fn(Handle, Handle, Handle) -> Status;
+type AddmmOutFn = unsafe extern "C" fn(Handle, Handle, Handle, Handle, f64, f64) -> Status;
+
+/// torch's own GEMM, for the dense-tile path at large M (absent in a torch without these symbols:
+/// then every M runs the fused kernel).
+struct TorchGemm {
+    from_blob: FromBlobFn,
+    mm_out: MmOutFn,
+    addmm_out: AddmmOutFn,
+}
 
 /// The stable-ABI functions we call, resolved once.
 struct Api {
@@ -85,6 +108,7 @@ struct Api {
     parallel_for: ParallelForFn,
     get_num_threads: U32OutFn,
     delete_stable_ivalue: Option<DeleteIValueFn>,
+    gemm: Option<TorchGemm>,
     dtype_bf16: i32,
     dtype_f16: i32,
     dtype_f32: i32,
@@ -241,6 +265,23 @@ fn load(path: &str) -> Result<Api, String> {
         .ok()
         // SAFETY: `AOTITorchError torch_delete_stable_ivalue(StableIValue*)` (torch ≥ 2.13).
         .map(|p| unsafe { std::mem::transmute::<*mut c_void, DeleteIValueFn>(p) });
+    let optional = |name: &CStr| sym(name).ok();
+    let gemm = match (
+        optional(c"aoti_torch_create_tensor_from_blob"),
+        optional(c"aoti_torch_cpu_mm_out"),
+        optional(c"aoti_torch_cpu_addmm_out"),
+    ) {
+        // SAFETY: the AOTI shim functions of these names (aoti_torch/c/shim.h and
+        // generated/c_shim_cpu.h), with the C signatures FromBlobFn / MmOutFn / AddmmOutFn spell out.
+        (Some(a), Some(b), Some(c)) => Some(unsafe {
+            TorchGemm {
+                from_blob: std::mem::transmute::<*mut c_void, FromBlobFn>(a),
+                mm_out: std::mem::transmute::<*mut c_void, MmOutFn>(b),
+                addmm_out: std::mem::transmute::<*mut c_void, AddmmOutFn>(c),
+            }
+        }),
+        _ => None,
+    };
     Ok(Api {
         library_init_impl: f!(c"aoti_torch_library_init_impl", InitImplFn),
         library_impl: f!(c"torch_library_impl", ImplFn),
@@ -256,6 +297,7 @@ fn load(path: &str) -> Result<Api, String> {
         parallel_for: f!(c"torch_parallel_for", ParallelForFn),
         get_num_threads: f!(c"torch_get_num_threads", U32OutFn),
         delete_stable_ivalue,
+        gemm,
         dtype_bf16: dtype(c"aoti_torch_dtype_bfloat16")?,
         dtype_f16: dtype(c"aoti_torch_dtype_float16")?,
         dtype_f32: dtype(c"aoti_torch_dtype_float32")?,
@@ -626,6 +668,18 @@ fn linear<'a>(
         y: y.data()? as usize,
     };
     let pool = TorchPool(api);
+    // Prefill: decoded bf16 chunks through torch's GEMM beat any fused kernel here (dense.rs docs).
+    // Only in the default mode: an explicit activations mode or TERNARY_RS_CPU_INT8 keeps its numerics.
+    if name == "bfloat16"
+        && activations == ACTIVATIONS_AUTO
+        && DEFAULT_MODE.load(Ordering::Relaxed) == 0
+        && m >= dense::DENSE_MIN_M
+    {
+        if let Some(gemm) = &api.gemm {
+            dense_tile_gemm(api, gemm, ptrs, m, n, k, g, bias.is_some(), &pool)?;
+            return Ok(y);
+        }
+    }
     match name {
         "bfloat16" => run::<bf16>(ptrs, m, n, k, g, precision, &pool),
         "float16" => run::<f16>(ptrs, m, n, k, g, precision, &pool),
@@ -674,4 +728,115 @@ fn run<T: Activation>(
     };
     cpu::gemm(w, x, m, bias, y, variant(), precision, pool)
         .map_err(|e| format!("ternary_linear: {e}"))
+}
+
+/// Bytes of bf16 weight decoded per torch GEMM call: big enough that the GEMM's N is wide, small
+/// enough to stay in the last-level cache.
+const DENSE_CHUNK_BYTES: usize = 16 << 20;
+
+/// `y = x · Wᵀ (+ bias)` for bf16 `x [m, k]`: row chunks of W decoded to bf16, each multiplied by
+/// torch's GEMM straight into its columns of `y` (row stride n), the bias added by the same call.
+#[allow(clippy::too_many_arguments)]
+fn dense_tile_gemm(
+    api: &Api,
+    gemm: &TorchGemm,
+    p: Ptrs,
+    m: usize,
+    n: usize,
+    k: usize,
+    g: usize,
+    has_bias: bool,
+    pool: &dyn ParallelFor,
+) -> Result<(), String> {
+    let planes = layout::prepared_bytes(n, k).ok_or("prepared weight size overflows")?;
+    let scales = layout::prepared_scales(n, k, g).ok_or("prepared scales size overflows")?;
+    // SAFETY: the weight buffers were checked to be contiguous tensors of exactly these sizes.
+    let w = unsafe {
+        PreparedRef {
+            rows: n,
+            cols: k,
+            group_size: g,
+            planes: std::slice::from_raw_parts(p.q as *const u8, planes),
+            scales: std::slice::from_raw_parts(p.s as *const f16, scales),
+        }
+    };
+    let blocks = layout::row_blocks(n);
+    let per_chunk = (DENSE_CHUNK_BYTES / (2 * k * layout::ROWS)).clamp(1, blocks);
+    // One buffer per thread, kept: a fresh 16 MiB allocation is a fresh mmap, page-faulted on every call.
+    thread_local! {
+        static BUF: std::cell::RefCell<Vec<bf16>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    BUF.with(|cell| {
+        let mut buf = cell.borrow_mut();
+        let need = (per_chunk * layout::ROWS).min(n) * k;
+        if buf.len() < need {
+            buf.resize(need, bf16::ZERO);
+        }
+        dense_chunks(
+            api, gemm, p, m, n, k, &w, per_chunk, &mut buf, has_bias, pool,
+        )
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn dense_chunks(
+    api: &Api,
+    gemm: &TorchGemm,
+    p: Ptrs,
+    m: usize,
+    n: usize,
+    k: usize,
+    w: &PreparedRef<'_>,
+    per_chunk: usize,
+    buf: &mut [bf16],
+    has_bias: bool,
+    pool: &dyn ParallelFor,
+) -> Result<(), String> {
+    let blocks = layout::row_blocks(n);
+    // A tensor over memory we own (or torch owns: x, y, bias), freed (not the memory) on drop.
+    let view = |data: usize, sizes: [i64; 2], strides: [i64; 2]| -> Result<Tensor<'_>, String> {
+        let mut h = std::ptr::null_mut();
+        // SAFETY: `data` points at ≥ the bytes these sizes/strides address, alive past the GEMM.
+        check!(
+            unsafe {
+                (gemm.from_blob)(
+                    data as *mut c_void,
+                    2,
+                    sizes.as_ptr(),
+                    strides.as_ptr(),
+                    0,
+                    api.dtype_bf16,
+                    api.device_cpu,
+                    0,
+                    &mut h,
+                )
+            },
+            "create_tensor_from_blob"
+        );
+        Ok(Tensor { api, h })
+    };
+    let (mi, ki, ni) = (m as i64, k as i64, n as i64);
+    let x = view(p.x, [mi, ki], [ki, 1])?;
+    for b0 in (0..blocks).step_by(per_chunk) {
+        let b1 = (b0 + per_chunk).min(blocks);
+        let (r0, r1) = (b0 * layout::ROWS, (b1 * layout::ROWS).min(n));
+        let rows = r1 - r0;
+        dense::decode_blocks_bf16(w, b0..b1, &mut buf[..rows * k], pool)
+            .map_err(|e| format!("ternary_linear: {e}"))?;
+        let c = rows as i64;
+        let wt = view(buf.as_ptr() as usize, [ki, c], [1, ki])?; // Wᵀ chunk [k, rows]
+        let out = view(p.y + 2 * r0, [mi, c], [ni, 1])?;
+        if has_bias {
+            let bias = view(p.b + 2 * r0, [mi, c], [0, 1])?; // broadcast over tokens
+                                                             // SAFETY: valid handles; out = 1·bias + 1·(x · wt).
+            check!(
+                unsafe { (gemm.addmm_out)(out.h, bias.h, x.h, wt.h, 1.0, 1.0) },
+                "addmm_out"
+            );
+        } else {
+            // SAFETY: valid handles.
+            check!(unsafe { (gemm.mm_out)(out.h, x.h, wt.h) }, "mm_out");
+        }
+    }
+    Ok(())
 }

@@ -22,10 +22,13 @@
 //! * Shapes: the int8 modes run one kernel for every M (row blocks × token tiles of up to
 //!   [`INT8_TILE`] tokens: each 64-byte weight load is unpacked once per tile). The exact mode streams
 //!   row blocks per token below [`GEMM_MIN_M`] and decodes f32 tiles for an FMA micro-kernel above.
+//! * Prefill: inside torch, bf16 activations in the default mode with `M ≥` [`dense::DENSE_MIN_M`]
+//!   go to torch's own (AMX) bf16 GEMM on row chunks decoded exactly to bf16 by [`dense`].
 //! * Threads: row blocks are split over a [`ParallelFor`] (the ternary-rs rayon pool by default; torch's
 //!   intra-op pool inside torch), only when the weight is large enough to amortise the fork
 //!   ([`PARALLEL_MIN_WEIGHTS`]).
 
+pub mod dense;
 pub mod layout;
 mod quant;
 mod scalar;

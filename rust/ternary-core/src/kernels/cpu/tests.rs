@@ -517,3 +517,38 @@ fn kernel_throughput() {
         }
     }
 }
+
+#[test]
+fn dense_bf16_decode_is_codes_times_bf16_scales() {
+    for &(n, k, g) in &[(7, 96, 32), (9, 256, 64), (5, 640, 128), (12, 512, 256)] {
+        let c = case(1, n, k, g, 7);
+        let p = c.prepared();
+        let w = PreparedRef {
+            rows: n,
+            cols: k,
+            group_size: g,
+            planes: &p.0,
+            scales: &p.1,
+        };
+        let mut out = vec![bf16::ZERO; n * k];
+        dense::decode_blocks_bf16(&w, 0..layout::row_blocks(n), &mut out, &Rayon).unwrap();
+        let cw = c.canonical();
+        for r in 0..n {
+            for col in 0..k {
+                let s = bf16::from_f32(cw.scale(r, col).to_f32()).to_f32();
+                let want = cw.trit(r, col) as f32 * s;
+                assert_eq!(
+                    out[r * k + col].to_f32(),
+                    want,
+                    "n{n} k{k} g{g} at [{r}, {col}]"
+                );
+            }
+        }
+        // One block alone decodes the same rows; a wrong output length is an error, not a panic.
+        let rows = (2 * ROWS).min(n) - ROWS;
+        let mut part = vec![bf16::ZERO; rows * k];
+        dense::decode_blocks_bf16(&w, 1..2, &mut part, &Rayon).unwrap();
+        assert_eq!(part, out[ROWS * k..(ROWS + rows) * k]);
+        assert!(dense::decode_blocks_bf16(&w, 0..1, &mut part[..k], &Rayon).is_err());
+    }
+}
