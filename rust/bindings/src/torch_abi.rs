@@ -706,28 +706,35 @@ fn run<T: Activation>(
     precision: Precision,
     pool: &dyn ParallelFor,
 ) -> Result<(), String> {
-    let planes = layout::prepared_bytes(n, k).ok_or("prepared weight size overflows")?;
-    let scales = layout::prepared_scales(n, k, g).ok_or("prepared scales size overflows")?;
-    // SAFETY: every pointer is the data of a contiguous CPU tensor whose dtype and shape were checked
-    // above (x: m·k elements of T, weight buffers of exactly these sizes, y freshly allocated m·n).
-    let (x, planes, scales, bias, y) = unsafe {
+    let w = prepared_weight(p, n, k, g)?;
+    // SAFETY: x, bias and y are the data of contiguous CPU tensors whose dtype and shape were checked
+    // above (x: m·k elements of T, bias n, y freshly allocated m·n).
+    let (x, bias, y) = unsafe {
         (
             std::slice::from_raw_parts(p.x as *const T, m * k),
-            std::slice::from_raw_parts(p.q as *const u8, planes),
-            std::slice::from_raw_parts(p.s as *const f16, scales),
             (p.b != 0).then(|| std::slice::from_raw_parts(p.b as *const T, n)),
             std::slice::from_raw_parts_mut(p.y as *mut T, m * n),
         )
     };
-    let w = PreparedRef {
-        rows: n,
-        cols: k,
-        group_size: g,
-        planes,
-        scales,
-    };
     cpu::gemm(w, x, m, bias, y, variant(), precision, pool)
         .map_err(|e| format!("ternary_linear: {e}"))
+}
+
+/// The prepared weight behind `p.q` / `p.s`.
+fn prepared_weight(p: Ptrs, n: usize, k: usize, g: usize) -> Result<PreparedRef<'static>, String> {
+    let planes = layout::prepared_bytes(n, k).ok_or("prepared weight size overflows")?;
+    let scales = layout::prepared_scales(n, k, g).ok_or("prepared scales size overflows")?;
+    // SAFETY: both are the data of contiguous CPU tensors checked to have exactly these sizes, alive
+    // (held by the caller's handles) for the whole call; 'static never escapes the call.
+    Ok(unsafe {
+        PreparedRef {
+            rows: n,
+            cols: k,
+            group_size: g,
+            planes: std::slice::from_raw_parts(p.q as *const u8, planes),
+            scales: std::slice::from_raw_parts(p.s as *const f16, scales),
+        }
+    })
 }
 
 /// Bytes of bf16 weight decoded per torch GEMM call: big enough that the GEMM's N is wide, small
@@ -748,18 +755,7 @@ fn dense_tile_gemm(
     has_bias: bool,
     pool: &dyn ParallelFor,
 ) -> Result<(), String> {
-    let planes = layout::prepared_bytes(n, k).ok_or("prepared weight size overflows")?;
-    let scales = layout::prepared_scales(n, k, g).ok_or("prepared scales size overflows")?;
-    // SAFETY: the weight buffers were checked to be contiguous tensors of exactly these sizes.
-    let w = unsafe {
-        PreparedRef {
-            rows: n,
-            cols: k,
-            group_size: g,
-            planes: std::slice::from_raw_parts(p.q as *const u8, planes),
-            scales: std::slice::from_raw_parts(p.s as *const f16, scales),
-        }
-    };
+    let w = prepared_weight(p, n, k, g)?;
     let blocks = layout::row_blocks(n);
     let per_chunk = (DENSE_CHUNK_BYTES / (2 * k * layout::ROWS)).clamp(1, blocks);
     // One buffer per thread, kept: a fresh 16 MiB allocation is a fresh mmap, page-faulted on every call.
