@@ -768,71 +768,52 @@ fn dense_tile_gemm(
         if buf.len() < need {
             buf.resize(need, bf16::ZERO);
         }
-        dense_chunks(
-            api, gemm, p, m, n, k, &w, per_chunk, &mut buf, has_bias, pool,
-        )
-    })
-}
-
-#[allow(clippy::too_many_arguments)]
-fn dense_chunks(
-    api: &Api,
-    gemm: &TorchGemm,
-    p: Ptrs,
-    m: usize,
-    n: usize,
-    k: usize,
-    w: &PreparedRef<'_>,
-    per_chunk: usize,
-    buf: &mut [bf16],
-    has_bias: bool,
-    pool: &dyn ParallelFor,
-) -> Result<(), String> {
-    let blocks = layout::row_blocks(n);
-    // A tensor over memory we own (or torch owns: x, y, bias), freed (not the memory) on drop.
-    let view = |data: usize, sizes: [i64; 2], strides: [i64; 2]| -> Result<Tensor<'_>, String> {
-        let mut h = std::ptr::null_mut();
-        // SAFETY: `data` points at ≥ the bytes these sizes/strides address, alive past the GEMM.
-        check!(
-            unsafe {
-                (gemm.from_blob)(
-                    data as *mut c_void,
-                    2,
-                    sizes.as_ptr(),
-                    strides.as_ptr(),
-                    0,
-                    api.dtype_bf16,
-                    api.device_cpu,
-                    0,
-                    &mut h,
-                )
-            },
-            "create_tensor_from_blob"
-        );
-        Ok(Tensor { api, h })
-    };
-    let (mi, ki, ni) = (m as i64, k as i64, n as i64);
-    let x = view(p.x, [mi, ki], [ki, 1])?;
-    for b0 in (0..blocks).step_by(per_chunk) {
-        let b1 = (b0 + per_chunk).min(blocks);
-        let (r0, r1) = (b0 * layout::ROWS, (b1 * layout::ROWS).min(n));
-        let rows = r1 - r0;
-        dense::decode_blocks_bf16(w, b0..b1, &mut buf[..rows * k], pool)
-            .map_err(|e| format!("ternary_linear: {e}"))?;
-        let c = rows as i64;
-        let wt = view(buf.as_ptr() as usize, [ki, c], [1, ki])?; // Wᵀ chunk [k, rows]
-        let out = view(p.y + 2 * r0, [mi, c], [ni, 1])?;
-        if has_bias {
-            let bias = view(p.b + 2 * r0, [mi, c], [0, 1])?; // broadcast over tokens
-                                                             // SAFETY: valid handles; out = 1·bias + 1·(x · wt).
-            check!(
-                unsafe { (gemm.addmm_out)(out.h, bias.h, x.h, wt.h, 1.0, 1.0) },
-                "addmm_out"
-            );
-        } else {
-            // SAFETY: valid handles.
-            check!(unsafe { (gemm.mm_out)(out.h, x.h, wt.h) }, "mm_out");
+        // A tensor over memory we own (or torch owns: x, y, bias), freed (not the memory) on drop.
+        let view =
+            |data: usize, sizes: [i64; 2], strides: [i64; 2]| -> Result<Tensor<'_>, String> {
+                let mut h = std::ptr::null_mut();
+                // SAFETY: `data` points at ≥ the bytes these sizes/strides address, alive past the GEMM.
+                check!(
+                    unsafe {
+                        (gemm.from_blob)(
+                            data as *mut c_void,
+                            2,
+                            sizes.as_ptr(),
+                            strides.as_ptr(),
+                            0,
+                            api.dtype_bf16,
+                            api.device_cpu,
+                            0,
+                            &mut h,
+                        )
+                    },
+                    "create_tensor_from_blob"
+                );
+                Ok(Tensor { api, h })
+            };
+        let (mi, ki, ni) = (m as i64, k as i64, n as i64);
+        let x = view(p.x, [mi, ki], [ki, 1])?;
+        for b0 in (0..blocks).step_by(per_chunk) {
+            let b1 = (b0 + per_chunk).min(blocks);
+            let (r0, r1) = (b0 * layout::ROWS, (b1 * layout::ROWS).min(n));
+            let rows = r1 - r0;
+            dense::decode_blocks_bf16(&w, b0..b1, &mut buf[..rows * k], pool)
+                .map_err(|e| format!("ternary_linear: {e}"))?;
+            let c = rows as i64;
+            let wt = view(buf.as_ptr() as usize, [ki, c], [1, ki])?; // Wᵀ chunk [k, rows]
+            let out = view(p.y + 2 * r0, [mi, c], [ni, 1])?;
+            if has_bias {
+                let bias = view(p.b + 2 * r0, [mi, c], [0, 1])?; // broadcast over tokens
+                                                                 // SAFETY: valid handles; out = 1·bias + 1·(x · wt).
+                check!(
+                    unsafe { (gemm.addmm_out)(out.h, bias.h, x.h, wt.h, 1.0, 1.0) },
+                    "addmm_out"
+                );
+            } else {
+                // SAFETY: valid handles.
+                check!(unsafe { (gemm.mm_out)(out.h, x.h, wt.h) }, "mm_out");
+            }
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
