@@ -16,8 +16,11 @@ op runs on torch's intra-op pool, like ``F.linear``):
 * **per-call overhead** at 1×1024→1024: the native op through torch's dispatcher vs the same kernel called
   directly (``_core``), and the old Python dispatch path for comparison.
 
+* ``--variants amx,avx512`` times the int8 mode once per kernel variant (rows ``int8/amx``,
+  ``int8/avx512``: AMX-INT8 tiles against the VNNI kernel on the same data); by default only the best.
+
 Usage: python benches/bench_cpu_op.py [--shapes 5120x17408,...] [--m 1,2,4,8,16,128,512] [--threads 1,2]
-                                      [--hot] [--budget 1.0] [--json out.json]
+                                      [--hot] [--budget 1.0] [--variants amx,avx512] [--json out.json]
 """
 
 from __future__ import annotations
@@ -107,11 +110,13 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=1.0, help="seconds of timing per measurement")
     ap.add_argument("--hot", action="store_true", help="also time one cache-resident copy per shape")
     ap.add_argument("--no-bf16", action="store_true", help="skip torch bf16 (it is slow at large M)")
+    ap.add_argument("--variants", default="", help="int8 mode once per kernel variant, e.g. amx,avx512")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.m.split(",")]
     threads = [int(v) for v in args.threads.split(",")]
+    kernel_variants = [v for v in args.variants.split(",") if v]
 
     print(f"CPU: {platform.processor() or platform.machine()}, kernel variant {_ops_cpu.kernel_variant()}, "
           f"native dispatch: {ops.NATIVE_CPU_UNAVAILABLE is None}, torch {torch.__version__}, g = {GROUP}")
@@ -125,7 +130,7 @@ def main() -> None:
               f"directly {o['kernel_direct_us']:.2f} us (dispatch overhead {o['native_overhead_us']:.2f} us), "
               f"old Python path {o['python_path_us']:.2f} us")
 
-    hdr = (f"{'K x N':>14} {'M':>4} {'thr':>3} {'mode':>5} {'ms':>9} {'Gw/s':>7} {'Gwt/s':>7} {'GB/s':>6} "
+    hdr = (f"{'K x N':>14} {'M':>4} {'thr':>3} {'mode':>16} {'ms':>9} {'Gw/s':>7} {'Gwt/s':>7} {'GB/s':>6} "
            f"{'%bw':>5} {'bf16 ms':>9} {'x bf16':>7}")
     print(hdr)
     for k, n in shapes:
@@ -149,21 +154,25 @@ def main() -> None:
                 if dense is not None and (m <= 16 or n * k <= 1 << 27):
                     t_bf16 = timed(lambda i: torch.nn.functional.linear(x, dense[i % len(dense)]), len(dense),
                                    args.budget, min_calls=3)
-                variants = [("int8", ops.AUTO, copies), ("exact", ops.EXACT, copies)]
+                variants = [(f"int8/{v}", ops.AUTO, copies, v) for v in kernel_variants] or [
+                    ("int8", ops.AUTO, copies, "auto")]
+                variants.append(("exact", ops.EXACT, copies, "auto"))
                 if args.hot:
-                    variants.append(("int8 hot", ops.AUTO, 1))
-                for mode, act, cps in variants:
+                    variants += [(f"{name} hot", act, 1, v) for name, act, _, v in variants if act == ops.AUTO]
+                for mode, act, cps, kernel in variants:
                     if mode == "exact" and m > 16 and m != ms[-1]:
                         continue  # exact is the f32 path; keep the run short
+                    _ops_cpu.set_kernel_variant(kernel)
                     t = timed(lambda i: torch.ops.ternary_rs.ternary_linear(x, tq[i], ts[i], n, k, GROUP, None, act),
                               cps, args.budget)
+                    _ops_cpu.set_kernel_variant("auto")
                     row = {"k": k, "n": n, "m": m, "threads": th, "mode": mode, "seconds": t,
                            "G_weights_per_s": n * k / t / 1e9, "G_weight_tokens_per_s": m * n * k / t / 1e9,
                            "packed_GBps": packed / t / 1e9, "fraction_of_bandwidth": packed / t / 1e9 / bandwidth[th],
                            "bf16_seconds": t_bf16, "speedup_vs_bf16": (t_bf16 / t) if t_bf16 else None}
                     results["rows"].append(row)
                     bf = f"{t_bf16 * 1e3:9.3f} {t_bf16 / t:7.2f}" if t_bf16 else f"{'-':>9} {'-':>7}"
-                    print(f"{k:>6} x {n:<6} {m:>4} {th:>3} {mode:>5} {t * 1e3:9.3f} {row['G_weights_per_s']:7.1f} "
+                    print(f"{k:>6} x {n:<6} {m:>4} {th:>3} {mode:>16} {t * 1e3:9.3f} {row['G_weights_per_s']:7.1f} "
                           f"{row['G_weight_tokens_per_s']:7.1f} {row['packed_GBps']:6.2f} "
                           f"{100 * row['fraction_of_bandwidth']:5.1f} {bf}", flush=True)
         tq = ts = dense = None  # free this shape's copies before the next

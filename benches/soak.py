@@ -23,9 +23,13 @@ It samples the server's resident memory (the API process and its engine children
 prints, and writes to ``--out`` as JSON: requests done per kind, the prefix cache's hit rate (vLLM's
 /metrics), errors (anything other than a correct
 stream or the expected 4xx; must be 0), p50/p99 latency and time to first token, tokens/s, and RSS after
-warm-up, under full load (10% into the run), at the end and its maximum. Exit status 1 on any error, on a bad request that was not refused
-with a 4xx, or when RSS grew by more than ``--max-rss-growth`` (fraction; default 0.05) from under load
-to the end.
+warm-up, under full load (10% into the run), at the middle of the run, at the end and its maximum.
+Exit status 1 on any error, on a bad request that was not refused with a 4xx, or when RSS grew by more
+than ``--max-rss-growth`` (fraction; default 0.05) over the **second half** of the run. A leak keeps
+growing; warm-up does not: on the hybrid (GDN) model RSS climbs for the first ~10 minutes as caches,
+allocator arenas and compiled shapes fill in, then stays flat (measured: +7 % from 60 s to 780 s, then
+±0.1 % to 1200 s), so growth from the 60-second point (``rss_growth_from_full_load``, also reported)
+says nothing about leaks in a run of 10 minutes. Run ≥ 20 minutes for the hybrid model.
 The short form is tests/test_soak.py. On a shared machine the latencies say little; errors and memory
 growth are the point.
 """
@@ -328,8 +332,9 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarize(results: list[dict], seconds: float, rss: list[tuple[float, int]], rss_start: int) -> dict:
-    """Counts, latencies and memory. Growth is measured from the first sample past 10% of the run (at
-    most 60 s in: the full load has allocated its batch buffers by then) to the end."""
+    """Counts, latencies and memory. ``rss_growth`` is measured over the second half of the run (from
+    the first sample past its middle to the end): the steady state, where a leak shows and warm-up has
+    ended; ``rss_growth_from_full_load`` from the first sample past 10% of the run (at most 60 s in)."""
     by_kind: dict[str, int] = {}
     for r in results:
         by_kind[r["kind"]] = by_kind.get(r["kind"], 0) + 1
@@ -341,6 +346,7 @@ def summarize(results: list[dict], seconds: float, rss: list[tuple[float, int]],
     rss_end = rss[-1][1] if rss else 0
     ramp = min(60.0, 0.1 * seconds)
     rss_loaded = next((v for t, v in rss if t >= ramp), rss_end)
+    rss_mid = next((v for t, v in rss if t >= 0.5 * seconds), rss_end)
     return {
         "requests": len(results),
         "by_kind": by_kind,
@@ -356,9 +362,10 @@ def summarize(results: list[dict], seconds: float, rss: list[tuple[float, int]],
         "completion_tokens": sum(r.get("tokens", 0) for r in good),
         "tokens_per_s": sum(r.get("tokens", 0) for r in good) / max(seconds, 1e-9),
         "seconds": seconds,
-        "rss_mb": {"after_warmup": rss_start / 2**20, "under_load": rss_loaded / 2**20, "end": rss_end / 2**20,
-                   "max": max((v for _, v in rss), default=0) / 2**20},
-        "rss_growth": (rss_end - rss_loaded) / rss_loaded if rss_loaded else None,
+        "rss_mb": {"after_warmup": rss_start / 2**20, "under_load": rss_loaded / 2**20, "middle": rss_mid / 2**20,
+                   "end": rss_end / 2**20, "max": max((v for _, v in rss), default=0) / 2**20},
+        "rss_growth": (rss_end - rss_mid) / rss_mid if rss_mid else None,
+        "rss_growth_from_full_load": (rss_end - rss_loaded) / rss_loaded if rss_loaded else None,
         "rss_timeline_mb": [(round(t, 1), round(v / 2**20, 1)) for t, v in rss],
     }
 

@@ -403,12 +403,42 @@ def test_torch_compile_fullgraph():
         torch.testing.assert_close(compiled(x), layer(x))
 
 
+def _non_amx_variant() -> str:
+    return "avx512" if "avx512" in _ops_cpu.available_variants() else _ops_cpu.kernel_variant()
+
+
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_large_m_bf16_takes_the_dense_tile_path(with_bias):
-    """bf16, default mode, M ≥ 48 (prefill): row chunks decoded to bf16 (t · bf16(s), exact) and
-    multiplied by torch's GEMM — within bf16 weight rounding (2⁻⁹ relative per weight) of float64 and
-    the output rounding; below 48 tokens it is the int8 kernel, bit for bit."""
+    """bf16, default mode, M ≥ 48 (prefill) without AMX-INT8: row chunks decoded to bf16
+    (t · bf16(s), exact) and multiplied by torch's GEMM — within bf16 weight rounding (2⁻⁹ relative
+    per weight) of float64 and the output rounding; below 48 tokens it is the int8 kernel, bit for bit."""
     assert ops.NATIVE_CPU_UNAVAILABLE is None  # the path lives in the native kernel
+    if _non_amx_variant() == "amx":
+        pytest.skip("only the AMX variant runs here")
+    with _ops_cpu.kernel_options(variant=_non_amx_variant()):
+        _check_dense_tile_path(with_bias)
+
+
+@pytest.mark.skipif("amx" not in _ops_cpu.available_variants(), reason="this CPU has no AMX-INT8")
+def test_large_m_bf16_with_amx_stays_int8():
+    """With AMX-INT8 the default bf16 mode keeps the int8 numerics at every M (the AMX tiles beat the
+    dense-tile path): bit for bit the explicit int8 mode, within its quantization bound."""
+    rng = np.random.default_rng(29)
+    n, k, g = 300, 1024, 128
+    q, s = make_weight(rng, n, k, g)
+    qk, sk = ops.prepare_weight(q, s, g)
+    w64 = dequantize64(q, s, g)
+    with _ops_cpu.kernel_options(variant="amx"):
+        for m in (4, 5, 48, 200):
+            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).bfloat16()
+            auto = OP(x, qk, sk, n, k, g, None)
+            assert torch.equal(auto, run_op(x, qk, sk, n, k, g, None, activations=ops.INT8_GROUP))
+            y64, mag = reference(x, w64, None)
+            tol = int8_bound(x, w64, g) * 1.0001 + 2.0**-8 * np.abs(y64) + 1e-5 * mag + 1e-30
+            assert np.all(np.abs(auto.double().numpy() - y64) <= tol)
+
+
+def _check_dense_tile_path(with_bias):
     rng = np.random.default_rng(23)
     n, k, g = 4201, 2048, 128  # 17 MB dense: two decode chunks; N not a multiple of 4
     q, s = make_weight(rng, n, k, g)

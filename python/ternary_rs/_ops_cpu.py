@@ -15,7 +15,8 @@ The kernel (``rust/ternary-core/src/kernels/cpu``) never materialises the dense 
 Activation modes (the op's ``activations`` argument; 0 = auto):
 
 * **int8 per group** (2; auto for bf16/fp16 x): x quantized per token and per weight group to int8
-  (``xs = max|x_g|/127``, round half to even), exact integer dot products (VNNI), combined in f32.
+  (``xs = max|x_g|/127``, round half to even), exact integer dot products (VNNI, or AMX-INT8 tiles from a few tokens on CPUs that have
+  them), combined in f32.
   Extra error vs float64 ``≤ Σ_g xs_g/2 · Σ_{k∈g}|W[n,k]|`` — at least as tight as llama.cpp's Q8_K.
 * **exact** (1; auto for f32 x): x in f32, exact products, f32 sums per group then × scale:
   ``|y − y64| ≤ K·2⁻²³·Σₖ|x_k·W[n,k]|`` before the one rounding to x's dtype (bf16 x may take the
@@ -24,8 +25,8 @@ Activation modes (the op's ``activations`` argument; 0 = auto):
   token; the BitNet architecture always asks for it.
 
 ``TERNARY_RS_CPU_INT8=0`` makes *auto* exact for every dtype, ``=1`` int8 (per group) for every dtype;
-an explicit ``activations`` value always wins. The variant (``"auto"`` = best supported, ``"avx512"``,
-``"avx2"``, ``"scalar"``) can be forced with :func:`set_kernel_variant` or ``TERNARY_RS_CPU_KERNEL``.
+an explicit ``activations`` value always wins. The variant (``"auto"`` = best supported, ``"amx"``,
+``"avx512"``, ``"avx2"``, ``"scalar"``) can be forced with :func:`set_kernel_variant` or ``TERNARY_RS_CPU_KERNEL``.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def kernel_variant() -> str:
 
 
 def set_kernel_variant(name: str) -> None:
-    """Force a kernel variant (``"auto"``, ``"avx512"``, ``"avx2"`` or ``"scalar"``)."""
+    """Force a kernel variant (``"auto"``, ``"amx"``, ``"avx512"``, ``"avx2"`` or ``"scalar"``)."""
     global _variant
     if name != "auto" and name not in available_variants():
         raise ValueError(

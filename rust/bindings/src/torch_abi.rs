@@ -127,7 +127,7 @@ static LIBRARY: OnceLock<usize> = OnceLock::new();
 
 /// Global CPU-kernel settings the Python side sets (`_ops_cpu.set_kernel_variant`, the
 /// `TERNARY_RS_CPU_INT8` default), read by every native call.
-static VARIANT: AtomicU8 = AtomicU8::new(0); // 0 auto, 1 scalar, 2 avx2, 3 avx512
+static VARIANT: AtomicU8 = AtomicU8::new(0); // 0 auto, 1 scalar, 2 avx2, 3 avx512, 4 amx
 static DEFAULT_MODE: AtomicU8 = AtomicU8::new(0); // 0 by dtype, 1 exact, 2 int8
 
 pub fn set_variant(v: Option<Variant>) {
@@ -136,6 +136,7 @@ pub fn set_variant(v: Option<Variant>) {
         Some(Variant::Scalar) => 1,
         Some(Variant::Avx2) => 2,
         Some(Variant::Avx512) => 3,
+        Some(Variant::Amx) => 4,
     };
     VARIANT.store(code, Ordering::Relaxed);
 }
@@ -145,6 +146,7 @@ fn variant() -> Variant {
         1 => Variant::Scalar,
         2 => Variant::Avx2,
         3 => Variant::Avx512,
+        4 => Variant::Amx,
         _ => Variant::best(),
     }
 }
@@ -668,12 +670,14 @@ fn linear<'a>(
         y: y.data()? as usize,
     };
     let pool = TorchPool(api);
-    // Prefill: decoded bf16 chunks through torch's GEMM beat any fused kernel here (dense.rs docs).
+    // Prefill without AMX-INT8: decoded bf16 chunks through torch's GEMM beat the VNNI kernel
+    // (dense.rs docs); with it the int8 AMX tiles beat both (cpu::amx docs), so they keep the default.
     // Only in the default mode: an explicit activations mode or TERNARY_RS_CPU_INT8 keeps its numerics.
     if name == "bfloat16"
         && activations == ACTIVATIONS_AUTO
         && DEFAULT_MODE.load(Ordering::Relaxed) == 0
         && m >= dense::DENSE_MIN_M
+        && variant() != Variant::Amx
     {
         if let Some(gemm) = &api.gemm {
             dense_tile_gemm(api, gemm, ptrs, m, n, k, g, bias.is_some(), &pool)?;

@@ -23,6 +23,7 @@ pub(crate) static KERNELS: Kernels = Kernels {
     decode,
     micro,
     quantize: quant::quantize_row_fn,
+    amx_int8: false,
 };
 
 pub(crate) fn is_supported() -> bool {

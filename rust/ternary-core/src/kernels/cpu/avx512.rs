@@ -19,7 +19,7 @@ use half::f16;
 use super::layout::{CHUNK_BYTES, ROWS, SUB_K, SUPER_K};
 use super::{Int8Tile, Kernels, ACC_STRIDE, INT8_TILE, LANES, MICRO_M};
 
-pub(crate) static KERNELS: Kernels = Kernels {
+pub(crate) const KERNELS: Kernels = Kernels {
     int8: [int8::<1>, int8::<2>, int8::<3>, int8::<4>],
     prepass,
     exact,
@@ -27,12 +27,19 @@ pub(crate) static KERNELS: Kernels = Kernels {
     decode,
     micro,
     quantize,
+    amx_int8: false,
 };
 
 /// The same kernels plus the `vdpbf16ps` GEMV for bf16 activations (CPUs with AVX512_BF16).
-pub(crate) static KERNELS_BF16: Kernels = Kernels {
+pub(crate) const KERNELS_BF16: Kernels = Kernels {
     exact_bf16: Some(exact_bf16),
     ..KERNELS
+};
+
+/// The bf16 set with AMX-INT8 tiles for the int8 modes (`super::amx`; AMX CPUs all have AVX512_BF16).
+pub(crate) const KERNELS_AMX: Kernels = Kernels {
+    amx_int8: true,
+    ..KERNELS_BF16
 };
 
 pub(crate) fn has_bf16_dot() -> bool {
@@ -61,6 +68,17 @@ unsafe fn unpack(w: __m512i, i: usize, mask: __m512i) -> __m512i {
     }
 }
 
+/// Software prefetch distance of the int8 kernel in the weight stream (0: none).
+fn prefetch_bytes() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        std::env::var("TRS_PF")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    })
+}
+
 #[inline(always)]
 unsafe fn load_chunk(block: *const u8, sb: usize, r: usize) -> __m512i {
     unsafe { _mm512_loadu_si512(block.add((sb * ROWS + r) * CHUNK_BYTES).cast()) }
@@ -79,6 +97,7 @@ unsafe fn int8<const T: usize>(a: &Int8Tile<'_>) -> [[f32; ROWS]; INT8_TILE] {
     let mask = _mm512_set1_epi8(3);
     let zero = _mm512_setzero_si512();
     let mut facc = [[_mm512_setzero_ps(); ROWS]; T];
+    let pf = prefetch_bytes();
     // Combined scale of (token t, group gi, row r): the FMA's broadcast operand.
     let scale = |t: usize, gi: usize, r: usize| -> __m512 {
         // SAFETY: t < T, gi < gp (asserted length above).
@@ -89,6 +108,14 @@ unsafe fn int8<const T: usize>(a: &Int8Tile<'_>) -> [[f32; ROWS]; INT8_TILE] {
         // 256·sb .. 256·sb + 256 of every token are in bounds (asserts above).
         unsafe {
             let w: [__m512i; ROWS] = std::array::from_fn(|r| load_chunk(bp, sb, r));
+            if pf > 0 {
+                // The weight is one stream: ask for the lines PREFETCH_BYTES ahead (past this block's
+                // end they are the next block's; a prefetch never faults).
+                let ahead = bp.wrapping_add(sb * ROWS * CHUNK_BYTES + pf);
+                for r in 0..ROWS {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(r * CHUNK_BYTES).cast());
+                }
+            }
             let k_sb = sb * SUPER_K;
             if g >= 128 {
                 // Scale units of 128 weights (two sub-vectors; g = 256 uses one scale for both).

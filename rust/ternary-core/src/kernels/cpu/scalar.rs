@@ -18,6 +18,7 @@ pub(crate) static KERNELS: Kernels = Kernels {
     decode,
     micro,
     quantize: quant::quantize_row_fn,
+    amx_int8: false,
 };
 
 /// Columns of a row block (`Kp`): the block is `Kp` bytes.

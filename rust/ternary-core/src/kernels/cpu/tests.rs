@@ -251,6 +251,12 @@ fn int8_within_quantization_bound() {
             (5, 13, 1280, 64),
             (9, 6, 544, 32),
             (17, 21, 640, 128),
+            // AMX: full and partial 16-token tiles, 16-row groups with a partial last group, column
+            // chunks (1024) with a partial last chunk, every group size.
+            (16, 37, 2304, 256),
+            (33, 20, 1536, 32),
+            (20, 70, 1280, 64),
+            (48, 16, 1024, 128),
         ] {
             check_int8(m, n, k, g, 7 + n as u64 + m as u64, precision);
         }
@@ -430,18 +436,24 @@ fn rejects_bad_sizes_and_variants() {
 
 #[test]
 fn nan_activation_propagates() {
-    let c = case(1, 3, 64, 32, 2);
-    let planes = c.prepared();
-    let mut x = c.x.clone();
-    x[5] = f32::NAN;
-    for v in supported() {
-        for p in [Precision::Exact, Precision::Int8Group, Precision::Int8Token] {
-            let y = c.run(&x, None, v, p, &planes);
-            // Rows whose weight at column 5 is nonzero must be NaN in exact mode; int8 poisons the row.
-            for nn in 0..3 {
-                if p != Precision::Exact || c.canonical().trit(nn, 5) != 0 {
-                    assert!(y[nn].is_nan(), "{v:?} {p:?} row {nn}");
+    // One token (the GEMV kernels) and eight (AMX tiles from AMX_MIN_M): the NaN sits in token 0;
+    // the other tokens stay finite.
+    for m in [1, 8] {
+        let c = case(m, 3, 64, 32, 2);
+        let planes = c.prepared();
+        let mut x = c.x.clone();
+        x[5] = f32::NAN;
+        for v in supported() {
+            for p in [Precision::Exact, Precision::Int8Group, Precision::Int8Token] {
+                let y = c.run(&x, None, v, p, &planes);
+                // Rows whose weight at column 5 is nonzero must be NaN in exact mode; int8 poisons
+                // the row.
+                for nn in 0..3 {
+                    if p != Precision::Exact || c.canonical().trit(nn, 5) != 0 {
+                        assert!(y[nn].is_nan(), "{v:?} {p:?} m{m} row {nn}");
+                    }
                 }
+                assert!(y[3..].iter().all(|v| v.is_finite()), "{v:?} {p:?} m{m}: NaN leaked");
             }
         }
     }
@@ -458,14 +470,14 @@ proptest! {
 
 const GROUP_SIZES_FOR_TEST: [usize; 4] = crate::canonical::GROUP_SIZES;
 
-/// Throughput of the whole kernel at M = 1..16 on a weight larger than the caches, single-threaded
+/// Throughput of the whole kernel at M = 1..128 (VNNI and AMX) on a weight larger than the caches, single-threaded
 /// (run by hand: `cargo test --release -p ternary-core kernel_throughput -- --ignored --nocapture`).
 /// The benchmarks in `benches/` are the numbers to quote; this is for quick iteration on the kernel.
 #[test]
 #[ignore]
 fn kernel_throughput() {
     let (n, k, g) = (4096, 5120, 128);
-    let c = case(16, n, k, g, 9);
+    let c = case(128, n, k, g, 9);
     let prepared = c.prepared();
     let w = PreparedRef {
         rows: n,
@@ -475,12 +487,19 @@ fn kernel_throughput() {
         scales: &prepared.1,
     };
     let xb: Vec<bf16> = c.x.iter().map(|&v| bf16::from_f32(v)).collect();
-    let mut y = vec![bf16::ZERO; 16 * n];
+    let mut y = vec![bf16::ZERO; 128 * n];
+    let variants: Vec<Variant> = [Variant::Avx512, Variant::Amx]
+        .into_iter()
+        .filter(|v| v.is_supported())
+        .collect();
     for (precision, ms) in [
-        (Precision::Int8Group, &[1usize, 2, 4, 8, 16][..]),
+        (
+            Precision::Int8Group,
+            &[1usize, 2, 4, 8, 16, 32, 64, 128][..],
+        ),
         (Precision::Exact, &[1, 4, 16][..]),
     ] {
-        for &m in ms {
+        for (&m, &variant) in ms.iter().flat_map(|m| variants.iter().map(move |v| (m, v))) {
             let reps = 20;
             gemm(
                 w,
@@ -488,7 +507,7 @@ fn kernel_throughput() {
                 m,
                 None,
                 &mut y[..m * n],
-                Variant::best(),
+                variant,
                 precision,
                 &crate::threads::Serial,
             )
@@ -509,7 +528,8 @@ fn kernel_throughput() {
             }
             let dt = t.elapsed().as_secs_f64() / reps as f64;
             println!(
-                "{precision:?} M={m:2}: {:6.1} G weights/s, {:6.1} G weight-tokens/s, {:5.2} GB/s packed",
+                "{:6} {precision:?} M={m:3}: {:6.1} G weights/s, {:6.1} G weight-tokens/s, {:5.2} GB/s packed",
+                variant.name(),
                 (n * k) as f64 / dt / 1e9,
                 (m * n * k) as f64 / dt / 1e9,
                 (prepared.0.len() + 2 * prepared.1.len()) as f64 / dt / 1e9

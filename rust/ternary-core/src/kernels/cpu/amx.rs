@@ -1,0 +1,491 @@
+//! AMX-INT8 tiles for the int8 modes (Sapphire Rapids and later: AMX-TILE + AMX-INT8).
+//!
+//! The VNNI kernel unpacks each 64-byte weight load once per tile of at most [`super::INT8_TILE`]
+//! tokens and issues one `vpdpbusd` (64 multiply-adds) per token: from M ≈ 8 it is compute-bound and
+//! no faster than torch's bf16 GEMM. One `tdpbssd` does 16 × 16 × 64 multiply-adds, so here the weight
+//! is decoded once per 16 rows × 1024 columns into signed trits `t = c − 1` (one shift, AND and
+//! subtract per 64 weights, the A operand: 16 weight rows × 64 columns) and multiplied against the
+//! activations of 16 tokens at once (the B operand, repacked per call into AMX's 4-byte column
+//! groups). Decode is then bound by the weight stream again, and prefill by the tile unit.
+//!
+//! Numerics: per weight group and (row, token) the tile sums `Σ t·q` exactly in int32; the epilogue
+//! adds `f32(sum) · (f32(s) · xs)` (one FMA) group after group. That is the scalar reference's
+//! combination with the code offset removed in integers instead of afterwards in f32, so it is at least
+//! as accurate (tested against float64 and the scalar kernel like every variant).
+//!
+//! Tile state is per thread and shared with every other AMX user of the process (oneDNN, torch's
+//! brgemm, which cache their configuration): each task saves the caller's configuration and restores it
+//! (or releases the tiles when there was none) before returning.
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+use super::layout::{padded_cols, padded_groups, row_blocks, CHUNK_BYTES, ROWS, SUB_K, SUPER_K};
+use super::PreparedRef;
+use half::slice::HalfFloatSliceExt;
+
+/// Weight rows per A tile (four row blocks of the layout).
+pub const TILE_N: usize = 16;
+/// Weight rows per worker group: two A tiles share every B tile (a tile load costs more than a
+/// `tdpbssd` here, so each B load feeds two products).
+pub const GROUP_ROWS: usize = 2 * TILE_N;
+/// Tokens per B tile.
+pub const TILE_T: usize = 16;
+/// Columns decoded per A buffer refill: 32 rows × 512 trits = 16 KiB, which stays in L1 (with the
+/// chunk's 8 KiB of B per token tile) while every token tile uses it.
+const CHUNK_K: usize = 512;
+/// Activation bytes one token block may span (`tokens · Kp`): a 16-row group streams its block's B
+/// tiles from L2, so the block must fit there (2 MiB per core on Sapphire Rapids, half left for the
+/// rest). Larger M runs block after block, re-decoding the weight (cheap next to the tile products).
+/// Unit tests use 32 KiB so their small shapes run several blocks.
+const TOKEN_BLOCK_BYTES: usize = if cfg!(test) { 1 << 15 } else { 1 << 20 };
+/// Bytes of one tile row (AMX's maximum).
+const TILE_ROW_BYTES: usize = 64;
+/// Bytes of one full tile.
+const TILE_BYTES: usize = 16 * TILE_ROW_BYTES;
+
+/// Whether this CPU has AMX-TILE and AMX-INT8 and the OS lets this process use the tile data
+/// (Linux: `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, granted once per process).
+pub(crate) fn is_supported() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        // cpuid leaf 7 (edx bit 24 AMX-TILE, 25 AMX-INT8) exists on every CPU with AVX-512.
+        let cpu = super::avx512::is_supported() && super::avx512::has_bf16_dot() && {
+            let l7 = __cpuid_count(7, 0);
+            (l7.edx >> 24) & 1 == 1 && (l7.edx >> 25) & 1 == 1
+        };
+        cpu && request_tile_permission()
+    })
+}
+
+#[cfg(target_os = "linux")]
+fn request_tile_permission() -> bool {
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: a plain syscall with integer arguments; it only changes this process's XSAVE permissions.
+    unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        ) == 0
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn request_tile_permission() -> bool {
+    false
+}
+
+/// One cache line. Tile rows, their vector stores and the epilogue's loads are whole lines: unaligned,
+/// each would split across two (measured: the decode ran 3× slower from a plain `Vec<i8>`).
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+const ZERO_LINE: Line = Line([0; 64]);
+
+/// A growable buffer of whole cache lines, viewed as `T`s.
+#[derive(Default)]
+struct Lines(Vec<Line>);
+
+impl Lines {
+    /// Make it `bytes` long (rounded up to lines), all zero.
+    fn zeroed(&mut self, bytes: usize) {
+        self.0.clear();
+        self.0.resize(bytes.div_ceil(64), ZERO_LINE);
+    }
+
+    fn slice<T: bytemuck::Pod>(&self) -> &[T] {
+        bytemuck::cast_slice(bytemuck::cast_slice::<Line, u8>(&self.0))
+    }
+
+    fn slice_mut<T: bytemuck::Pod>(&mut self) -> &mut [T] {
+        bytemuck::cast_slice_mut(bytemuck::cast_slice_mut::<Line, u8>(&mut self.0))
+    }
+}
+
+// SAFETY: plain bytes, no padding (64 bytes, align 64).
+unsafe impl bytemuck::Zeroable for Line {}
+unsafe impl bytemuck::Pod for Line {}
+
+/// The 64-byte `ldtilecfg` operand.
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+impl TileConfig {
+    /// tmm0–3: C (16 rows × 16 int32; two groups in flight × two row halves), tmm4–5: A (16 rows ×
+    /// `ks` trits, one per row half), tmm6–7: B (`ks / 4` rows × 64; alternate steps).
+    fn for_step(ks: usize) -> TileConfig {
+        let mut c = TileConfig {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            colsb: [0; 16],
+            rows: [0; 16],
+        };
+        for t in 0..4 {
+            c.colsb[t] = TILE_ROW_BYTES as u16;
+            c.rows[t] = TILE_N as u8;
+        }
+        for t in 4..6 {
+            c.colsb[t] = ks as u16;
+            c.rows[t] = TILE_N as u8;
+        }
+        for t in 6..8 {
+            c.colsb[t] = TILE_ROW_BYTES as u16;
+            c.rows[t] = (ks / 4) as u8;
+        }
+        c
+    }
+}
+
+/// Saves the thread's tile configuration on creation and puts it back on drop (also on unwind).
+struct TileGuard {
+    saved: TileConfig,
+}
+
+impl TileGuard {
+    /// SAFETY: AMX must be supported ([`is_supported`]).
+    unsafe fn configure(cfg: &TileConfig) -> TileGuard {
+        let mut saved = TileConfig::for_step(64);
+        unsafe {
+            asm!("sttilecfg [{0}]", in(reg) &mut saved as *mut TileConfig, options(nostack));
+            asm!("ldtilecfg [{0}]", in(reg) cfg as *const TileConfig, options(nostack));
+        }
+        TileGuard { saved }
+    }
+}
+
+impl Drop for TileGuard {
+    fn drop(&mut self) {
+        // SAFETY: only created by `configure`, so AMX is available.
+        unsafe {
+            if self.saved.palette == 0 {
+                asm!("tilerelease", options(nostack, nomem));
+            } else {
+                asm!("ldtilecfg [{0}]", in(reg) &self.saved as *const TileConfig, options(nostack));
+            }
+        }
+    }
+}
+
+/// Activations of one call in the B-operand form: per token tile, `Kp/4` rows of 16 tokens × 4
+/// consecutive int8 codes (missing tokens zero), and the activation scales `[Gp][16]` per tile.
+/// Kept per thread between calls (like the other scratch buffers: no page faults per call).
+#[derive(Default)]
+pub(crate) struct TokenTiles {
+    pub tiles: usize,
+    kp: usize,
+    gp: usize,
+    b: Lines,
+    xs: Vec<f32>,
+}
+
+impl TokenTiles {
+    /// Token tiles per block for this `Kp` (at least one; see [`TOKEN_BLOCK_BYTES`]).
+    pub fn tiles_per_block(&self) -> usize {
+        (TOKEN_BLOCK_BYTES / (self.kp.max(1) * TILE_T)).max(1)
+    }
+
+    /// Refill from the quantized rows `q` (`m · Kp`) and their scales `xs4` (`m · Gp · 4`, as the
+    /// quantizer writes them).
+    pub fn fill(&mut self, q: &[i8], xs4: &[f32], m: usize, kp: usize, gp: usize) {
+        assert!(q.len() >= m * kp && xs4.len() >= m * gp * ROWS);
+        let tiles = m.div_ceil(TILE_T);
+        *self = TokenTiles {
+            tiles,
+            kp,
+            gp,
+            b: std::mem::take(&mut self.b),
+            xs: std::mem::take(&mut self.xs),
+        };
+        self.b.zeroed(tiles * kp * TILE_T);
+        self.xs.clear();
+        self.xs.resize(tiles * gp * TILE_T, 0.0);
+        for mi in 0..m {
+            let (j, t) = (mi / TILE_T, mi % TILE_T);
+            let bt = &mut self.b.slice_mut::<i8>()[j * kp * TILE_T..(j + 1) * kp * TILE_T];
+            for (kq, quad) in q[mi * kp..(mi + 1) * kp].chunks_exact(4).enumerate() {
+                bt[kq * TILE_ROW_BYTES + 4 * t..][..4].copy_from_slice(quad);
+            }
+            for gi in 0..gp {
+                self.xs[(j * gp + gi) * TILE_T + t] = xs4[(mi * gp + gi) * ROWS];
+            }
+        }
+    }
+}
+
+/// One task's tile state and scratch: the caller's tile configuration is restored when it drops, so
+/// create and drop it on the thread that runs the task.
+pub(crate) struct Worker {
+    /// A tiles of one column chunk: `[CHUNK_K/64][32 rows][64]` trits.
+    a: Lines,
+    /// Int32 sums of the two groups in flight, `[parity][32 rows][16 tokens]`.
+    c: Lines,
+    /// f32 results of the current group, `[tile][32 rows][16 tokens]`.
+    acc: Lines,
+    /// f32 scales of the current 32 rows, `[8 blocks][Gp][4]`.
+    scales: Vec<f32>,
+    group_size: usize,
+    _tiles: TileGuard,
+}
+
+/// One k-step of a group: B of the token tile into `$b`, then both row halves' A tiles against it into
+/// `$c0`, `$c1` (tile register names must be literal, hence one instance per register choice).
+macro_rules! step {
+    ($c0:literal, $c1:literal, $b:literal, $a0:expr, $a1:expr, $bp:expr) => {
+        asm!(
+            concat!("tileloadd ", $b, ", [{b} + {s}*1]"),
+            "tileloadd tmm4, [{a0} + {s}*1]",
+            concat!("tdpbssd ", $c0, ", tmm4, ", $b),
+            "tileloadd tmm5, [{a1} + {s}*1]",
+            concat!("tdpbssd ", $c1, ", tmm5, ", $b),
+            a0 = in(reg) $a0,
+            a1 = in(reg) $a1,
+            b = in(reg) $bp,
+            s = in(reg) TILE_ROW_BYTES,
+            options(nostack, readonly),
+        )
+    };
+}
+
+impl Worker {
+    /// SAFETY: AMX must be supported ([`is_supported`]).
+    pub unsafe fn new(group_size: usize) -> Worker {
+        // SAFETY: as the caller promises.
+        let tiles = unsafe { TileGuard::configure(&TileConfig::for_step(group_size.min(SUB_K))) };
+        let (mut a, mut c) = (Lines::default(), Lines::default());
+        a.zeroed(CHUNK_K / SUB_K * GROUP_ROWS * TILE_ROW_BYTES);
+        c.zeroed(2 * GROUP_ROWS * TILE_T * 4);
+        Worker {
+            a,
+            c,
+            acc: Lines::default(),
+            scales: Vec::new(),
+            group_size,
+            _tiles: tiles,
+        }
+    }
+
+    /// Returns `out[j − tiles.start][n][t]` for the 32-row group `grp` of `w` (rows `32·grp ..`) and
+    /// the token tiles `j ∈ tiles`: `Σ_g f32(s[n][g]) · xs[t][g] · Σ_{k∈g} t(n, k) · q[t][k]`
+    /// (`tiles.len() · 32 · 16` floats). `w` must be checked ([`PreparedRef::check`]) and have this
+    /// worker's group size; `tt` must have been built for its `Kp` and `Gp`.
+    pub fn group(
+        &mut self,
+        w: &PreparedRef<'_>,
+        grp: usize,
+        tt: &TokenTiles,
+        tiles: std::ops::Range<usize>,
+    ) -> &[f32] {
+        let (kp, gp) = (padded_cols(w.cols), padded_groups(w.cols, w.group_size));
+        assert!(w.group_size == self.group_size && tt.kp == kp && tt.gp == gp);
+        assert!(tiles.start <= tiles.end && tiles.end <= tt.tiles);
+        assert!(grp * GROUP_ROWS < w.rows.max(1));
+        let len = tiles.len() * GROUP_ROWS * TILE_T;
+        let mut acc = std::mem::take(&mut self.acc);
+        acc.zeroed(len * 4);
+        // SAFETY: the worker exists only where AMX and AVX-512 are available; sizes asserted above.
+        unsafe { self.group_inner(w, grp, tt, tiles, &mut acc.slice_mut::<f32>()[..len]) };
+        self.acc = acc;
+        &self.acc.slice::<f32>()[..len]
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")]
+    unsafe fn group_inner(
+        &mut self,
+        w: &PreparedRef<'_>,
+        grp: usize,
+        tt: &TokenTiles,
+        tiles: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) {
+        let (kp, g, gp) = (tt.kp, self.group_size, tt.gp);
+        let blocks = row_blocks(w.rows);
+        const BLOCKS: usize = GROUP_ROWS / ROWS;
+        let b0 = grp * BLOCKS;
+        // f32 scales, [block][Gp][4] as the layout keeps them (rows of missing blocks: 0).
+        let scales = &mut self.scales;
+        scales.clear();
+        scales.resize(BLOCKS * gp * ROWS, 0.0);
+        for bi in 0..BLOCKS.min(blocks - b0) {
+            let (_, s) = w.block(b0 + bi);
+            s.convert_to_f32_slice(&mut scales[bi * gp * ROWS..(bi + 1) * gp * ROWS]);
+        }
+        let ks = g.min(SUB_K);
+        let a = self.a.slice_mut::<i8>();
+        let c = self.c.slice_mut::<i32>();
+        for kc0 in (0..kp).step_by(CHUNK_K) {
+            let kc = CHUNK_K.min(kp - kc0);
+            for bi in 0..BLOCKS {
+                // SAFETY: kc0 + kc ≤ Kp (inside every block); `a` holds CHUNK_K/64 ≥ kc/64 subs.
+                unsafe { decode_chunk(w, b0 + bi, bi, kc0, kc, a) };
+            }
+            for (o, j) in tiles.clone().enumerate() {
+                let bt = tt.b.slice::<i8>()[j * kp * TILE_T..].as_ptr();
+                let xs = &tt.xs[j * gp * TILE_T..(j + 1) * gp * TILE_T];
+                let acc = &mut out[o * GROUP_ROWS * TILE_T..(o + 1) * GROUP_ROWS * TILE_T];
+                for gk in (kc0..kc0 + kc).step_by(g) {
+                    let gi = gk / g;
+                    let parity = gi % 2;
+                    // SAFETY: A rows are 64 bytes apart in `a` (k − kc0 < kc), B rows 64 bytes apart
+                    // from row k/4 of the token tile (k + ks ≤ Kp); C goes to `c[parity]` (2 KiB).
+                    unsafe {
+                        if parity == 0 {
+                            asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
+                        } else {
+                            asm!("tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+                        }
+                        for (si, k) in (gk..gk + g).step_by(ks).enumerate() {
+                            let kl = k - kc0;
+                            let a0 = a.as_ptr().add(kl / SUB_K * 2 * TILE_BYTES + kl % SUB_K);
+                            let a1 = a0.add(TILE_BYTES);
+                            let bp = bt.add(k / 4 * TILE_ROW_BYTES);
+                            match (parity, si % 2) {
+                                (0, 0) => step!("tmm0", "tmm1", "tmm6", a0, a1, bp),
+                                (0, _) => step!("tmm0", "tmm1", "tmm7", a0, a1, bp),
+                                (_, 0) => step!("tmm2", "tmm3", "tmm6", a0, a1, bp),
+                                _ => step!("tmm2", "tmm3", "tmm7", a0, a1, bp),
+                            }
+                        }
+                        let cp = c.as_mut_ptr().add(parity * GROUP_ROWS * TILE_T);
+                        if parity == 0 {
+                            asm!(
+                                "tilestored [{c} + {s}*1], tmm0",
+                                "tilestored [{c1} + {s}*1], tmm1",
+                                c = in(reg) cp,
+                                c1 = in(reg) cp.add(TILE_N * TILE_T),
+                                s = in(reg) TILE_ROW_BYTES,
+                                options(nostack),
+                            );
+                        } else {
+                            asm!(
+                                "tilestored [{c} + {s}*1], tmm2",
+                                "tilestored [{c1} + {s}*1], tmm3",
+                                c = in(reg) cp,
+                                c1 = in(reg) cp.add(TILE_N * TILE_T),
+                                s = in(reg) TILE_ROW_BYTES,
+                                options(nostack),
+                            );
+                        }
+                        // The f32 epilogue of this group overlaps the next group's tile products
+                        // (other C tiles, other buffer).
+                        let xv = _mm512_loadu_ps(xs.as_ptr().add(gi * TILE_T));
+                        let sc = scales.as_ptr().add(gi * ROWS);
+                        for n in 0..GROUP_ROWS {
+                            let sum =
+                                _mm512_cvtepi32_ps(_mm512_loadu_si512(cp.add(n * TILE_T).cast()));
+                            let s = *sc.add((n / ROWS * gp) * ROWS + n % ROWS);
+                            let cs = _mm512_mul_ps(_mm512_set1_ps(s), xv);
+                            let ap = acc.as_mut_ptr().add(n * TILE_T);
+                            _mm512_storeu_ps(ap, _mm512_fmadd_ps(sum, cs, _mm512_loadu_ps(ap)));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Trits `t = c − 1` of row block `b` (A-buffer rows `4·bi ..` of the 32), columns `kc0 .. kc0 + kc`,
+/// into `a` (`[kc/64][32 rows][64]`: the sub-vector's two A tiles, row halves 0 and 1). A missing block
+/// (past the last row) is all zero.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn decode_chunk(
+    w: &PreparedRef<'_>,
+    b: usize,
+    bi: usize,
+    kc0: usize,
+    kc: usize,
+    a: &mut [i8],
+) {
+    let subs = kc / SUB_K;
+    debug_assert!(a.len() >= subs * GROUP_ROWS * TILE_ROW_BYTES);
+    let ap = a.as_mut_ptr();
+    let row = |u: usize, r: usize| (u * GROUP_ROWS + bi * ROWS + r) * TILE_ROW_BYTES;
+    if b >= row_blocks(w.rows) {
+        for u in 0..subs {
+            for r in 0..ROWS {
+                // SAFETY: row 4·bi + r of sub u is inside `a`.
+                unsafe { _mm512_storeu_si512(ap.add(row(u, r)).cast(), _mm512_setzero_si512()) };
+            }
+        }
+        return;
+    }
+    let (block, _) = w.block(b);
+    let bp = block.as_ptr();
+    let mask = _mm512_set1_epi8(3);
+    let one = _mm512_set1_epi8(1);
+    for sb in kc0 / SUPER_K..(kc0 + kc) / SUPER_K {
+        for r in 0..ROWS {
+            // SAFETY: sb < Kp/256, so the chunk is inside the block; the stores stay inside `a`.
+            unsafe {
+                let v = _mm512_loadu_si512(bp.add((sb * ROWS + r) * CHUNK_BYTES).cast());
+                let planes = [
+                    v,
+                    _mm512_srli_epi16::<2>(v),
+                    _mm512_srli_epi16::<4>(v),
+                    _mm512_srli_epi16::<6>(v),
+                ];
+                for (i, p) in planes.into_iter().enumerate() {
+                    let t = _mm512_sub_epi8(_mm512_and_si512(p, mask), one);
+                    let u = (sb * SUPER_K - kc0) / SUB_K + i;
+                    _mm512_storeu_si512(ap.add(row(u, r)).cast(), t);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn current_config() -> [u8; 64] {
+        let mut c = TileConfig::for_step(64);
+        // SAFETY: only called where AMX is supported.
+        unsafe { asm!("sttilecfg [{0}]", in(reg) &mut c as *mut TileConfig, options(nostack)) };
+        // SAFETY: TileConfig is 64 plain bytes.
+        unsafe { std::mem::transmute::<TileConfig, [u8; 64]>(c) }
+    }
+
+    /// Another AMX user's configuration (oneDNN, torch's brgemm cache theirs) survives a task, and a
+    /// thread that had none is left with its tiles released.
+    #[test]
+    fn tasks_restore_the_callers_tile_configuration() {
+        if !is_supported() {
+            eprintln!("no AMX here: nothing to test");
+            return;
+        }
+        std::thread::spawn(|| {
+            assert_eq!(
+                current_config(),
+                [0; 64],
+                "a fresh thread has no tile configuration"
+            );
+            drop(unsafe { Worker::new(128) });
+            assert_eq!(current_config(), [0; 64], "released after the task");
+            let mut theirs = TileConfig::for_step(16);
+            theirs.rows[5] = 3;
+            theirs.colsb[5] = 12;
+            // SAFETY: AMX is supported (checked above).
+            unsafe {
+                asm!("ldtilecfg [{0}]", in(reg) &theirs as *const TileConfig, options(nostack))
+            };
+            let before = current_config();
+            drop(unsafe { Worker::new(32) });
+            assert_eq!(current_config(), before, "restored after the task");
+            unsafe { asm!("tilerelease", options(nostack, nomem)) };
+        })
+        .join()
+        .unwrap();
+    }
+}
