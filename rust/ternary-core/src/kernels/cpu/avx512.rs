@@ -68,16 +68,10 @@ unsafe fn unpack(w: __m512i, i: usize, mask: __m512i) -> __m512i {
     }
 }
 
-/// Software prefetch distance of the int8 kernel in the weight stream (0: none).
-fn prefetch_bytes() -> usize {
-    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *V.get_or_init(|| {
-        std::env::var("TRS_PF")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    })
-}
+/// Software prefetch distance of the int8 GEMV in the weight stream. The hardware prefetchers alone
+/// left a DRAM-bound M = 1 at 21–26 G weights/s on one thread; 2 KiB ahead gave 31, 4 KiB 30–41,
+/// 8 KiB 27–34 (5120 → 17408 and 2048 → 12288, same run).
+pub(crate) const PREFETCH_BYTES: usize = 4096;
 
 #[inline(always)]
 unsafe fn load_chunk(block: *const u8, sb: usize, r: usize) -> __m512i {
@@ -97,7 +91,6 @@ unsafe fn int8<const T: usize>(a: &Int8Tile<'_>) -> [[f32; ROWS]; INT8_TILE] {
     let mask = _mm512_set1_epi8(3);
     let zero = _mm512_setzero_si512();
     let mut facc = [[_mm512_setzero_ps(); ROWS]; T];
-    let pf = prefetch_bytes();
     // Combined scale of (token t, group gi, row r): the FMA's broadcast operand.
     let scale = |t: usize, gi: usize, r: usize| -> __m512 {
         // SAFETY: t < T, gi < gp (asserted length above).
@@ -108,13 +101,11 @@ unsafe fn int8<const T: usize>(a: &Int8Tile<'_>) -> [[f32; ROWS]; INT8_TILE] {
         // 256·sb .. 256·sb + 256 of every token are in bounds (asserts above).
         unsafe {
             let w: [__m512i; ROWS] = std::array::from_fn(|r| load_chunk(bp, sb, r));
-            if pf > 0 {
-                // The weight is one stream: ask for the lines PREFETCH_BYTES ahead (past this block's
-                // end they are the next block's; a prefetch never faults).
-                let ahead = bp.wrapping_add(sb * ROWS * CHUNK_BYTES + pf);
-                for r in 0..ROWS {
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(r * CHUNK_BYTES).cast());
-                }
+            // The weight is one stream: ask for the lines PREFETCH_BYTES ahead (past this block's end
+            // they are the next block's; a prefetch never faults).
+            let ahead = bp.wrapping_add(sb * ROWS * CHUNK_BYTES + PREFETCH_BYTES);
+            for r in 0..ROWS {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(r * CHUNK_BYTES).cast());
             }
             let k_sb = sb * SUPER_K;
             if g >= 128 {

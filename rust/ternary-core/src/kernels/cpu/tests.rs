@@ -453,7 +453,10 @@ fn nan_activation_propagates() {
                         assert!(y[nn].is_nan(), "{v:?} {p:?} m{m} row {nn}");
                     }
                 }
-                assert!(y[3..].iter().all(|v| v.is_finite()), "{v:?} {p:?} m{m}: NaN leaked");
+                assert!(
+                    y[3..].iter().all(|v| v.is_finite()),
+                    "{v:?} {p:?} m{m}: NaN leaked"
+                );
             }
         }
     }
