@@ -2,7 +2,8 @@
 //!
 //! At large M the product is compute-bound, and torch's bf16 GEMM on this class of CPU (oneDNN with
 //! AMX-BF16) does more multiply-adds per cycle than any VNNI kernel can. So for bf16 activations and
-//! `M ≥` [`DENSE_MIN_M`] the torch op decodes row chunks of the weight to bf16 (this module) and hands
+//! `M ≥` [`DENSE_MIN_M`] — where the CPU has no AMX-INT8 of its own to use (`super::amx`, faster
+//! still), or the VNNI variant is forced — the torch op decodes row chunks of the weight to bf16 (this module) and hands
 //! each chunk to torch's own GEMM: the weight is still stored (and streamed from DRAM) at 2 bits, only
 //! a cache-sized chunk exists dense at a time.
 //!

@@ -22,10 +22,12 @@
 //!     `|y − y64| ≤ K · 2⁻²³ · Σₖ |x_k · W[n,k]|`, plus one rounding to the output dtype. bf16 x on
 //!     CPUs with AVX512_BF16 takes `vdpbf16ps` (exact products, f32 sums; |x| < 2⁻¹²⁶ counts as 0).
 //! * Shapes: the int8 modes run one kernel for every M (row blocks × token tiles of up to
-//!   [`INT8_TILE`] tokens: each 64-byte weight load is unpacked once per tile). The exact mode streams
+//!   [`INT8_TILE`] tokens: each 64-byte weight load is unpacked once per tile), or from [`AMX_MIN_M`]
+//!   tokens AMX tiles (32-row groups × 16-token tiles). The exact mode streams
 //!   row blocks per token below [`GEMM_MIN_M`] and decodes f32 tiles for an FMA micro-kernel above.
 //! * Prefill: inside torch, bf16 activations in the default mode with `M ≥` [`dense::DENSE_MIN_M`]
-//!   go to torch's own (AMX) bf16 GEMM on row chunks decoded exactly to bf16 by [`dense`].
+//!   go to torch's own bf16 GEMM on row chunks decoded exactly to bf16 by [`dense`] — unless the
+//!   variant is [`Variant::Amx`], whose int8 tiles are faster than that GEMM.
 //! * Threads: row blocks are split over a [`ParallelFor`] (the ternary-rs rayon pool by default; torch's
 //!   intra-op pool inside torch), only when the weight is large enough to amortise the fork
 //!   ([`PARALLEL_MIN_WEIGHTS`]).
