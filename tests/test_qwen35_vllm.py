@@ -37,10 +37,14 @@ PROMPTS = [
 ]
 MAX_TOKENS = 10
 # × std of the reference logits at that step. The served default quantizes bf16 activations to int8 per
-# token and weight group (as llama.cpp's Q8_K does), which moves near-ties further than bf16 alone: worst
-# gap measured 0.156 (0.067 with TERNARY_RS_CPU_INT8=0); a dropped rotation gives 5.7 (the control below).
-NEAR_TIE = 0.25
-MIN_EXACT = 0.8  # fraction of steps where vLLM's token is exactly transformers' argmax
+# token and weight group (as llama.cpp's Q8_K does), which moves near-ties further than bf16 alone. The
+# worst gap is an extreme over 40 steps of one trajectory, and one flipped near-tie changes the rest of
+# its sequence: measured 0.156 with the VNNI kernel and 0.317 with the AMX tiles, whose prefill picked a
+# different token at a tie of 0.007 std (same int8 inputs, exact integer sums either way; the AMX results
+# are within the int8 bound of float64 on a 300-shape sweep), 0.067 with TERNARY_RS_CPU_INT8=0. A dropped
+# rotation gives 5.7 (the control below).
+NEAR_TIE = 0.45
+MIN_EXACT = 0.75  # fraction of steps where vLLM's token is exactly transformers' argmax (measured 0.80-0.875)
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,16 @@
 //!
 //! The VNNI kernel unpacks each 64-byte weight load once per tile of at most [`super::INT8_TILE`]
 //! tokens and issues one `vpdpbusd` (64 multiply-adds) per token: from M ≈ 8 it is compute-bound and
-//! no faster than torch's bf16 GEMM. One `tdpbssd` does 16 × 16 × 64 multiply-adds, so here the weight
-//! is decoded once per 16 rows × 1024 columns into signed trits `t = c − 1` (one shift, AND and
-//! subtract per 64 weights, the A operand: 16 weight rows × 64 columns) and multiplied against the
-//! activations of 16 tokens at once (the B operand, repacked per call into AMX's 4-byte column
-//! groups). Decode is then bound by the weight stream again, and prefill by the tile unit.
+//! no faster than torch's bf16 GEMM (vLLM batch 16 ran at 0.64× bf16). One `tdpbssd` does 16 × 16 ×
+//! 64 multiply-adds, so here the weight is decoded once per 32 rows × 512 columns into signed trits
+//! `t = c − 1` (one shift, AND and subtract per 64 weights; the A operand, two tiles of 16 rows × 64
+//! columns per sub-vector) and multiplied against the activations of 16 tokens at once (the B operand,
+//! repacked once per call into AMX's 4-byte column groups). Measured on the 27B shapes, one thread:
+//! M = 16 at 128–270 G weight-tokens/s from DRAM (VNNI 44–54), M = 128 at 200–360 (torch bf16 ≈ 90–150).
+//!
+//! What bounds it (perf, and runs with parts switched off): per weight, one A tile load (1 KiB ≈ 4 ns
+//! from L1 — narrower tiles cost the same), the decode, and the f32 epilogue of every (row, group): all
+//! fixed per weight, not per token, so a tile of 8 tokens costs about what one of 16 does.
 //!
 //! Numerics: per weight group and (row, token) the tile sums `Σ t·q` exactly in int32; the epilogue
 //! adds `f32(sum) · (f32(s) · xs)` (one FMA) group after group. That is the scalar reference's
@@ -35,7 +40,7 @@ pub const TILE_T: usize = 16;
 /// Columns decoded per A buffer refill: 32 rows × 512 trits = 16 KiB, which stays in L1 (with the
 /// chunk's 8 KiB of B per token tile) while every token tile uses it.
 const CHUNK_K: usize = 512;
-/// Activation bytes one token block may span (`tokens · Kp`): a 16-row group streams its block's B
+/// Activation bytes one token block may span (`tokens · Kp`): a 32-row group streams its block's B
 /// tiles from L2, so the block must fit there (2 MiB per core on Sapphire Rapids, half left for the
 /// rest). Larger M runs block after block, re-decoding the weight (cheap next to the tile products).
 /// Unit tests use 32 KiB so their small shapes run several blocks.
