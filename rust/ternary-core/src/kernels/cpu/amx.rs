@@ -7,7 +7,7 @@
 //! `t = c − 1` (one shift, AND and subtract per 64 weights; the A operand, two tiles of 16 rows × 64
 //! columns per sub-vector) and multiplied against the activations of 16 tokens at once (the B operand,
 //! repacked once per call into AMX's 4-byte column groups). Measured on the 27B shapes, one thread:
-//! M = 16 at 128–270 G weight-tokens/s from DRAM (VNNI 44–54), M = 128 at 200–360 (torch bf16 ≈ 90–150).
+//! M = 16 at 128–270 G weight-tokens/s from DRAM (VNNI 44–54), M = 128 at 185–360 (torch bf16 130–155).
 //!
 //! What bounds it (perf, and runs with parts switched off): per weight, one A tile load (1 KiB ≈ 4 ns
 //! from L1 — narrower tiles cost the same), the decode, and the f32 epilogue of every (row, group): all
