@@ -26,6 +26,7 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
+use super::avx512::unpack;
 use super::layout::{padded_cols, padded_groups, row_blocks, CHUNK_BYTES, ROWS, SUB_K, SUPER_K};
 use super::PreparedRef;
 use half::slice::HalfFloatSliceExt;
@@ -205,19 +206,14 @@ impl TokenTiles {
     pub fn fill(&mut self, q: &[i8], xs4: &[f32], m: usize, kp: usize, gp: usize) {
         assert!(q.len() >= m * kp && xs4.len() >= m * gp * ROWS);
         let tiles = m.div_ceil(TILE_T);
-        *self = TokenTiles {
-            tiles,
-            kp,
-            gp,
-            b: std::mem::take(&mut self.b),
-            xs: std::mem::take(&mut self.xs),
-        };
+        (self.tiles, self.kp, self.gp) = (tiles, kp, gp);
         self.b.zeroed(tiles * kp * TILE_T);
         self.xs.clear();
         self.xs.resize(tiles * gp * TILE_T, 0.0);
+        let b = self.b.slice_mut::<i8>();
         for mi in 0..m {
             let (j, t) = (mi / TILE_T, mi % TILE_T);
-            let bt = &mut self.b.slice_mut::<i8>()[j * kp * TILE_T..(j + 1) * kp * TILE_T];
+            let bt = &mut b[j * kp * TILE_T..(j + 1) * kp * TILE_T];
             for (kq, quad) in q[mi * kp..(mi + 1) * kp].chunks_exact(4).enumerate() {
                 bt[kq * TILE_ROW_BYTES + 4 * t..][..4].copy_from_slice(quad);
             }
@@ -258,6 +254,24 @@ macro_rules! step {
             b = in(reg) $bp,
             s = in(reg) TILE_ROW_BYTES,
             options(nostack, readonly),
+        )
+    };
+}
+
+/// The two C tiles (row halves) of one group in flight: zero them, or store them to `$cp` (32 rows ×
+/// 16 int32, half 0 then half 1). Register names must be literal, as in [`step!`].
+macro_rules! c_pair {
+    (zero, $c0:literal, $c1:literal) => {
+        asm!(concat!("tilezero ", $c0), concat!("tilezero ", $c1), options(nostack, nomem))
+    };
+    (store, $c0:literal, $c1:literal, $cp:expr) => {
+        asm!(
+            concat!("tilestored [{c} + {s}*1], ", $c0),
+            concat!("tilestored [{c1} + {s}*1], ", $c1),
+            c = in(reg) $cp,
+            c1 = in(reg) $cp.add(TILE_N * TILE_T),
+            s = in(reg) TILE_ROW_BYTES,
+            options(nostack),
         )
     };
 }
@@ -344,10 +358,9 @@ impl Worker {
                     // SAFETY: A rows are 64 bytes apart in `a` (k − kc0 < kc), B rows 64 bytes apart
                     // from row k/4 of the token tile (k + ks ≤ Kp); C goes to `c[parity]` (2 KiB).
                     unsafe {
-                        if parity == 0 {
-                            asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
-                        } else {
-                            asm!("tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+                        match parity {
+                            0 => c_pair!(zero, "tmm0", "tmm1"),
+                            _ => c_pair!(zero, "tmm2", "tmm3"),
                         }
                         for (si, k) in (gk..gk + g).step_by(ks).enumerate() {
                             let kl = k - kc0;
@@ -362,24 +375,9 @@ impl Worker {
                             }
                         }
                         let cp = c.as_mut_ptr().add(parity * GROUP_ROWS * TILE_T);
-                        if parity == 0 {
-                            asm!(
-                                "tilestored [{c} + {s}*1], tmm0",
-                                "tilestored [{c1} + {s}*1], tmm1",
-                                c = in(reg) cp,
-                                c1 = in(reg) cp.add(TILE_N * TILE_T),
-                                s = in(reg) TILE_ROW_BYTES,
-                                options(nostack),
-                            );
-                        } else {
-                            asm!(
-                                "tilestored [{c} + {s}*1], tmm2",
-                                "tilestored [{c1} + {s}*1], tmm3",
-                                c = in(reg) cp,
-                                c1 = in(reg) cp.add(TILE_N * TILE_T),
-                                s = in(reg) TILE_ROW_BYTES,
-                                options(nostack),
-                            );
+                        match parity {
+                            0 => c_pair!(store, "tmm0", "tmm1", cp),
+                            _ => c_pair!(store, "tmm2", "tmm3", cp),
                         }
                         // The f32 epilogue of this group overlaps the next group's tile products
                         // (other C tiles, other buffer).
@@ -434,14 +432,8 @@ unsafe fn decode_chunk(
             // SAFETY: sb < Kp/256, so the chunk is inside the block; the stores stay inside `a`.
             unsafe {
                 let v = _mm512_loadu_si512(bp.add((sb * ROWS + r) * CHUNK_BYTES).cast());
-                let planes = [
-                    v,
-                    _mm512_srli_epi16::<2>(v),
-                    _mm512_srli_epi16::<4>(v),
-                    _mm512_srli_epi16::<6>(v),
-                ];
-                for (i, p) in planes.into_iter().enumerate() {
-                    let t = _mm512_sub_epi8(_mm512_and_si512(p, mask), one);
+                for i in 0..SUPER_K / SUB_K {
+                    let t = _mm512_sub_epi8(unpack(v, i, mask), one);
                     let u = (sb * SUPER_K - kc0) / SUB_K + i;
                     _mm512_storeu_si512(ap.add(row(u, r)).cast(), t);
                 }

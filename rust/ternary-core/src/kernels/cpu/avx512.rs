@@ -58,7 +58,7 @@ pub(crate) fn is_supported() -> bool {
 
 /// Byte codes of sub-vector `i` (0..4) of a loaded 64-byte chunk.
 #[inline(always)]
-unsafe fn unpack(w: __m512i, i: usize, mask: __m512i) -> __m512i {
+pub(crate) unsafe fn unpack(w: __m512i, i: usize, mask: __m512i) -> __m512i {
     // A 16-bit shift moves bits across the byte boundary; the AND drops them again.
     match i {
         0 => _mm512_and_si512(w, mask),

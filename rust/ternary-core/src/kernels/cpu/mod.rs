@@ -521,16 +521,7 @@ impl<T: Activation> Job<'_, T> {
         let rows = ROWS.min(n - n0);
         for (t, v) in vals.iter().enumerate().take(tokens) {
             let mut out = *v;
-            if let Some(b) = self.bias {
-                for r in 0..rows {
-                    out[r] += b[n0 + r];
-                }
-            }
-            // SAFETY: y has m·n elements; (m0 + t, n0 .. n0 + rows) is in bounds and written by this
-            // task only (tasks own disjoint row blocks).
-            let dst =
-                unsafe { std::slice::from_raw_parts_mut(self.y.0.add((m0 + t) * n + n0), rows) };
-            T::from_f32_slice(&out[..rows], dst);
+            self.store_row(m0 + t, n0, &mut out[..rows]);
         }
     }
 
