@@ -65,6 +65,16 @@ pub fn gguf_tensor_bytes(format: Format, rows: usize, cols: usize) -> Result<usi
     }
 }
 
+/// Zero `chunk` (on the task that then overwrites it, while its lines are in cache) and hand it back
+/// initialized.
+fn zero_fill(chunk: &mut [std::mem::MaybeUninit<u8>]) -> &mut [u8] {
+    // SAFETY: every byte is written before the slice is reinterpreted as initialized `u8`s.
+    unsafe {
+        std::ptr::write_bytes(chunk.as_mut_ptr(), 0, chunk.len());
+        &mut *(chunk as *mut [std::mem::MaybeUninit<u8>] as *mut [u8])
+    }
+}
+
 /// Decode a whole tensor of block format `C` (fast path, validated).
 pub fn decode_blocks<C: BlockCodec>(
     tensor: &str,
@@ -89,29 +99,39 @@ pub fn decode_blocks<C: BlockCodec>(
     }
     let row_bytes = cols / 4;
     let row_in = blocks_per_row * C::BLOCK_BYTES;
-    let mut qweight = vec![0u8; rows * row_bytes];
-    let mut scales = vec![f16::ZERO; rows * blocks_per_row];
+    // Outputs are written in place by the tasks that fill them: a `vec![0; n]` would zero the whole
+    // tensor first, on this thread alone (glibc reuses freed heap for tensors under its 32 MiB mmap
+    // threshold, so calloc must clear it), and then every task would read those lines back in.
+    let mut qweight = Vec::<u8>::with_capacity(rows * row_bytes);
+    let mut scales = Vec::<f16>::with_capacity(rows * blocks_per_row);
     let per_task = rows_per_task(row_bytes);
     let (bad_scales, code3) = threads::install(|| {
-        qweight
+        qweight.spare_capacity_mut()[..rows * row_bytes]
             .par_chunks_mut(row_bytes * per_task)
-            .zip(scales.par_chunks_mut(blocks_per_row * per_task))
+            .zip(
+                scales.spare_capacity_mut()[..rows * blocks_per_row]
+                    .par_chunks_mut(blocks_per_row * per_task),
+            )
             .zip(data.par_chunks(row_in * per_task))
             .enumerate()
             .map(|(task, ((q, s), src))| {
-                let mut bad = (0u64, None);
-                for (b, (sb, blk)) in s
-                    .iter_mut()
-                    .zip(src.chunks_exact(C::BLOCK_BYTES))
-                    .enumerate()
-                {
+                let q = zero_fill(q);
+                // Branch-free over the blocks; located only when one is bad.
+                let mut all_finite = true;
+                for (sb, blk) in s.iter_mut().zip(src.chunks_exact(C::BLOCK_BYTES)) {
                     let d = C::scale(blk);
-                    if !d.is_finite() {
-                        bad.0 += 1;
-                        bad.1
-                            .get_or_insert((task * per_task * blocks_per_row + b) as u64);
+                    all_finite &= d.is_finite();
+                    sb.write(d);
+                }
+                let mut bad = (0u64, None);
+                if !all_finite {
+                    for (b, blk) in src.chunks_exact(C::BLOCK_BYTES).enumerate() {
+                        if !C::scale(blk).is_finite() {
+                            bad.0 += 1;
+                            bad.1
+                                .get_or_insert((task * per_task * blocks_per_row + b) as u64);
+                        }
                     }
-                    *sb = d;
                 }
                 C::unpack_blocks(src, q);
                 let threes = if C::CAN_HOLD_CODE3 {
@@ -127,6 +147,13 @@ pub fn decode_blocks<C: BlockCodec>(
                 |a, b| (merge_first(a.0, b.0), merge_first(a.1, b.1)),
             )
     });
+    // SAFETY: the zipped chunks cover both spare capacities whole (the data length was checked
+    // above: `rows` rows of `row_in` bytes, so every task got its rows), and each task wrote every
+    // element of its chunks: `zero_fill` the codes, the scale loop every scale.
+    unsafe {
+        qweight.set_len(rows * row_bytes);
+        scales.set_len(rows * blocks_per_row);
+    }
     if let Some(first) = bad_scales.1 {
         return Err(Error::validation(
             tensor,

@@ -222,6 +222,33 @@ fn validation_reports_first_index_and_count() {
         "{e}"
     );
     assert!(e.to_string().contains("blk.0.w"));
+    // Non-finite scales spread over several tasks (256 rows each at K = 256): the first is located
+    // across tasks and every one is counted; the codes of the good blocks are untouched.
+    let (rows, cols) = (1024, 256);
+    let canon = CanonicalTernary {
+        rows,
+        cols,
+        group_size: 128,
+        qweight: pack_codes(&vec![2u8; rows * cols]),
+        scales: vec![f16::ONE; rows * 2],
+    };
+    let good = encode_gguf(Format::Ptq1_0, "w", canon.as_ref(), false).unwrap();
+    let mut data = good.clone();
+    for (block, bad) in [
+        (1800, f16::NAN),
+        (601, f16::INFINITY),
+        (603, f16::NEG_INFINITY),
+    ] {
+        data[block * 28 + 26..block * 28 + 28].copy_from_slice(&bad.to_le_bytes());
+    }
+    match decode_gguf(Format::Ptq1_0, "w", &data, rows, cols, None, false).unwrap_err() {
+        Error::Validation {
+            first_index, count, ..
+        } => assert_eq!((first_index, count), (601, 3)),
+        e => panic!("{e}"),
+    }
+    let back = decode_gguf(Format::Ptq1_0, "w", &good, rows, cols, None, false).unwrap();
+    assert_eq!((back.qweight, back.scales), (canon.qweight, canon.scales));
     // Shape not a multiple of the block; wrong byte count.
     let e = decode_gguf(Format::Tq1_0, "w", &[0; 54], 1, 128, None, false).unwrap_err();
     assert!(matches!(e, Error::Validation { .. }), "{e}");
