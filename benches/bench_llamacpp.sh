@@ -12,11 +12,13 @@
 #    `test-backend-ops perf -o MUL_MAT` on TQ2_0 (its weights stay in cache between runs) beside
 #    benches/bench_cpu_op.py's cache-resident ("hot") and DRAM ("cold") rows.
 # 2. A Ternary-Bonsai-1.7B-shaped model: the synthetic checkpoint of benches/bench_vllm.py, converted by
-#    `ternary-rs convert --to gguf --gguf-type TQ2_0`; `llama-bench -p 0 -n 32` (decode tokens/s) at one
+#    `ternary-rs convert --to gguf --gguf-type TQ2_0`; `llama-bench -p 0 -n $TOKENS` (decode tokens/s; TOKENS=128 by default) at one
 #    and two threads beside vLLM CPU + ternary_rs at batch 1 with the same thread counts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# Decode tokens per run for both sides (tg<N>); a few seconds per run keeps this machine's noise down.
+TOKENS=${TOKENS:-128}
 WORK=${1:-$(mktemp -d /tmp/bench_llamacpp.XXXXXX)}
 mkdir -p "$WORK"
 
@@ -42,17 +44,17 @@ echo "-- ternary_rs (bench_cpu_op.py; 'int8 hot' is llama.cpp's condition)"
 "$PY" benches/bench_cpu_op.py --shapes 14336x4096 --m 1,2,4,8 --threads 1 --hot --no-bf16 --budget 1.5
 
 echo "== 2. Bonsai-1.7B-shaped model, decode (batch 1)"
-"$PY" benches/bench_vllm.py --preset bonsai-1.7b --workdir "$WORK/model" --only ternary --batches 1 --tokens 32 \
+"$PY" benches/bench_vllm.py --preset bonsai-1.7b --workdir "$WORK/model" --only ternary --batches 1 --tokens "$TOKENS" \
   > "$WORK/vllm_2threads.txt"
 gguf="$WORK/bonsai-1.7b-TQ2_0.gguf"
 # TQ2_0 has one scale per 256 weights, Bonsai (and the synthetic checkpoint) one per 128: --requantize
 # re-ternarizes at group 256. The weights change; decode speed does not depend on them.
 [ -f "$gguf" ] || "$PY" -m ternary_rs convert "$WORK/model/ternary" "$gguf" --to gguf --gguf-type TQ2_0 --requantize \
   --no-progress
-echo "-- llama.cpp llama-bench (tg32)"
-"$LLAMA_CPP_BIN/llama-bench" -m "$gguf" -p 0 -n 32 -t 1,2 -r 3 -o md 2>/dev/null
+echo "-- llama.cpp llama-bench (tg$TOKENS)"
+"$LLAMA_CPP_BIN/llama-bench" -m "$gguf" -p 0 -n "$TOKENS" -t 1,2 -r 3 -o md 2>/dev/null
 echo "-- vLLM CPU + ternary_rs, batch 1"
 VLLM_CPU_OMP_THREADS_BIND=0 "$PY" benches/bench_vllm.py --preset bonsai-1.7b --workdir "$WORK/model" --only ternary \
-  --batches 1 --tokens 32 > "$WORK/vllm_1thread.txt"
+  --batches 1 --tokens "$TOKENS" > "$WORK/vllm_1thread.txt"
 echo "  1 thread:  $(grep 'batch 1' "$WORK/vllm_1thread.txt")"
 echo "  2 threads: $(grep 'batch 1' "$WORK/vllm_2threads.txt")"
