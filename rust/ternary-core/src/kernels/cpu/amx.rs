@@ -10,8 +10,10 @@
 //! M = 16 at 128–270 G weight-tokens/s from DRAM (VNNI 44–54), M = 128 at 185–360 (torch bf16 130–155).
 //!
 //! What bounds it (perf, and runs with parts switched off): per weight, one A tile load (1 KiB ≈ 4 ns
-//! from L1 — narrower tiles cost the same), the decode, and the f32 epilogue of every (row, group): all
-//! fixed per weight, not per token, so a tile of 8 tokens costs about what one of 16 does.
+//! from L1), the decode, and the f32 epilogue of every (row, group), all fixed per weight rather than
+//! per token. At M = 8 on 2048 → 12288 (one thread, in cache) the epilogue was 28 % of the time and the
+//! decode 16 %. Calls of at most 8 tokens therefore use 8-token tiles, whose C rows sit two to a vector
+//! in the epilogue: 1.34–1.44 → 1.05 ms there.
 //!
 //! Numerics: per weight group and (row, token) the tile sums `Σ t·q` exactly in int32; the epilogue
 //! adds `f32(sum) · (f32(s) · xs)` (one FMA) group after group. That is the scalar reference's
@@ -38,6 +40,10 @@ pub const TILE_N: usize = 16;
 pub const GROUP_ROWS: usize = 2 * TILE_N;
 /// Tokens per B tile.
 pub const TILE_T: usize = 16;
+/// Tokens per B tile when a call has at most this many (decode batches of 5–8): C rows of 8 int32
+/// sit two to a vector, so the f32 epilogue of every (row, group), a quarter of the time at M = 8,
+/// takes half the vector operations.
+pub const NARROW_T: usize = 8;
 /// Columns decoded per A buffer refill: 32 rows × 512 trits = 16 KiB, which stays in L1 (with the
 /// chunk's 8 KiB of B per token tile) while every token tile uses it.
 const CHUNK_K: usize = 512;
@@ -127,9 +133,10 @@ struct TileConfig {
 }
 
 impl TileConfig {
-    /// tmm0–3: C (16 rows × 16 int32; two groups in flight × two row halves), tmm4–5: A (16 rows ×
-    /// `ks` trits, one per row half), tmm6–7: B (`ks / 4` rows × 64; alternate steps).
-    fn for_step(ks: usize) -> TileConfig {
+    /// tmm0–3: C (16 rows × `width` int32; two groups in flight × two row halves), tmm4–5: A (16
+    /// rows × `ks` trits, one per row half), tmm6–7: B (`ks / 4` rows × `width` tokens × 4 codes;
+    /// alternate steps).
+    fn for_step(ks: usize, width: usize) -> TileConfig {
         let mut c = TileConfig {
             palette: 1,
             start_row: 0,
@@ -138,7 +145,7 @@ impl TileConfig {
             rows: [0; 16],
         };
         for t in 0..4 {
-            c.colsb[t] = TILE_ROW_BYTES as u16;
+            c.colsb[t] = (4 * width) as u16;
             c.rows[t] = TILE_N as u8;
         }
         for t in 4..6 {
@@ -146,7 +153,7 @@ impl TileConfig {
             c.rows[t] = TILE_N as u8;
         }
         for t in 6..8 {
-            c.colsb[t] = TILE_ROW_BYTES as u16;
+            c.colsb[t] = (4 * width) as u16;
             c.rows[t] = (ks / 4) as u8;
         }
         c
@@ -161,7 +168,7 @@ struct TileGuard {
 impl TileGuard {
     /// SAFETY: AMX must be supported ([`is_supported`]).
     unsafe fn configure(cfg: &TileConfig) -> TileGuard {
-        let mut saved = TileConfig::for_step(64);
+        let mut saved = TileConfig::for_step(64, TILE_T);
         unsafe {
             asm!("sttilecfg [{0}]", in(reg) &mut saved as *mut TileConfig, options(nostack));
             asm!("ldtilecfg [{0}]", in(reg) cfg as *const TileConfig, options(nostack));
@@ -183,12 +190,14 @@ impl Drop for TileGuard {
     }
 }
 
-/// Activations of one call in the B-operand form: per token tile, `Kp/4` rows of 16 tokens × 4
-/// consecutive int8 codes (missing tokens zero), and the activation scales `[Gp][16]` per tile.
+/// Activations of one call in the B-operand form: per token tile, `Kp/4` rows of `width` tokens × 4
+/// consecutive int8 codes (missing tokens zero), and the activation scales `[Gp][width]` per tile.
 /// Kept per thread between calls (like the other scratch buffers: no page faults per call).
 #[derive(Default)]
 pub(crate) struct TokenTiles {
     pub tiles: usize,
+    /// Tokens per tile: [`TILE_T`], or [`NARROW_T`] for calls of at most that many.
+    pub width: usize,
     kp: usize,
     gp: usize,
     b: Lines,
@@ -198,27 +207,28 @@ pub(crate) struct TokenTiles {
 impl TokenTiles {
     /// Token tiles per block for this `Kp` (at least one; see [`TOKEN_BLOCK_BYTES`]).
     pub fn tiles_per_block(&self) -> usize {
-        (TOKEN_BLOCK_BYTES / (self.kp.max(1) * TILE_T)).max(1)
+        (TOKEN_BLOCK_BYTES / (self.kp.max(1) * self.width.max(1))).max(1)
     }
 
     /// Refill from the quantized rows `q` (`m · Kp`) and their scales `xs4` (`m · Gp · 4`, as the
     /// quantizer writes them).
     pub fn fill(&mut self, q: &[i8], xs4: &[f32], m: usize, kp: usize, gp: usize) {
         assert!(q.len() >= m * kp && xs4.len() >= m * gp * ROWS);
-        let tiles = m.div_ceil(TILE_T);
-        (self.tiles, self.kp, self.gp) = (tiles, kp, gp);
-        self.b.zeroed(tiles * kp * TILE_T);
+        let w = if m <= NARROW_T { NARROW_T } else { TILE_T };
+        let tiles = m.div_ceil(w);
+        (self.tiles, self.width, self.kp, self.gp) = (tiles, w, kp, gp);
+        self.b.zeroed(tiles * kp * w);
         self.xs.clear();
-        self.xs.resize(tiles * gp * TILE_T, 0.0);
+        self.xs.resize(tiles * gp * w, 0.0);
         let b = self.b.slice_mut::<i8>();
         for mi in 0..m {
-            let (j, t) = (mi / TILE_T, mi % TILE_T);
-            let bt = &mut b[j * kp * TILE_T..(j + 1) * kp * TILE_T];
+            let (j, t) = (mi / w, mi % w);
+            let bt = &mut b[j * kp * w..(j + 1) * kp * w];
             for (kq, quad) in q[mi * kp..(mi + 1) * kp].chunks_exact(4).enumerate() {
-                bt[kq * TILE_ROW_BYTES + 4 * t..][..4].copy_from_slice(quad);
+                bt[kq * 4 * w + 4 * t..][..4].copy_from_slice(quad);
             }
             for gi in 0..gp {
-                self.xs[(j * gp + gi) * TILE_T + t] = xs4[(mi * gp + gi) * ROWS];
+                self.xs[(j * gp + gi) * w + t] = xs4[(mi * gp + gi) * ROWS];
             }
         }
     }
@@ -229,22 +239,25 @@ impl TokenTiles {
 pub(crate) struct Worker {
     /// A tiles of one column chunk: `[CHUNK_K/64][32 rows][64]` trits.
     a: Lines,
-    /// Int32 sums of the two groups in flight, `[parity][32 rows][16 tokens]`.
+    /// Int32 sums of the two groups in flight, `[parity][32 rows][width tokens]`.
     c: Lines,
-    /// f32 results of the current group, `[tile][32 rows][16 tokens]`.
+    /// f32 results of the current group, `[tile][32 rows][width tokens]`.
     acc: Lines,
     /// f32 scales of the current 32 rows, `[8 blocks][Gp][4]`.
     scales: Vec<f32>,
     group_size: usize,
+    /// Tokens per tile ([`TokenTiles::width`]).
+    width: usize,
     _tiles: TileGuard,
 }
 
-/// One k-step of a group: B of the token tile into `$b`, then both row halves' A tiles against it into
-/// `$c0`, `$c1` (tile register names must be literal, hence one instance per register choice).
+/// One k-step of a group: B of the token tile (rows `$sb` bytes apart) into `$b`, then both row
+/// halves' A tiles against it into `$c0`, `$c1` (tile register names must be literal, hence one
+/// instance per register choice).
 macro_rules! step {
-    ($c0:literal, $c1:literal, $b:literal, $a0:expr, $a1:expr, $bp:expr) => {
+    ($c0:literal, $c1:literal, $b:literal, $a0:expr, $a1:expr, $bp:expr, $sb:expr) => {
         asm!(
-            concat!("tileloadd ", $b, ", [{b} + {s}*1]"),
+            concat!("tileloadd ", $b, ", [{b} + {sb}*1]"),
             "tileloadd tmm4, [{a0} + {s}*1]",
             concat!("tdpbssd ", $c0, ", tmm4, ", $b),
             "tileloadd tmm5, [{a1} + {s}*1]",
@@ -253,34 +266,38 @@ macro_rules! step {
             a1 = in(reg) $a1,
             b = in(reg) $bp,
             s = in(reg) TILE_ROW_BYTES,
+            sb = in(reg) $sb,
             options(nostack, readonly),
         )
     };
 }
 
 /// The two C tiles (row halves) of one group in flight: zero them, or store them to `$cp` (32 rows ×
-/// 16 int32, half 0 then half 1). Register names must be literal, as in [`step!`].
+/// `$width` int32, half 0 then half 1). Register names must be literal, as in [`step!`].
 macro_rules! c_pair {
     (zero, $c0:literal, $c1:literal) => {
         asm!(concat!("tilezero ", $c0), concat!("tilezero ", $c1), options(nostack, nomem))
     };
-    (store, $c0:literal, $c1:literal, $cp:expr) => {
+    (store, $c0:literal, $c1:literal, $cp:expr, $width:expr) => {
         asm!(
             concat!("tilestored [{c} + {s}*1], ", $c0),
             concat!("tilestored [{c1} + {s}*1], ", $c1),
             c = in(reg) $cp,
-            c1 = in(reg) $cp.add(TILE_N * TILE_T),
-            s = in(reg) TILE_ROW_BYTES,
+            c1 = in(reg) $cp.add(TILE_N * $width),
+            s = in(reg) 4 * $width,
             options(nostack),
         )
     };
 }
 
 impl Worker {
-    /// SAFETY: AMX must be supported ([`is_supported`]).
-    pub unsafe fn new(group_size: usize) -> Worker {
+    /// For token tiles of `width` ([`TILE_T`] or [`NARROW_T`]). SAFETY: AMX must be supported
+    /// ([`is_supported`]).
+    pub unsafe fn new(group_size: usize, width: usize) -> Worker {
+        assert!(width == TILE_T || width == NARROW_T);
         // SAFETY: as the caller promises.
-        let tiles = unsafe { TileGuard::configure(&TileConfig::for_step(group_size.min(SUB_K))) };
+        let tiles =
+            unsafe { TileGuard::configure(&TileConfig::for_step(group_size.min(SUB_K), width)) };
         let (mut a, mut c) = (Lines::default(), Lines::default());
         a.zeroed(CHUNK_K / SUB_K * GROUP_ROWS * TILE_ROW_BYTES);
         c.zeroed(2 * GROUP_ROWS * TILE_T * 4);
@@ -290,13 +307,14 @@ impl Worker {
             acc: Lines::default(),
             scales: Vec::new(),
             group_size,
+            width,
             _tiles: tiles,
         }
     }
 
     /// Returns `out[j − tiles.start][n][t]` for the 32-row group `grp` of `w` (rows `32·grp ..`) and
     /// the token tiles `j ∈ tiles`: `Σ_g f32(s[n][g]) · xs[t][g] · Σ_{k∈g} t(n, k) · q[t][k]`
-    /// (`tiles.len() · 32 · 16` floats). `w` must be checked ([`PreparedRef::check`]) and have this
+    /// (`tiles.len() · 32 · width` floats). `w` must be checked ([`PreparedRef::check`]) and have this
     /// worker's group size; `tt` must have been built for its `Kp` and `Gp`.
     pub fn group(
         &mut self,
@@ -307,9 +325,10 @@ impl Worker {
     ) -> &[f32] {
         let (kp, gp) = (padded_cols(w.cols), padded_groups(w.cols, w.group_size));
         assert!(w.group_size == self.group_size && tt.kp == kp && tt.gp == gp);
+        assert!(tt.width == self.width);
         assert!(tiles.start <= tiles.end && tiles.end <= tt.tiles);
         assert!(grp * GROUP_ROWS < w.rows.max(1));
-        let len = tiles.len() * GROUP_ROWS * TILE_T;
+        let len = tiles.len() * GROUP_ROWS * self.width;
         let mut acc = std::mem::take(&mut self.acc);
         acc.zeroed(len * 4);
         // SAFETY: the worker exists only where AMX and AVX-512 are available; sizes asserted above.
@@ -327,7 +346,7 @@ impl Worker {
         tiles: std::ops::Range<usize>,
         out: &mut [f32],
     ) {
-        let (kp, g, gp) = (tt.kp, self.group_size, tt.gp);
+        let (kp, g, gp, w_t) = (tt.kp, self.group_size, tt.gp, self.width);
         let blocks = row_blocks(w.rows);
         const BLOCKS: usize = GROUP_ROWS / ROWS;
         let b0 = grp * BLOCKS;
@@ -349,14 +368,15 @@ impl Worker {
                 unsafe { decode_chunk(w, b0 + bi, bi, kc0, kc, a) };
             }
             for (o, j) in tiles.clone().enumerate() {
-                let bt = tt.b.slice::<i8>()[j * kp * TILE_T..].as_ptr();
-                let xs = &tt.xs[j * gp * TILE_T..(j + 1) * gp * TILE_T];
-                let acc = &mut out[o * GROUP_ROWS * TILE_T..(o + 1) * GROUP_ROWS * TILE_T];
+                let bt = tt.b.slice::<i8>()[j * kp * w_t..].as_ptr();
+                let xs = &tt.xs[j * gp * w_t..(j + 1) * gp * w_t];
+                let acc = &mut out[o * GROUP_ROWS * w_t..(o + 1) * GROUP_ROWS * w_t];
                 for gk in (kc0..kc0 + kc).step_by(g) {
                     let gi = gk / g;
                     let parity = gi % 2;
-                    // SAFETY: A rows are 64 bytes apart in `a` (k − kc0 < kc), B rows 64 bytes apart
-                    // from row k/4 of the token tile (k + ks ≤ Kp); C goes to `c[parity]` (2 KiB).
+                    // SAFETY: A rows are 64 bytes apart in `a` (k − kc0 < kc), B rows `4·w_t` bytes
+                    // apart from row k/4 of the token tile (k + ks ≤ Kp); C goes to `c[parity]`
+                    // (32 rows × w_t int32 ≤ 2 KiB).
                     unsafe {
                         match parity {
                             0 => c_pair!(zero, "tmm0", "tmm1"),
@@ -366,30 +386,54 @@ impl Worker {
                             let kl = k - kc0;
                             let a0 = a.as_ptr().add(kl / SUB_K * 2 * TILE_BYTES + kl % SUB_K);
                             let a1 = a0.add(TILE_BYTES);
-                            let bp = bt.add(k / 4 * TILE_ROW_BYTES);
+                            let (bp, sb) = (bt.add(k / 4 * 4 * w_t), 4 * w_t);
                             match (parity, si % 2) {
-                                (0, 0) => step!("tmm0", "tmm1", "tmm6", a0, a1, bp),
-                                (0, _) => step!("tmm0", "tmm1", "tmm7", a0, a1, bp),
-                                (_, 0) => step!("tmm2", "tmm3", "tmm6", a0, a1, bp),
-                                _ => step!("tmm2", "tmm3", "tmm7", a0, a1, bp),
+                                (0, 0) => step!("tmm0", "tmm1", "tmm6", a0, a1, bp, sb),
+                                (0, _) => step!("tmm0", "tmm1", "tmm7", a0, a1, bp, sb),
+                                (_, 0) => step!("tmm2", "tmm3", "tmm6", a0, a1, bp, sb),
+                                _ => step!("tmm2", "tmm3", "tmm7", a0, a1, bp, sb),
                             }
                         }
-                        let cp = c.as_mut_ptr().add(parity * GROUP_ROWS * TILE_T);
+                        let cp = c.as_mut_ptr().add(parity * GROUP_ROWS * w_t);
                         match parity {
-                            0 => c_pair!(store, "tmm0", "tmm1", cp),
-                            _ => c_pair!(store, "tmm2", "tmm3", cp),
+                            0 => c_pair!(store, "tmm0", "tmm1", cp, w_t),
+                            _ => c_pair!(store, "tmm2", "tmm3", cp, w_t),
                         }
                         // The f32 epilogue of this group overlaps the next group's tile products
                         // (other C tiles, other buffer).
-                        let xv = _mm512_loadu_ps(xs.as_ptr().add(gi * TILE_T));
                         let sc = scales.as_ptr().add(gi * ROWS);
-                        for n in 0..GROUP_ROWS {
-                            let sum =
-                                _mm512_cvtepi32_ps(_mm512_loadu_si512(cp.add(n * TILE_T).cast()));
-                            let s = *sc.add((n / ROWS * gp) * ROWS + n % ROWS);
-                            let cs = _mm512_mul_ps(_mm512_set1_ps(s), xv);
-                            let ap = acc.as_mut_ptr().add(n * TILE_T);
-                            _mm512_storeu_ps(ap, _mm512_fmadd_ps(sum, cs, _mm512_loadu_ps(ap)));
+                        if w_t == TILE_T {
+                            let xv = _mm512_loadu_ps(xs.as_ptr().add(gi * TILE_T));
+                            for n in 0..GROUP_ROWS {
+                                let sum = _mm512_cvtepi32_ps(_mm512_loadu_si512(
+                                    cp.add(n * TILE_T).cast(),
+                                ));
+                                let s = *sc.add((n / ROWS * gp) * ROWS + n % ROWS);
+                                let cs = _mm512_mul_ps(_mm512_set1_ps(s), xv);
+                                let ap = acc.as_mut_ptr().add(n * TILE_T);
+                                _mm512_storeu_ps(ap, _mm512_fmadd_ps(sum, cs, _mm512_loadu_ps(ap)));
+                            }
+                        } else {
+                            // Rows n, n + 1 per vector (C and acc rows are 8 wide and contiguous;
+                            // their scales are adjacent too: n is even and a row block holds 4).
+                            let xv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
+                                _mm256_loadu_ps(xs.as_ptr().add(gi * NARROW_T)),
+                            )));
+                            let pair =
+                                _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+                            for n in (0..GROUP_ROWS).step_by(2) {
+                                let sum = _mm512_cvtepi32_ps(_mm512_loadu_si512(
+                                    cp.add(n * NARROW_T).cast(),
+                                ));
+                                let s2 = sc.add((n / ROWS * gp) * ROWS + n % ROWS);
+                                let s = _mm512_permutexvar_ps(
+                                    pair,
+                                    _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(s2.cast()))),
+                                );
+                                let cs = _mm512_mul_ps(s, xv);
+                                let ap = acc.as_mut_ptr().add(n * NARROW_T);
+                                _mm512_storeu_ps(ap, _mm512_fmadd_ps(sum, cs, _mm512_loadu_ps(ap)));
+                            }
                         }
                     }
                 }
@@ -447,7 +491,7 @@ mod tests {
     use super::*;
 
     fn current_config() -> [u8; 64] {
-        let mut c = TileConfig::for_step(64);
+        let mut c = TileConfig::for_step(64, TILE_T);
         // SAFETY: only called where AMX is supported.
         unsafe { asm!("sttilecfg [{0}]", in(reg) &mut c as *mut TileConfig, options(nostack)) };
         // SAFETY: TileConfig is 64 plain bytes.
@@ -468,9 +512,9 @@ mod tests {
                 [0; 64],
                 "a fresh thread has no tile configuration"
             );
-            drop(unsafe { Worker::new(128) });
+            drop(unsafe { Worker::new(128, TILE_T) });
             assert_eq!(current_config(), [0; 64], "released after the task");
-            let mut theirs = TileConfig::for_step(16);
+            let mut theirs = TileConfig::for_step(16, TILE_T);
             theirs.rows[5] = 3;
             theirs.colsb[5] = 12;
             // SAFETY: AMX is supported (checked above).
@@ -478,7 +522,7 @@ mod tests {
                 asm!("ldtilecfg [{0}]", in(reg) &theirs as *const TileConfig, options(nostack))
             };
             let before = current_config();
-            drop(unsafe { Worker::new(32) });
+            drop(unsafe { Worker::new(32, NARROW_T) });
             assert_eq!(current_config(), before, "restored after the task");
             unsafe { asm!("tilerelease", options(nostack, nomem)) };
         })

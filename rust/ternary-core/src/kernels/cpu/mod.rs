@@ -23,7 +23,7 @@
 //!     CPUs with AVX512_BF16 takes `vdpbf16ps` (exact products, f32 sums; |x| < 2⁻¹²⁶ counts as 0).
 //! * Shapes: the int8 modes run one kernel for every M (row blocks × token tiles of up to
 //!   [`INT8_TILE`] tokens: each 64-byte weight load is unpacked once per tile), or from [`AMX_MIN_M`]
-//!   tokens AMX tiles (32-row groups × 16-token tiles). The exact mode streams
+//!   tokens AMX tiles (32-row groups × 16-token tiles, 8-token ones up to 8 tokens). The exact mode streams
 //!   row blocks per token below [`GEMM_MIN_M`] and decodes f32 tiles for an FMA micro-kernel above.
 //! * Prefill: inside torch, bf16 activations in the default mode with `M ≥` [`dense::DENSE_MIN_M`]
 //!   go to torch's own bf16 GEMM on row chunks decoded exactly to bf16 by [`dense`] — unless the
@@ -73,8 +73,9 @@ pub(crate) const ACC_STRIDE: usize = TILE_ROWS * LANES;
 /// Accumulator floats one micro-kernel call touches.
 pub(crate) const ACC_WINDOW: usize = (MICRO_M - 1) * ACC_STRIDE + ROWS * LANES;
 /// From this many tokens the [`Variant::Amx`] int8 modes use AMX tiles (16 tokens × 16 rows per
-/// instruction); below, the VNNI kernel. Measured on 6144 → 2048, one thread, µs per call (AMX vs
-/// VNNI): M = 2 540 vs 306, 3 544 vs 403, 4 556 vs 566, 6 603 vs 912, 8 599 vs 1180.
+/// instruction); below, the VNNI kernel. Measured on 6144 → 2048, one thread, weights in cache, µs
+/// per call (AMX with 8-token tiles vs VNNI): M = 2 571 vs 333, 3 612 vs 524, 4 741 vs 770, 5 741 vs
+/// 1014, 8 734 vs 1478.
 pub const AMX_MIN_M: usize = 5;
 /// Below this many weights one thread does the whole product (forking costs more than it saves).
 pub const PARALLEL_MIN_WEIGHTS: usize = 1 << 20;
@@ -598,7 +599,7 @@ impl<T: Activation> Job<'_, T> {
         let kp = layout::padded_cols(k);
         let blocks = layout::row_blocks(self.w.rows);
         let per_group = amx::GROUP_ROWS / ROWS;
-        let per_block = tt.tiles_per_block();
+        let (per_block, width) = (tt.tiles_per_block(), tt.width);
         for j0 in (0..tt.tiles).step_by(per_block) {
             let tiles = j0..(j0 + per_block).min(tt.tiles);
             self.split(
@@ -607,19 +608,19 @@ impl<T: Activation> Job<'_, T> {
                 par,
                 &|range| {
                     // SAFETY: `amx_int8` is set only in the kernels of `Variant::Amx`, which checked AMX.
-                    let mut worker = unsafe { amx::Worker::new(g) };
+                    let mut worker = unsafe { amx::Worker::new(g, width) };
                     let mut row = [0f32; amx::GROUP_ROWS];
                     for grp in range {
                         let out = worker.group(&self.w, grp, tt, tiles.clone());
                         let n0 = grp * amx::GROUP_ROWS;
                         let rows = amx::GROUP_ROWS.min(self.w.rows - n0);
                         for (o, j) in tiles.clone().enumerate() {
-                            let tile = &out[o * amx::GROUP_ROWS * amx::TILE_T..];
-                            for t in 0..amx::TILE_T.min(m - j * amx::TILE_T) {
+                            let tile = &out[o * amx::GROUP_ROWS * width..];
+                            for t in 0..width.min(m - j * width) {
                                 for (r, v) in row.iter_mut().enumerate().take(rows) {
-                                    *v = tile[r * amx::TILE_T + t];
+                                    *v = tile[r * width + t];
                                 }
-                                self.store_row(j * amx::TILE_T + t, n0, &mut row[..rows]);
+                                self.store_row(j * width + t, n0, &mut row[..rows]);
                             }
                         }
                     }

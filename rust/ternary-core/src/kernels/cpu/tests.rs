@@ -257,6 +257,11 @@ fn int8_within_quantization_bound() {
             (33, 20, 1536, 32),
             (20, 70, 1280, 64),
             (48, 16, 1024, 128),
+            // AMX narrow (8-token) tiles for M ≤ 8: full and partial, every group size.
+            (8, 37, 2304, 256),
+            (6, 70, 1280, 32),
+            (7, 20, 1536, 128),
+            (8, 33, 576, 64),
         ] {
             check_int8(m, n, k, g, 7 + n as u64 + m as u64, precision);
         }
