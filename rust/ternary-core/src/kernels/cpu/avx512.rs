@@ -56,6 +56,37 @@ pub(crate) fn is_supported() -> bool {
         && is_x86_feature_detected!("f16c")
 }
 
+/// f32 → bf16 bits, rounded to nearest even, NaN kept NaN with the quiet bit set: bit for bit
+/// `half::bf16::from_f32` (the results of every kernel go through this; half's slice conversion is
+/// scalar). Needs AVX-512F only.
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn f32_to_bf16(src: &[f32], dst: &mut [half::bf16]) {
+    assert_eq!(src.len(), dst.len());
+    let whole = src.len() / 16 * 16;
+    let (one, round, abs, inf, quiet) = (
+        _mm512_set1_epi32(1),
+        _mm512_set1_epi32(0x7FFF),
+        _mm512_set1_epi32(0x7FFF_FFFF),
+        _mm512_set1_epi32(0x7F80_0000),
+        _mm512_set1_epi32(0x0040_0000),
+    );
+    for i in (0..whole).step_by(16) {
+        // SAFETY: i + 16 ≤ len for both slices.
+        unsafe {
+            let x = _mm512_loadu_si512(src.as_ptr().add(i).cast());
+            // x + 0x7FFF + (bit 16 of x): carries into bit 16 exactly when RNE rounds up.
+            let up = _mm512_add_epi32(round, _mm512_and_si512(_mm512_srli_epi32::<16>(x), one));
+            let nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(x, abs), inf);
+            let r = _mm512_mask_mov_epi32(_mm512_add_epi32(x, up), nan, _mm512_or_si512(x, quiet));
+            let h = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(r));
+            _mm256_storeu_si256(dst.as_mut_ptr().add(i).cast(), h);
+        }
+    }
+    for (d, &v) in dst[whole..].iter_mut().zip(&src[whole..]) {
+        *d = half::bf16::from_f32(v);
+    }
+}
+
 /// Byte codes of sub-vector `i` (0..4) of a loaded 64-byte chunk.
 #[inline(always)]
 pub(crate) unsafe fn unpack(w: __m512i, i: usize, mask: __m512i) -> __m512i {

@@ -233,6 +233,11 @@ impl Activation for bf16 {
         src.convert_to_f32_slice(dst);
     }
     fn from_f32_slice(src: &[f32], dst: &mut [bf16]) {
+        #[cfg(target_arch = "x86_64")]
+        if crate::formats::avx512bw_available() {
+            // SAFETY: AVX-512F is present (checked just above).
+            return unsafe { avx512::f32_to_bf16(src, dst) };
+        }
         dst.convert_from_f32_slice(src);
     }
     fn bf16_bits(src: &[bf16]) -> Option<&[u16]> {

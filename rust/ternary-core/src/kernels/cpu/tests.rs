@@ -580,3 +580,45 @@ fn dense_bf16_decode_is_codes_times_bf16_scales() {
         assert!(dense::decode_blocks_bf16(&w, 0..1, &mut part[..k], &Rayon).is_err());
     }
 }
+
+#[test]
+fn bf16_output_rounding_is_half_s() {
+    // Every kernel's bf16 results go through `Activation::from_f32_slice`: ties to even, NaN quiet,
+    // overflow to infinity, subnormals, and lengths around the 16-lane step, against half's scalar.
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    let mut vals: Vec<f32> = [
+        0x3F80_8000u32, // tie, even below: stays
+        0x3F81_8000,    // tie, odd below: rounds up
+        0x3F80_8001,
+        0x7F7F_FFFF, // rounds to infinity
+        0x7F80_0000,
+        0xFF80_0000,
+        0x7F80_0001, // signalling NaN: quiet bit set
+        0xFFC0_1234,
+        0x0000_8000, // subnormal tie
+        0x8000_0000,
+        0x0001_8000,
+    ]
+    .iter()
+    .map(|&b| f32::from_bits(b))
+    .collect();
+    for _ in 0..4000 {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        vals.push(f32::from_bits(seed as u32));
+    }
+    for len in [0, 1, 15, 16, 17, 33, vals.len()] {
+        let src = &vals[..len];
+        let mut got = vec![bf16::ZERO; len];
+        <bf16 as Activation>::from_f32_slice(src, &mut got);
+        for (i, (&g, &x)) in got.iter().zip(src).enumerate() {
+            assert_eq!(
+                g.to_bits(),
+                bf16::from_f32(x).to_bits(),
+                "[{i}] {:#010x}",
+                x.to_bits()
+            );
+        }
+    }
+}
