@@ -10,7 +10,9 @@ Measured, each as packed source bytes per second (best of ``--repeat``):
 
 gguf-py decodes the same whole matrices (``--gguf-rows N`` limits it to the first N rows of each; it is slow
 and memory-hungry); ratios compare weights/s on the rows both decoded. Outputs are freshly allocated on both
-sides, as in real use (first-touch page faults are part of the cost).
+sides, as in real use (first-touch page faults are part of the cost). canonical → bf16 writes 16× the bytes
+it reads, so it is also timed against merely writing its output with NumPy (into a reused buffer, and into a
+fresh one), and with ``out=`` into a reused buffer: the ratios those allow are its physical bound here.
 
     python benches/bench_codecs.py            # full layer (4 matrices, ~240 M weights)
     python benches/bench_codecs.py --quick    # two smaller matrices
