@@ -19,6 +19,24 @@ pub const GROUP_SIZES: [usize; 4] = [32, 64, 128, 256];
 /// The invalid 2-bit code (would decode to +2·scale).
 pub const INVALID_CODE: u8 = 3;
 
+/// Code bytes from which [`CanonicalRef::validate`] splits its check over the pool.
+const PARALLEL_VALIDATE_BYTES: usize = 1 << 20;
+
+/// Whether any 2-bit code in `bytes` is 3 (both bits set): a branch-free OR over whole words, which
+/// the compiler vectorizes.
+pub(crate) fn has_code3(bytes: &[u8]) -> bool {
+    let words = bytes.chunks_exact(8);
+    let tail = words
+        .remainder()
+        .iter()
+        .fold(0u8, |a, &b| a | (b & (b >> 1)));
+    let any = words.fold(0u64, |a, w| {
+        let x = u64::from_le_bytes(w.try_into().expect("chunk of 8"));
+        a | (x & (x >> 1))
+    });
+    any & 0x5555_5555_5555_5555 != 0 || tail & 0x55 != 0
+}
+
 /// Borrowed canonical tensor (what kernels and encoders take).
 #[derive(Clone, Copy, Debug)]
 pub struct CanonicalRef<'a> {
@@ -124,6 +142,24 @@ impl<'a> CanonicalRef<'a> {
     /// Reject code 3 and non-finite scales, naming the tensor, the first offending index and the count.
     pub fn validate(&self, tensor: &str) -> Result<()> {
         self.check()?;
+        // Valid data, the usual case, is settled by branch-free passes (on the pool for large
+        // tensors); only a tensor that holds a bad value takes the exact scans below, which locate
+        // and count.
+        let clean_codes = |q: &[u8]| !has_code3(q);
+        let clean_scales =
+            |s: &[f16]| s.iter().fold(0u16, |a, v| a | u16::from(!v.is_finite())) == 0;
+        let clean = if self.qweight.len() < PARALLEL_VALIDATE_BYTES {
+            clean_codes(self.qweight) && clean_scales(self.scales)
+        } else {
+            use rayon::prelude::*;
+            crate::threads::install(|| {
+                self.qweight.par_chunks(1 << 16).all(clean_codes)
+                    && self.scales.par_chunks(1 << 15).all(clean_scales)
+            })
+        };
+        if clean {
+            return Ok(());
+        }
         let mut bad_codes = 0u64;
         let mut first_code = None;
         for (i, &b) in self.qweight.iter().enumerate() {
@@ -644,6 +680,47 @@ mod tests {
         let trits: Vec<i8> = (0..8).map(|k| t.trit(0, k)).collect();
         assert_eq!(trits, [1, 0, -1, -1, 0, 1, 1, 0]);
         t.validate("w").unwrap();
+    }
+
+    #[test]
+    fn validate_on_the_pool_finds_every_bad_value() {
+        // Above PARALLEL_VALIDATE_BYTES the clean check runs in chunks on the pool: a single bad code
+        // or scale in any chunk (first, middle, the ragged last one) must still be found and located.
+        let (rows, cols, g) = (4100, 1024, 128); // 1 049 600 code bytes
+        let qw = vec![0x55u8; rows * cols / 4];
+        let sc = vec![f16::ONE; rows * cols / g];
+        let t = |q: &[u8], s: &[f16]| {
+            CanonicalRef {
+                rows,
+                cols,
+                group_size: g,
+                qweight: q,
+                scales: s,
+            }
+            .validate("w")
+        };
+        assert!(qw.len() >= PARALLEL_VALIDATE_BYTES);
+        t(&qw, &sc).unwrap();
+        for at in [0, 70_000, qw.len() - 1] {
+            let mut q = qw.clone();
+            q[at] = 0x57; // lane 0 = code 3
+            match t(&q, &sc).unwrap_err() {
+                Error::Validation {
+                    first_index, count, ..
+                } => assert_eq!((first_index, count), (at as u64 * 4, 1)),
+                e => panic!("{e}"),
+            }
+        }
+        for at in [0, 20_000, sc.len() - 1] {
+            let mut s = sc.clone();
+            s[at] = f16::NEG_INFINITY;
+            match t(&qw, &s).unwrap_err() {
+                Error::Validation {
+                    first_index, count, ..
+                } => assert_eq!((first_index, count), (at as u64, 1)),
+                e => panic!("{e}"),
+            }
+        }
     }
 
     #[test]

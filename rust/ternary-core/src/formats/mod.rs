@@ -201,18 +201,9 @@ pub(crate) fn avx512bw_available() -> bool {
 /// Number of code-3 fields in a canonical byte slice, and the element index (within the slice) of
 /// the first one.
 pub(crate) fn count_code3(bytes: &[u8]) -> (u64, Option<u64>) {
-    // Valid data has no code 3: a branch-free OR over whole words (vectorized) settles that case;
-    // only data that holds one takes the exact count below.
-    let words = bytes.chunks_exact(8);
-    let tail = words
-        .remainder()
-        .iter()
-        .fold(0u8, |a, &b| a | (b & (b >> 1)));
-    let any = words.fold(0u64, |a, w| {
-        let x = u64::from_le_bytes(w.try_into().expect("chunk of 8"));
-        a | (x & (x >> 1))
-    });
-    if any & 0x5555_5555_5555_5555 == 0 && tail & 0x55 == 0 {
+    // Valid data has no code 3: a branch-free pass settles that case; only data that holds one
+    // takes the exact count below.
+    if !crate::canonical::has_code3(bytes) {
         return (0, None);
     }
     let mut count = 0u64;
