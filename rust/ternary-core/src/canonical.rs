@@ -24,7 +24,7 @@ const PARALLEL_VALIDATE_BYTES: usize = 1 << 20;
 
 /// Whether any 2-bit code in `bytes` is 3 (both bits set): a branch-free OR over whole words, which
 /// the compiler vectorizes.
-pub(crate) fn has_code3(bytes: &[u8]) -> bool {
+fn has_code3(bytes: &[u8]) -> bool {
     let words = bytes.chunks_exact(8);
     let tail = words
         .remainder()
@@ -35,6 +35,42 @@ pub(crate) fn has_code3(bytes: &[u8]) -> bool {
         a | (x & (x >> 1))
     });
     any & 0x5555_5555_5555_5555 != 0 || tail & 0x55 != 0
+}
+
+/// Number of code-3 fields in a canonical byte slice, and the element index (within the slice) of
+/// the first one.
+pub(crate) fn count_code3(bytes: &[u8]) -> (u64, Option<u64>) {
+    // Valid data has no code 3: a branch-free pass settles that case; only data that holds one
+    // takes the exact count below.
+    if !has_code3(bytes) {
+        return (0, None);
+    }
+    let mut count = 0u64;
+    let mut first = None;
+    // Whole words first: a code is 3 exactly when both of its bits are set.
+    let mut words = bytes.chunks_exact(8);
+    let mut base = 0usize;
+    for w in &mut words {
+        let x = u64::from_le_bytes(w.try_into().expect("chunk of 8"));
+        let threes = x & (x >> 1) & 0x5555_5555_5555_5555;
+        if threes != 0 {
+            if first.is_none() {
+                first = Some((base * 4 + threes.trailing_zeros() as usize / 2) as u64);
+            }
+            count += threes.count_ones() as u64;
+        }
+        base += 8;
+    }
+    for (i, &b) in words.remainder().iter().enumerate() {
+        let threes = b & (b >> 1) & 0x55;
+        if threes != 0 {
+            if first.is_none() {
+                first = Some(((base + i) * 4 + threes.trailing_zeros() as usize / 2) as u64);
+            }
+            count += threes.count_ones() as u64;
+        }
+    }
+    (count, first)
 }
 
 /// Borrowed canonical tensor (what kernels and encoders take).
@@ -160,19 +196,7 @@ impl<'a> CanonicalRef<'a> {
         if clean {
             return Ok(());
         }
-        let mut bad_codes = 0u64;
-        let mut first_code = None;
-        for (i, &b) in self.qweight.iter().enumerate() {
-            // A code is 3 exactly when both of its bits are set.
-            let threes = (b & (b >> 1) & 0x55).count_ones() as u64;
-            if threes > 0 {
-                if first_code.is_none() {
-                    let lane = (0..4).find(|j| (b >> (2 * j)) & 3 == 3).unwrap_or(0);
-                    first_code = Some(i as u64 * 4 + lane as u64);
-                }
-                bad_codes += threes;
-            }
-        }
+        let (bad_codes, first_code) = count_code3(self.qweight);
         if let Some(first) = first_code {
             return Err(Error::validation(
                 tensor,

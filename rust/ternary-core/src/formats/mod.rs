@@ -198,41 +198,7 @@ pub(crate) fn avx512bw_available() -> bool {
     }
 }
 
-/// Number of code-3 fields in a canonical byte slice, and the element index (within the slice) of
-/// the first one.
-pub(crate) fn count_code3(bytes: &[u8]) -> (u64, Option<u64>) {
-    // Valid data has no code 3: a branch-free pass settles that case; only data that holds one
-    // takes the exact count below.
-    if !crate::canonical::has_code3(bytes) {
-        return (0, None);
-    }
-    let mut count = 0u64;
-    let mut first = None;
-    // Whole words first: a code is 3 exactly when both of its bits are set.
-    let mut words = bytes.chunks_exact(8);
-    let mut base = 0usize;
-    for w in &mut words {
-        let x = u64::from_le_bytes(w.try_into().expect("chunk of 8"));
-        let threes = x & (x >> 1) & 0x5555_5555_5555_5555;
-        if threes != 0 {
-            if first.is_none() {
-                first = Some((base * 4 + threes.trailing_zeros() as usize / 2) as u64);
-            }
-            count += threes.count_ones() as u64;
-        }
-        base += 8;
-    }
-    for (i, &b) in words.remainder().iter().enumerate() {
-        let threes = b & (b >> 1) & 0x55;
-        if threes != 0 {
-            if first.is_none() {
-                first = Some(((base + i) * 4 + threes.trailing_zeros() as usize / 2) as u64);
-            }
-            count += threes.count_ones() as u64;
-        }
-    }
-    (count, first)
-}
+pub(crate) use crate::canonical::count_code3;
 
 #[cfg(test)]
 mod tests {
