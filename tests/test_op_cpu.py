@@ -460,3 +460,28 @@ def _check_dense_tile_path(with_bias):
     # 3-D input, the same rows.
     x = torch.from_numpy(rng.standard_normal((3, 20, k)).astype(np.float32)).bfloat16()
     assert torch.equal(OP(x, qk, sk, n, k, g, bias).reshape(60, n), OP(x.reshape(60, k), qk, sk, n, k, g, bias))
+
+
+def test_bench_round_robin_timing_calls_every_side_in_turn():
+    """benches/bench_cpu_op.py's ratios come from round-robin timing: every side once per round, each
+    after its own untimed setup, copies cycled; (median, min) per side."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benches" / "bench_cpu_op.py"
+    spec = importlib.util.spec_from_file_location("bench_cpu_op", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    log = []
+    fns = {
+        "a": (lambda i: log.append(("a", i)), 2, lambda: log.append("setup a")),
+        "b": (lambda i: log.append(("b", i)), 3, None),
+    }
+    got = bench.timed_together(fns, budget_s=0.0, min_rounds=4)
+    warm = ["setup a", ("a", 0), "setup a", ("a", 1), ("b", 0), ("b", 1), ("b", 2)]
+    assert log[: len(warm)] == warm
+    rounds = [e for e in log[len(warm):] if e != "setup a"]
+    assert rounds == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 0), ("b", 2), ("a", 1), ("b", 0)]
+    assert log[len(warm):].count("setup a") == 4
+    for median, fastest in got.values():
+        assert 0 <= fastest <= median
