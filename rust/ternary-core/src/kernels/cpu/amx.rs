@@ -13,7 +13,10 @@
 //! from L1), the decode, and the f32 epilogue of every (row, group), all fixed per weight rather than
 //! per token. At M = 8 on 2048 → 12288 (one thread, in cache) the epilogue was 28 % of the time and the
 //! decode 16 %. Calls of at most 8 tokens therefore use 8-token tiles, whose C rows sit two to a vector
-//! in the epilogue: 1.34–1.44 → 1.05 ms there.
+//! in the epilogue: 1.34–1.44 → 1.05 ms there. At M = 512 on 5120 → 17408 (min of interleaved runs)
+//! a 100 ms call spent ~20 ms in the epilogue and ~21 ms writing y (64-byte pieces of 512 token rows,
+//! each line first read for ownership): the epilogue now runs once per pair of groups and large
+//! outputs are streamed (`super::STREAM_Y_MIN_BYTES`), 80 ms (torch bf16: 106–108 ms).
 //!
 //! Numerics: per weight group and (row, token) the tile sums `Σ t·q` exactly in int32; the epilogue
 //! adds `f32(sum) · (f32(s) · xs)` (one FMA) group after group. That is the scalar reference's
@@ -384,9 +387,11 @@ impl Worker {
                 let bt = tt.b.slice::<i8>()[j * kp * w_t..].as_ptr();
                 let xs = &tt.xs[j * gp * w_t..(j + 1) * gp * w_t];
                 let acc = &mut out[o * GROUP_ROWS * w_t..(o + 1) * GROUP_ROWS * w_t];
-                for gk in (kc0..kc0 + kc).step_by(g) {
-                    let gi = gk / g;
-                    let parity = gi % 2;
+                // kc is a multiple of 256, and g divides 256.
+                let groups = kc / g;
+                for q in 0..groups {
+                    let gk = kc0 + q * g;
+                    let parity = q % 2;
                     // SAFETY: A rows are 64 bytes apart in `a` (k − kc0 < kc), B rows `4·w_t` bytes
                     // apart from row k/4 of the token tile (k + ks ≤ Kp); C goes to `c[parity]`
                     // (32 rows × w_t int32 ≤ 2 KiB).
@@ -412,43 +417,91 @@ impl Worker {
                             0 => c_pair!(store, "tmm0", "tmm1", cp, w_t),
                             _ => c_pair!(store, "tmm2", "tmm3", cp, w_t),
                         }
-                        // The f32 epilogue of this group overlaps the next group's tile products
-                        // (other C tiles, other buffer).
-                        let sc = scales.as_ptr().add(gi * ROWS);
-                        if w_t == TILE_T {
-                            let xv = _mm512_loadu_ps(xs.as_ptr().add(gi * TILE_T));
-                            for n in 0..GROUP_ROWS {
-                                let sum = _mm512_cvtepi32_ps(_mm512_loadu_si512(
-                                    cp.add(n * TILE_T).cast(),
-                                ));
-                                let s = *sc.add((n / ROWS * gp) * ROWS + n % ROWS);
-                                let cs = _mm512_mul_ps(_mm512_set1_ps(s), xv);
-                                let ap = acc.as_mut_ptr().add(n * TILE_T);
-                                _mm512_storeu_ps(ap, _mm512_fmadd_ps(sum, cs, _mm512_loadu_ps(ap)));
-                            }
-                        } else {
-                            // Rows n, n + 1 per vector (C and acc rows are 8 wide and contiguous;
-                            // their scales are adjacent too: n is even and a row block holds 4).
-                            let xv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
-                                _mm256_loadu_ps(xs.as_ptr().add(gi * NARROW_T)),
-                            )));
-                            let pair =
-                                _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-                            for n in (0..GROUP_ROWS).step_by(2) {
-                                let sum = _mm512_cvtepi32_ps(_mm512_loadu_si512(
-                                    cp.add(n * NARROW_T).cast(),
-                                ));
-                                let s2 = sc.add((n / ROWS * gp) * ROWS + n % ROWS);
-                                let s = _mm512_permutexvar_ps(
-                                    pair,
-                                    _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(s2.cast()))),
-                                );
-                                let cs = _mm512_mul_ps(s, xv);
-                                let ap = acc.as_mut_ptr().add(n * NARROW_T);
-                                _mm512_storeu_ps(ap, _mm512_fmadd_ps(sum, cs, _mm512_loadu_ps(ap)));
-                            }
+                        // The f32 epilogue runs once per pair of groups (one load and store of the
+                        // running sums for both; one thread, min of interleaved runs: 5120 → 17408
+                        // at M = 512 91–96 → 80 ms, 2048 → 6144 at M = 8 0.55 → 0.51 ms) and
+                        // overlaps the next group's tile products (other C tiles).
+                        let gi = gk / g;
+                        let ep = Epilogue {
+                            c: c.as_ptr(),
+                            scales: scales.as_ptr(),
+                            xs,
+                            gp,
+                            width: w_t,
+                        };
+                        if parity == 1 {
+                            ep.run::<2>(gi - 1, acc);
+                        } else if q + 1 == groups {
+                            ep.run::<1>(gi, acc);
                         }
                     }
+                }
+            }
+        }
+    }
+}
+
+/// The f32 epilogue of `G` consecutive groups whose int32 sums sit in the C buffer's parities
+/// `0 .. G`: `acc[n][t] += f32(sum_g[n][t]) · (s[n][g] · xs[t][g])`, group after group (one FMA each,
+/// in registers between the groups: bit for bit the group-by-group order).
+struct Epilogue<'a> {
+    /// C buffer: `[parity][32 rows][width]` int32.
+    c: *const i32,
+    /// f32 scales of the 32 rows, `[8 blocks][Gp][4]`.
+    scales: *const f32,
+    /// Activation scales of the token tile, `[Gp][width]`.
+    xs: &'a [f32],
+    gp: usize,
+    width: usize,
+}
+
+impl Epilogue<'_> {
+    /// SAFETY: the C buffer holds `G` parities of this width; `g0 + G ≤ Gp`; `acc` is 32 × width.
+    #[inline(always)]
+    unsafe fn run<const G: usize>(&self, g0: usize, acc: &mut [f32]) {
+        let (w_t, gp) = (self.width, self.gp);
+        debug_assert!(acc.len() >= GROUP_ROWS * w_t && g0 + G <= gp);
+        let scale = |gi: usize, n: usize| unsafe {
+            self.scales.add((n / ROWS * gp + gi) * ROWS + n % ROWS)
+        };
+        let sums = |p: usize, n: usize| unsafe { self.c.add(p * GROUP_ROWS * w_t + n * w_t) };
+        unsafe {
+            if w_t == TILE_T {
+                let xv: [__m512; G] = std::array::from_fn(|p| {
+                    _mm512_loadu_ps(self.xs.as_ptr().add((g0 + p) * TILE_T))
+                });
+                for n in 0..GROUP_ROWS {
+                    let ap = acc.as_mut_ptr().add(n * TILE_T);
+                    let mut v = _mm512_loadu_ps(ap);
+                    for (p, &xp) in xv.iter().enumerate() {
+                        let sum = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums(p, n).cast()));
+                        let cs = _mm512_mul_ps(_mm512_set1_ps(*scale(g0 + p, n)), xp);
+                        v = _mm512_fmadd_ps(sum, cs, v);
+                    }
+                    _mm512_storeu_ps(ap, v);
+                }
+            } else {
+                // Rows n, n + 1 per vector (C and acc rows are 8 wide and contiguous; their scales
+                // are adjacent too: n is even and a row block holds 4).
+                let xv: [__m512; G] = std::array::from_fn(|p| {
+                    _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(
+                        self.xs.as_ptr().add((g0 + p) * NARROW_T),
+                    ))))
+                });
+                let pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+                for n in (0..GROUP_ROWS).step_by(2) {
+                    let ap = acc.as_mut_ptr().add(n * NARROW_T);
+                    let mut v = _mm512_loadu_ps(ap);
+                    for (p, &xp) in xv.iter().enumerate() {
+                        let sum = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums(p, n).cast()));
+                        let s2 = scale(g0 + p, n);
+                        let s = _mm512_permutexvar_ps(
+                            pair,
+                            _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(s2.cast()))),
+                        );
+                        v = _mm512_fmadd_ps(sum, _mm512_mul_ps(s, xp), v);
+                    }
+                    _mm512_storeu_ps(ap, v);
                 }
             }
         }

@@ -622,3 +622,72 @@ fn bf16_output_rounding_is_half_s() {
         }
     }
 }
+
+/// Outputs of at least `STREAM_Y_MIN_BYTES` leave the AMX paths through non-temporal stores (whole
+/// aligned lines; the rest as before): every element written, as the scalar kernel computes it, with
+/// bias, for aligned rows (n = 2048) and rows that are not (n = 2068, partial last row group), on
+/// 16- and 8-token tiles.
+#[test]
+fn amx_streamed_outputs_match_scalar() {
+    if !Variant::Amx.is_supported() {
+        eprintln!("no AMX here: nothing to test");
+        return;
+    }
+    fn aligned<T: Activation>(len: usize) -> Vec<T> {
+        vec![T::default(); len + 64]
+    }
+    fn window<T: Activation>(buf: &mut [T], len: usize) -> &mut [T] {
+        let off = (64 - buf.as_ptr() as usize % 64) % 64 / std::mem::size_of::<T>();
+        &mut buf[off..off + len]
+    }
+    for &(m, n) in &[(70, 2048), (70, 2068), (8, 16384)] {
+        let (k, g) = (256, 128);
+        let c = case(m, n, k, g, 23 + n as u64);
+        let planes = c.prepared();
+        let w = PreparedRef {
+            rows: n,
+            cols: k,
+            group_size: g,
+            planes: &planes.0,
+            scales: &planes.1,
+        };
+        assert!(m * n * 2 >= STREAM_Y_MIN_BYTES);
+        let xb: Vec<bf16> = c.x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let bb: Vec<bf16> = c.bias.iter().map(|&v| bf16::from_f32(v)).collect();
+        let mut outs = vec![];
+        for v in [Variant::Scalar, Variant::Amx] {
+            let mut buf = aligned::<bf16>(m * n);
+            let y = window(&mut buf, m * n);
+            gemm(w, &xb, m, Some(&bb), y, v, Precision::Int8Group, &Rayon).unwrap();
+            outs.push(y.to_vec());
+            let mut buf = aligned::<f32>(m * n);
+            let yf = window(&mut buf, m * n);
+            gemm(
+                w,
+                &c.x,
+                m,
+                Some(&c.bias),
+                yf,
+                v,
+                Precision::Int8Group,
+                &Rayon,
+            )
+            .unwrap();
+            outs.push(yf.iter().map(|&v| bf16::from_f32(v)).collect());
+        }
+        for (i, (a, b)) in outs[0].iter().zip(&outs[2]).enumerate() {
+            let (a, b) = (a.to_f32(), b.to_f32());
+            assert!(
+                (a - b).abs() <= 2f32.powi(-7) * a.abs().max(1.0),
+                "bf16 m{m} n{n} [{i}]: {a} vs {b}"
+            );
+        }
+        for (i, (a, b)) in outs[1].iter().zip(&outs[3]).enumerate() {
+            let (a, b) = (a.to_f32(), b.to_f32());
+            assert!(
+                (a - b).abs() <= 2f32.powi(-7) * a.abs().max(1.0),
+                "f32 m{m} n{n} [{i}]: {a} vs {b}"
+            );
+        }
+    }
+}
