@@ -17,8 +17,9 @@ op runs on torch's intra-op pool, like ``F.linear``):
   directly (``_core``), and the old Python dispatch path for comparison.
 
 * the ternary modes and torch bf16 of one (shape, M, threads) are timed **round-robin** in one loop
-  (``timed_together``): ``x bf16`` is the ratio of medians, ``x min`` the ratio of the fastest calls
-  (the AMX unit here is shared with a sibling hardware thread, so phases differ by up to 5x);
+  (``timed_together``; the ``--hot`` rows in a loop of their own, so cold calls do not evict their
+  weights): ``x bf16`` is the ratio of medians, ``x min`` the ratio of the fastest calls (the AMX unit
+  here is shared with a sibling hardware thread, so phases differ by up to 5x);
 * ``--variants amx,avx512`` times the int8 mode once per kernel variant (rows ``int8/amx``,
   ``int8/avx512``: AMX-INT8 tiles against the VNNI kernel on the same data); by default only the best.
 
@@ -196,9 +197,15 @@ def main() -> None:
 
                 def ternary(act):
                     return lambda i: torch.ops.ternary_rs.ternary_linear(x, tq[i], ts[i], n, k, GROUP, None, act)
+                # Cold rows (and bf16, also cold) round-robin together; cache-resident ("hot") rows in a
+                # loop of their own, or the cold calls between them would evict their weights.
+                hot = {}
                 for mode, act, cps, kernel in variants:
-                    fns[mode] = (ternary(act), cps, lambda kernel=kernel: _ops_cpu.set_kernel_variant(kernel))
+                    (hot if cps == 1 and args.hot else fns)[mode] = (
+                        ternary(act), cps, lambda kernel=kernel: _ops_cpu.set_kernel_variant(kernel))
                 got = timed_together(fns, args.budget * len(fns))
+                if hot:
+                    got.update(timed_together(hot, args.budget * len(hot)))
                 _ops_cpu.set_kernel_variant("auto")
                 t_bf16, t_bf16_min = got.get("bf16", (None, None))
                 for mode, act, cps, kernel in variants:
