@@ -190,22 +190,23 @@ def main() -> None:
                     fns["bf16"] = (lambda i: torch.nn.functional.linear(x, dense[i % len(dense)]), len(dense), None)
                 variants = [(f"int8/{v}", ops.AUTO, copies, v) for v in kernel_variants] or [
                     ("int8", ops.AUTO, copies, "auto")]
-                variants.append(("exact", ops.EXACT, copies, "auto"))
-                if args.hot:
-                    variants += [(f"{name} hot", act, 1, v) for name, act, _, v in variants if act == ops.AUTO]
-                variants = [v for v in variants if not (v[0] == "exact" and m > 16 and m != ms[-1])]  # f32 path: short
+                if not (m > 16 and m != ms[-1]):  # exact is the f32 path; keep the run short
+                    variants.append(("exact", ops.EXACT, copies, "auto"))
+                hot_variants = [(f"{name} hot", act, 1, v) for name, act, _, v in variants
+                                if act == ops.AUTO] if args.hot else []
 
-                def ternary(act):
-                    return lambda i: torch.ops.ternary_rs.ternary_linear(x, tq[i], ts[i], n, k, GROUP, None, act)
+                def entries(vs):
+                    return {mode: (lambda i, act=act: torch.ops.ternary_rs.ternary_linear(
+                                x, tq[i], ts[i], n, k, GROUP, None, act),
+                                   cps, lambda kernel=kernel: _ops_cpu.set_kernel_variant(kernel))
+                            for mode, act, cps, kernel in vs}
                 # Cold rows (and bf16, also cold) round-robin together; cache-resident ("hot") rows in a
                 # loop of their own, or the cold calls between them would evict their weights.
-                hot = {}
-                for mode, act, cps, kernel in variants:
-                    (hot if cps == 1 and args.hot else fns)[mode] = (
-                        ternary(act), cps, lambda kernel=kernel: _ops_cpu.set_kernel_variant(kernel))
+                fns.update(entries(variants))
                 got = timed_together(fns, args.budget * len(fns))
-                if hot:
-                    got.update(timed_together(hot, args.budget * len(hot)))
+                if hot_variants:
+                    got.update(timed_together(entries(hot_variants), args.budget * len(hot_variants)))
+                variants += hot_variants
                 _ops_cpu.set_kernel_variant("auto")
                 t_bf16, t_bf16_min = got.get("bf16", (None, None))
                 for mode, act, cps, kernel in variants:

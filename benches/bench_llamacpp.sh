@@ -45,10 +45,9 @@ for round in $(seq 1 "$ROUNDS"); do
       -p 'type_a=tq2_0,type_b=f32,m=4096,n=(1|2|4|8),k=14336,' 2>&1 \
     | grep -o 'n=[0-9]*,k=14336.*us/run' \
     | sed -E 's/n=([0-9]+),k=14336.* ([0-9.]+) us\/run/\1 \2/' \
-    | while read -r n us; do
-        awk -v n="$n" -v us="$us" 'BEGIN { printf "  llama.cpp M=%s: %.3f ms, %.1f G weights/s\n", n, us / 1000, 4096 * 14336 / us / 1000 }'
-        echo "llama $n $(awk -v us="$us" 'BEGIN { print 4096 * 14336 / us / 1000 }')" >> "$gemv"
-      done
+    | awk -v rounds="$gemv" '{ gws = 4096 * 14336 / $2 / 1000
+             printf "  llama.cpp M=%s: %.3f ms, %.1f G weights/s\n", $1, $2 / 1000, gws
+             print "llama", $1, gws >> rounds }'
   echo "-- round $round: ternary_rs (bench_cpu_op.py; 'int8 hot' is llama.cpp's condition)"
   "$PY" benches/bench_cpu_op.py --shapes 14336x4096 --m 1,2,4,8 --threads 1 --hot --no-bf16 --budget 1.5 \
     | tee "$WORK/ours_round.txt"

@@ -56,9 +56,6 @@ pub(crate) fn is_supported() -> bool {
         && is_x86_feature_detected!("f16c")
 }
 
-/// f32 → bf16 bits, rounded to nearest even, NaN kept NaN with the quiet bit set: bit for bit
-/// `half::bf16::from_f32` (the results of every kernel go through this; half's slice conversion is
-/// scalar). Needs AVX-512F only.
 /// Copy `bytes` (a multiple of 64) from `src` to the 64-byte aligned `dst` with non-temporal stores
 /// (no read-for-ownership of the destination lines). The caller must `_mm_sfence` before another
 /// thread reads `dst`. SAFETY: AVX-512F present; both ranges valid for `bytes`.
@@ -71,6 +68,9 @@ pub(crate) unsafe fn stream_lines(dst: *mut u8, src: *const u8, bytes: usize) {
     }
 }
 
+/// f32 → bf16 bits, rounded to nearest even, NaN kept NaN with the quiet bit set: bit for bit
+/// `half::bf16::from_f32` (the results of every kernel go through this; half's slice conversion is
+/// scalar). Needs AVX-512F only.
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn f32_to_bf16(src: &[f32], dst: &mut [half::bf16]) {
     assert_eq!(src.len(), dst.len());

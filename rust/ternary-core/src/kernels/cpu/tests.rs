@@ -92,6 +92,17 @@ impl Case {
         layout::prepare(self.canonical(), "w").unwrap()
     }
 
+    /// This case's weight in the kernel layout, over `prepared`'s buffers.
+    fn weight<'a>(&self, prepared: &'a (Vec<u8>, Vec<f16>)) -> PreparedRef<'a> {
+        PreparedRef {
+            rows: self.n,
+            cols: self.k,
+            group_size: self.g,
+            planes: &prepared.0,
+            scales: &prepared.1,
+        }
+    }
+
     fn run<T: Activation + Default + Clone>(
         &self,
         x: &[T],
@@ -102,13 +113,7 @@ impl Case {
     ) -> Vec<T> {
         let m = x.len() / self.k;
         let mut y = vec![T::default(); m * self.n];
-        let w = PreparedRef {
-            rows: self.n,
-            cols: self.k,
-            group_size: self.g,
-            planes: &prepared.0,
-            scales: &prepared.1,
-        };
+        let w = self.weight(prepared);
         gemm(w, x, m, bias, &mut y, variant, precision, &Rayon).unwrap();
         y
     }
@@ -487,13 +492,7 @@ fn kernel_throughput() {
     let (n, k, g) = (4096, 5120, 128);
     let c = case(128, n, k, g, 9);
     let prepared = c.prepared();
-    let w = PreparedRef {
-        rows: n,
-        cols: k,
-        group_size: g,
-        planes: &prepared.0,
-        scales: &prepared.1,
-    };
+    let w = c.weight(&prepared);
     let xb: Vec<bf16> = c.x.iter().map(|&v| bf16::from_f32(v)).collect();
     let mut y = vec![bf16::ZERO; 128 * n];
     let variants: Vec<Variant> = [Variant::Avx512, Variant::Amx]
@@ -551,13 +550,7 @@ fn dense_bf16_decode_is_codes_times_bf16_scales() {
     for &(n, k, g) in &[(7, 96, 32), (9, 256, 64), (5, 640, 128), (12, 512, 256)] {
         let c = case(1, n, k, g, 7);
         let p = c.prepared();
-        let w = PreparedRef {
-            rows: n,
-            cols: k,
-            group_size: g,
-            planes: &p.0,
-            scales: &p.1,
-        };
+        let w = c.weight(&p);
         let mut out = vec![bf16::ZERO; n * k];
         dense::decode_blocks_bf16(&w, 0..layout::row_blocks(n), &mut out, &Rayon).unwrap();
         let cw = c.canonical();
@@ -644,13 +637,7 @@ fn amx_streamed_outputs_match_scalar() {
         let (k, g) = (256, 128);
         let c = case(m, n, k, g, 23 + n as u64);
         let planes = c.prepared();
-        let w = PreparedRef {
-            rows: n,
-            cols: k,
-            group_size: g,
-            planes: &planes.0,
-            scales: &planes.1,
-        };
+        let w = c.weight(&planes);
         assert!(m * n * 2 >= STREAM_Y_MIN_BYTES);
         let xb: Vec<bf16> = c.x.iter().map(|&v| bf16::from_f32(v)).collect();
         let bb: Vec<bf16> = c.bias.iter().map(|&v| bf16::from_f32(v)).collect();
@@ -675,19 +662,15 @@ fn amx_streamed_outputs_match_scalar() {
             .unwrap();
             outs.push(yf.iter().map(|&v| bf16::from_f32(v)).collect());
         }
-        for (i, (a, b)) in outs[0].iter().zip(&outs[2]).enumerate() {
-            let (a, b) = (a.to_f32(), b.to_f32());
-            assert!(
-                (a - b).abs() <= 2f32.powi(-7) * a.abs().max(1.0),
-                "bf16 m{m} n{n} [{i}]: {a} vs {b}"
-            );
-        }
-        for (i, (a, b)) in outs[1].iter().zip(&outs[3]).enumerate() {
-            let (a, b) = (a.to_f32(), b.to_f32());
-            assert!(
-                (a - b).abs() <= 2f32.powi(-7) * a.abs().max(1.0),
-                "f32 m{m} n{n} [{i}]: {a} vs {b}"
-            );
+        // outs: scalar bf16, scalar f32, AMX bf16, AMX f32.
+        for (dtype, scalar, amx) in [("bf16", &outs[0], &outs[2]), ("f32", &outs[1], &outs[3])] {
+            for (i, (a, b)) in scalar.iter().zip(amx).enumerate() {
+                let (a, b) = (a.to_f32(), b.to_f32());
+                assert!(
+                    (a - b).abs() <= 2f32.powi(-7) * a.abs().max(1.0),
+                    "{dtype} m{m} n{n} [{i}]: {a} vs {b}"
+                );
+            }
         }
     }
 }
