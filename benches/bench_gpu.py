@@ -11,7 +11,9 @@ M <= 16 at >= 85 % of HBM, >= 6x cuBLAS at M = 1, >= 0.8x cuBLAS at M >= 512.
 Timing: each side runs as one CUDA graph of many calls (launch overhead as in vLLM's captured decode),
 rotating over enough weight copies (> 2x L2) that weights come from HBM, timed with CUDA events; the
 median of several replays is reported. A correctness spot check against the dequantized bf16 weight
-runs first for every shape. Uses only torch and ternary_rs (runs on the bare GPU machine).
+runs first for every shape. First of all it times the per-call host overhead of the natively registered
+op at 1x1024->1024 against the Python path and the bare launcher. Uses only torch and ternary_rs (runs on
+the bare GPU machine).
 """
 
 from __future__ import annotations
@@ -111,6 +113,45 @@ def copy_bandwidth(device: str) -> float:
     return 2 * (1 << 30) / statistics.median(times)
 
 
+def dispatch_overhead(calls: int = 2000, rounds: int = 5) -> dict:
+    """Host µs per eager call at 1x1024->1024 (launch-bound: the kernel itself takes a few µs): the
+    native op, the Python path it replaced, and the launcher called directly from Python with everything
+    preallocated (one PyO3 call + one kernel launch: the floor). Rounds interleave the three; min per side."""
+    n = k = 1024
+    g = 128
+    packed, scales = random_layer(n, k, g, "cuda")
+    q_k, s_k = ops.prepare_weight(packed, scales, g)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    stream = torch.cuda.current_stream().cuda_stream
+    plan = _core.cuda_plan(1, n, k, g, sm)
+    partials = torch.empty(max(plan["partial_floats"], 1), dtype=torch.float32, device="cuda")
+    counters = torch.zeros(max(plan["counters"], 8 * sm + 64), dtype=torch.int32, device="cuda")
+    sides = {
+        "native op": lambda: torch.ops.ternary_rs.ternary_linear(x, q_k, s_k, n, k, g),
+        "Python path": lambda: _ops_cuda.ternary_linear(x, q_k, s_k, n, k, g),
+        "launcher": lambda: _core.cuda_ternary_linear(
+            x.data_ptr(), q_k.data_ptr(), s_k.data_ptr(), 0, y.data_ptr(), partials.data_ptr(), partials.numel(),
+            counters.data_ptr(), counters.numel(), 1, n, k, g, "bfloat16", sm, stream),
+    }
+    best = {name: math.inf for name in sides}
+    for _ in range(rounds):
+        for name, fn in sides.items():
+            for _ in range(50):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            best[name] = min(best[name], (time.perf_counter() - t0) / calls * 1e6)
+    best["native overhead"] = best["native op"] - best["launcher"]
+    print("per-call host time at 1x1024->1024 (min of interleaved rounds): " + ", ".join(
+        f"{name} {us:.2f} us" for name, us in best.items()) + " (goal: native overhead <= 5 us)")
+    return best
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--group-size", type=int, default=128)
@@ -145,6 +186,7 @@ def main() -> int:
     peak = copy_bandwidth(dev)
     print(f"device: {name}, {sm_count} SMs; torch {torch.__version__}; g = {g}; "
           f"HBM {args.hbm_tbps} TB/s datasheet, {peak / 1e12:.2f} TB/s achievable (D2D copy, same run)")
+    overhead = dispatch_overhead() if dev == "cuda" else None
     header = (f"{'K->N':>14} {'M':>5} {'plan':>12} {'ternary us':>11} {'GB/s':>8} {'%HBM':>6} {'%copy':>6} "
               f"{'cuBLAS us':>10} {'cuBLAS GB/s':>11} {'speed-up':>9}")
     print(header)
@@ -248,7 +290,8 @@ def main() -> int:
               "paths: " + ", ".join(f"{r['k']}->{r['n']} M={r['m']}: {r['kernel']} {r['speedup']:.2f}x" for r in sel))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"rows": rows, "dispatch_overhead_us": overhead, "native": ops.NATIVE_CUDA_UNAVAILABLE is None},
+                      f, indent=1)
     return 0
 
 

@@ -5,8 +5,10 @@
 #     maturin build --release --features cuda -o dist/       # here, with the CUDA toolkit
 #     device run: carry ["dist"], command "bash benches/gpu_check.sh"
 # It installs that wheel (pip --no-deps --no-index, into a private target dir), checks that the kernels
-# load and see the GPU, runs the GPU tests (tests/test_cuda.py, tests/test_gpu_layout.py) and then
-# benches/bench_gpu.py (ternary vs cuBLAS bf16 on the 27B shapes). Uses only what the machine has:
+# load and see the GPU, runs the GPU tests (tests/test_cuda.py, tests/test_gpu_layout.py; on a failure
+# the kernel tests once more through the Python path, to tell the native op registration from the
+# kernels) and then benches/bench_gpu.py (the native op's per-call overhead, then ternary vs cuBLAS bf16
+# on the 27B shapes). Uses only what the machine has:
 # python3 with torch, numpy, pytest, hypothesis. Results also go to $OUT (when set) as files.
 # SANITIZE=1 additionally runs a few GPU tests under compute-sanitizer memcheck (slow; Firecracker only).
 set -uo pipefail
@@ -58,7 +60,15 @@ echo "== GPU tests"
 # The kernel tests first and on their own: a collection error elsewhere must not hide them.
 timeout 240 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider --noconftest \
   --junitxml="$RESULTS/gpu_tests_cuda.xml" 2>&1 | tee "$RESULTS/gpu_tests_cuda.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+  status=1
+  # Tell the natively registered op (torch_cuda.rs) apart from the kernels: the same tests through the
+  # Python path (test_the_cuda_kernel_is_registered_natively then fails by design).
+  echo "== GPU kernel tests again through the Python path (TERNARY_RS_CUDA_NATIVE=0)"
+  TERNARY_RS_CUDA_NATIVE=0 timeout 180 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider --noconftest \
+    -x --deselect tests/test_cuda.py::test_the_cuda_kernel_is_registered_natively 2>&1 \
+    | tee "$RESULTS/gpu_tests_cuda_python_path.log" | tail -15
+fi
 # Then the layout tests and the CUDA FWHT (block 1024, width 5120, bf16/fp16/fp32).
 timeout 180 python3 -m pytest tests/test_gpu_layout.py "tests/test_hadamard.py::test_cuda_matches_cpu" -q \
   -p no:cacheprovider --noconftest --continue-on-collection-errors \

@@ -624,6 +624,18 @@ extern "C" int ternary_cuda_device_count(int32_t* count) {
   return static_cast<int>(e);
 }
 
+extern "C" int ternary_cuda_sm_count(int32_t device, int32_t* count) {
+  if (count == nullptr) return TERNARY_CUDA_ERR_POINTER;
+  int c = 0;
+  const cudaError_t e = cudaDeviceGetAttribute(&c, cudaDevAttrMultiProcessorCount, device);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return static_cast<int>(e);
+  }
+  *count = c;
+  return TERNARY_CUDA_OK;
+}
+
 extern "C" const char* ternary_cuda_error_string(int code) {
   switch (code) {
     case TERNARY_CUDA_OK:
@@ -633,7 +645,7 @@ extern "C" const char* ternary_cuda_error_string(int code) {
     case TERNARY_CUDA_ERR_GROUP:
       return "group size must be one of 32, 64, 128, 256";
     case TERNARY_CUDA_ERR_DTYPE:
-      return "dtype must be bf16 or fp16";
+      return "dtype must be bf16 or fp16 (fp32 too for the activation quantizers and the row-scale epilogue)";
     case TERNARY_CUDA_ERR_POINTER:
       return "a required pointer is null or misaligned (x and qweight need 16 bytes, scales 4, y and bias 2)";
     case TERNARY_CUDA_ERR_WORKSPACE:

@@ -23,7 +23,8 @@ enum {
   TERNARY_CUDA_ERR_WORKSPACE = -5,  // split-K needs workspace/counters that were not given
 };
 
-enum { TERNARY_DTYPE_BF16 = 0, TERNARY_DTYPE_FP16 = 1 };
+// The GEMM kernels take bf16 and fp16; fp32 only the activation functions of activation_quant.h.
+enum { TERNARY_DTYPE_BF16 = 0, TERNARY_DTYPE_FP16 = 1, TERNARY_DTYPE_FP32 = 2 };
 
 typedef struct {
   int32_t kernel;          // 0 = decode GEMV (M <= 8), 1..4 = mma GEMM with 16/32/64/128-row tiles
@@ -56,6 +57,9 @@ int ternary_cuda_set_gemv_max_m(int32_t m);
 
 // Number of visible CUDA devices; 0 (and the cudaError_t) when there is no driver or device.
 int ternary_cuda_device_count(int32_t* count);
+
+// Streaming multiprocessors of `device` (the plan's `sm_count`). Returns TERNARY_CUDA_OK or a cudaError_t.
+int ternary_cuda_sm_count(int32_t device, int32_t* count);
 
 // A static message for a code returned above.
 const char* ternary_cuda_error_string(int code);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CUDA checks that need no GPU (CI): compile cuda/ternary_gemm.cu for sm_89 and sm_90 (+ compute_90 PTX)
+# CUDA checks that need no GPU (CI): compile every cuda/*.cu for sm_89 and sm_90 (+ compute_90 PTX)
 # with warnings as errors, fail if ptxas reports any spill or stack frame in a kernel, then build and run
 # the host tests of the kernels' per-thread fragment/unpack/permutation logic (cuda/tests).
 # Toolkit: CUDA_HOME / CUDA_PATH, nvcc on PATH, or the PyPI one (scripts/setup_env.sh installs it).
@@ -41,13 +41,18 @@ echo "== host tests of the fragment logic (g++)"
 CXX=${CXX:-g++}
 "$CXX" -std=c++17 -O2 -Wall -Wextra -Werror cuda/tests/test_fragments.cpp -o "$OUT/test_fragments"
 "$OUT/test_fragments" | tail -3
+echo "== host replay of the int8 activation quantizers (g++)"
+"$CXX" -std=c++17 -O2 -Wall -Wextra -Werror cuda/tests/test_activation_quant.cpp -o "$OUT/test_activation_quant"
+"$OUT/test_activation_quant" --self-test | tail -2
 
 # 2. Device compile: both real architectures and PTX, warnings as errors, ptxas statistics.
 echo "== nvcc sm_89 + sm_90 + compute_90, -Werror all-warnings"
-"$NVCC" -std=c++17 -O3 -Werror all-warnings -Xptxas -v -Xcompiler -fPIC,-Wall,-Wextra \
-  -gencode arch=compute_89,code=sm_89 -gencode arch=compute_90,code=sm_90 \
-  -gencode arch=compute_90,code=compute_90 -c cuda/ternary_gemm.cu -o "$OUT/ternary_gemm.o" 2> "$OUT/ptxas.log" \
-  || { cat "$OUT/ptxas.log" >&2; exit 1; }
+for src in cuda/*.cu; do
+  "$NVCC" -std=c++17 -O3 -Werror all-warnings -Xptxas -v -Xcompiler -fPIC,-Wall,-Wextra \
+    -gencode arch=compute_89,code=sm_89 -gencode arch=compute_90,code=sm_90 \
+    -gencode arch=compute_90,code=compute_90 -c "$src" -o "$OUT/$(basename "$src" .cu).o" 2>> "$OUT/ptxas.log" \
+    || { cat "$OUT/ptxas.log" >&2; exit 1; }
+done
 
 # 3. No kernel may spill or use a stack frame (local memory in the hot loops).
 python3 - "$OUT/ptxas.log" <<'PY'
@@ -75,4 +80,8 @@ if bad:
     sys.exit(1)
 print(f"== ptxas: {n} kernel builds, no spills, no stack frames")
 PY
+# 4. The bindings with the CUDA kernels linked in (the native CUDA op registration, torch_cuda.rs):
+#    compiled and linted as the GPU wheel builds them.
+echo "== cargo clippy --features cuda (bindings + kernels)"
+CUDA_HOME=$(dirname "$(dirname "$NVCC")") cargo clippy -q -p ternary-rs-py --features cuda --all-targets -- -D warnings
 echo "== check_cuda: ok"

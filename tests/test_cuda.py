@@ -203,11 +203,12 @@ def test_bad_arguments_raise():
     qw, sc = make_layer(64, 256, 64, seed=3)
     q_k, s_k = ops.prepare_weight(qw, sc, 64)
     x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="prepared CUDA layout"):
+    # The native kernel reports through torch (RuntimeError), the Python path with ValueError/TypeError.
+    with pytest.raises((ValueError, RuntimeError), match="prepared CUDA layout"):
         ops.ternary_linear(x, qw, s_k, 64, 256, 64)
-    with pytest.raises(ValueError, match="features"):
+    with pytest.raises((ValueError, RuntimeError), match="features"):
         ops.ternary_linear(x[:, :128], q_k, s_k, 64, 256, 64)
-    with pytest.raises(TypeError, match="not supported"):
+    with pytest.raises((TypeError, RuntimeError), match="not supported"):
         ops.ternary_linear(x.to(torch.float64), q_k, s_k, 64, 256, 64)
 
 
@@ -246,3 +247,76 @@ def test_dequantize_is_exact_and_dequant_cublas_path(dtype):
         _ops_cuda.set_dequant_min_m(prev)
     # cuBLAS on the rounded weights: compare with the reference on the same rounded weights.
     assert_matches(y, reference(x, w.to(dtype).double(), bias), dtype, "dequant + cuBLAS")
+
+
+# ---- the native registration (rust/bindings/src/torch_cuda.rs) against the Python path it replaces ----
+
+def test_the_cuda_kernel_is_registered_natively():
+    assert ops.NATIVE_CUDA_UNAVAILABLE is None, f"native CUDA registration failed: {ops.NATIVE_CUDA_UNAVAILABLE}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("n,k,g", [(320, 2048, 128), (64, 4096, 128), (45, 256, 32)], ids=["plain", "split-k", "g32"])
+def test_native_kernel_equals_the_python_path(dtype, n, k, g):
+    """Same kernels, same plans, same conversions: the native op is the Python path bit for bit."""
+    qw, sc = make_layer(n, k, g, seed=n + g)
+    q_k, s_k = ops.prepare_weight(qw, sc, g)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    for m in (1, 5, 16, 48, 300):
+        x = torch.randn(2, m, k, device="cuda", dtype=dtype)
+        for b in (None, bias):
+            for mode in (ops.AUTO, ops.EXACT, ops.INT8_TOKEN):
+                native = torch.ops.ternary_rs.ternary_linear(x, q_k, s_k, n, k, g, b, mode)
+                python = _ops_cuda.ternary_linear(x, q_k, s_k, n, k, g, b, mode)
+                assert native.dtype == dtype and native.shape == (2, m, n)
+                assert torch.equal(native, python), f"m={m} mode={mode} bias={b is not None}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_native_int8_modes_against_their_reference(dtype):
+    """Per token: ``(Σ q·W)·xs + bias`` from the CPU kernel's codes (``_int8_activations``); per group: the
+    GEMM of the dequantized q·xs_g. Both within the output rounding of float64 references."""
+    n, k, g = 192, 1024, 64
+    qw, sc = make_layer(n, k, g, seed=31)
+    w = dequantize(qw, sc, g)
+    q_k, s_k = ops.prepare_weight(qw, sc, g)
+    bias = torch.randn(n, device="cuda").to(dtype)
+    x = (torch.randn(9, k, device="cuda") * torch.logspace(-3, 2, 9, device="cuda").unsqueeze(1)).to(dtype)
+    y = ops.ternary_linear(x, q_k, s_k, n, k, g, bias, ops.INT8_TOKEN)
+    q, xs = _ops_cuda._int8_activations(x, g, True)
+    ref = reference(q.double(), w, None) * xs.double() + bias.double()
+    bound = torch.float16 if dtype == torch.float32 else dtype  # fp32 x: the fp16 GEMM output's rounding
+    assert_matches(y.to(bound), ref, bound, "int8 per token")
+    y = ops.ternary_linear(x, q_k, s_k, n, k, g, bias, ops.INT8_GROUP)
+    xq, _ = _ops_cuda._int8_activations(x, g, False)
+    ref = reference(xq.to(torch.bfloat16), w, bias.to(torch.bfloat16))
+    assert_matches(y.to(torch.bfloat16), ref, torch.bfloat16, "int8 per group")
+
+
+def test_native_int8_token_mode_under_graph_capture_and_opcheck():
+    n, k, g = 256, 2048, 128
+    qw, sc = make_layer(n, k, g, seed=41)
+    q_k, s_k = ops.prepare_weight(qw, sc, g)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    static_x = torch.randn(4, k, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        static_y = ops.ternary_linear(static_x, q_k, s_k, n, k, g, bias, ops.INT8_TOKEN)
+    for _ in range(3):
+        static_x.copy_(torch.randn(4, k, device="cuda", dtype=torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, _ops_cuda.ternary_linear(static_x, q_k, s_k, n, k, g, bias, ops.INT8_TOKEN))
+    torch.library.opcheck(torch.ops.ternary_rs.ternary_linear.default, (static_x, q_k, s_k, n, k, g, bias, ops.INT8_TOKEN))
+
+
+def test_native_errors_name_the_problem():
+    qw, sc = make_layer(64, 256, 64, seed=3)
+    q_k, s_k = ops.prepare_weight(qw, sc, 64)
+    x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises((RuntimeError, ValueError), match="activations=9"):
+        ops.ternary_linear(x, q_k, s_k, 64, 256, 64, None, 9)
+    with pytest.raises((RuntimeError, ValueError), match="another device|CUDA tensor"):
+        ops.ternary_linear(x, q_k.cpu(), s_k, 64, 256, 64)

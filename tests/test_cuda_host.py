@@ -98,3 +98,139 @@ def test_cuda_int8_token_path_with_a_host_stand_in_kernel(monkeypatch):
     qk, sk = ops.prepare_weight(torch.from_numpy(pack_codes(trits.numpy())), scales, g)
     want = ops.ternary_linear(x, qk, sk, n, k, g, None, ops.INT8_TOKEN)
     torch.testing.assert_close(got, want, rtol=2.0 ** -10, atol=0)
+
+
+@pytest.fixture(scope="module")
+def quantizer_replay(tmp_path_factory):
+    """``cuda/tests/test_activation_quant.cpp`` built with the system C++ compiler: the CUDA quantizers'
+    arithmetic (``cuda/activation_quant_math.h``, the functions the kernels call) on the host."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    assert cxx, "a C++17 compiler (g++/clang++) is needed to build cuda/tests/test_activation_quant.cpp"
+    exe = tmp_path_factory.mktemp("quant") / "test_activation_quant"
+    subprocess.run(
+        [cxx, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", str(ROOT / "cuda/tests/test_activation_quant.cpp"),
+         "-o", str(exe)],
+        check=True, capture_output=True, text=True,
+    )
+    return exe
+
+
+def test_cuda_quantizer_replay_self_test(quantizer_replay):
+    run = subprocess.run([str(quantizer_replay), "--self-test"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "all activation-quantizer replays match" in run.stdout
+
+
+def _hostile_activations(torch, m: int, k: int, g: int):
+    """Magnitudes over 10 decades, exact .5 ties, a token under BitNet's 1e-5 floor, all-zero tokens and
+    groups, and one max|x| shared by many elements."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-4, 3, m).unsqueeze(1)
+    x[0] = 0.0
+    x[0, :7] = torch.tensor([127.0, 2.5, -3.5, 0.5, 126.5, -1.5, -127.0])  # scale exactly 1 per token
+    x[1] *= 1e-9
+    x[2] = 0.0
+    x[3, g:2 * g] = 0.0
+    x[4, ::3] = -x[4].abs().max()
+    return x.contiguous()
+
+
+@pytest.mark.parametrize("per_token", [True, False], ids=["int8_token", "int8_group"])
+def test_cuda_quantizers_match_the_cpu_kernel(quantizer_replay, tmp_path, per_token):
+    """The native CUDA op quantizes activations with ``cuda/activation_quant.cu``. Its arithmetic, replayed
+    on the host, must give the CPU kernel's codes and scales bit for bit — through ``_int8_activations``,
+    which the test above ties to the CPU kernel — as the fp16 codes q·2⁻⁷ and f32 token scales per token,
+    and as the bf16-rounded q·xs_g the bf16 GEMM gets per group."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from ternary_rs import _ops_cuda
+
+    m, k, g = 12, 512, 64
+    x = _hostile_activations(torch, m, k, g)
+    x.numpy().astype(np.float32).tofile(tmp_path / "x.f32")
+    q, xs = _ops_cuda._int8_activations(x, g, per_token)
+    if per_token:
+        subprocess.run([str(quantizer_replay), "tokens", str(m), str(k), str(tmp_path / "x.f32"),
+                        str(tmp_path / "codes.f32"), str(tmp_path / "xs.f32")], check=True, timeout=60)
+        codes = torch.from_numpy(np.fromfile(tmp_path / "codes.f32", dtype=np.float32)).reshape(m, k)
+        got_xs = torch.from_numpy(np.fromfile(tmp_path / "xs.f32", dtype=np.float32))
+        assert torch.equal(codes * 128.0, q.float())
+        assert torch.equal(codes.to(torch.float16).float(), codes)  # exact in fp16, as the GEMM reads them
+        assert torch.equal(got_xs, xs.reshape(m))
+    else:
+        subprocess.run([str(quantizer_replay), "groups", str(m), str(k), str(g), str(tmp_path / "x.f32"),
+                        str(tmp_path / "out.bf16")], check=True, timeout=60)
+        got = torch.from_numpy(np.fromfile(tmp_path / "out.bf16", dtype=np.int16)).reshape(m, k)
+        assert torch.equal(got, q.to(torch.bfloat16).view(torch.int16))
+
+
+def test_cuda_token_epilogue_rounds_each_operation_once(quantizer_replay, tmp_path):
+    """``scale_rows`` (y = fl(fl(y16 · xs·2⁷) + bias)) replayed on the host equals the Python path's torch
+    ops: ``y.float() * (xs / INT8_CODE_SCALE) + bias.float()``, one rounding each, no fused multiply-add."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from ternary_rs import _ops_cuda
+
+    m, n = 7, 300
+    gen = torch.Generator().manual_seed(5)
+    y16 = (torch.randn(m, n, generator=gen) * 50).to(torch.float16).float()
+    xs = torch.rand(m, generator=gen) * 1e-2
+    bias = torch.randn(n, generator=gen)
+    for name, t in (("y", y16), ("xs", xs), ("b", bias)):
+        t.numpy().astype(np.float32).tofile(tmp_path / f"{name}.f32")
+    subprocess.run([str(quantizer_replay), "scale", str(m), str(n), *(str(tmp_path / f"{v}.f32") for v in ("y", "xs", "b")),
+                    str(tmp_path / "out.f32")], check=True, timeout=60)
+    got = torch.from_numpy(np.fromfile(tmp_path / "out.f32", dtype=np.float32)).reshape(m, n)
+    want = y16 * (xs.unsqueeze(1) / _ops_cuda.INT8_CODE_SCALE) + bias
+    assert torch.equal(got, want)
+
+
+def test_cuda_kernel_registration_says_why_it_is_not_native_here():
+    """Without CUDA kernels in the build (or without a CUDA torch) the op's CUDA kernel is the Python path,
+    and ``ops.NATIVE_CUDA_UNAVAILABLE`` says why; with both it is the native one (tests/test_cuda.py)."""
+    torch = pytest.importorskip("torch")
+    from ternary_rs import _core, ops
+
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(ops.OP_NAME, "CUDA")
+    if not _core.cuda_available():
+        assert ops.NATIVE_CUDA_UNAVAILABLE == "this ternary_rs build has no CUDA kernels"
+    elif torch.version.cuda is None:
+        assert "without CUDA" in ops.NATIVE_CUDA_UNAVAILABLE
+    # The native kernel's dequantize cut-off follows the Python setting.
+    from ternary_rs import _ops_cuda
+
+    prev = _ops_cuda.set_dequant_min_m(256)
+    try:
+        assert _core.cuda_set_dequant_min_m(256) == 256
+    finally:
+        _ops_cuda.set_dequant_min_m(prev)
+    assert _core.cuda_set_dequant_min_m(prev) == prev
+
+
+def test_native_cuda_kernel_is_reached_through_the_dispatcher():
+    """With a CUDA build of ternary_rs and a CUDA build of torch the op's CUDA kernel is the native one even
+    on a machine without a GPU: redispatching to the CUDA key reaches ``torch_cuda.rs``, which unboxes the
+    arguments and rejects what it can check before touching a device. (The GPU tests run the rest.)"""
+    torch = pytest.importorskip("torch")
+    from ternary_rs import _core, ops
+
+    if not (_core.cuda_available() and torch.version.cuda):
+        pytest.skip("needs the CUDA build of ternary_rs (maturin build --features cuda) and a CUDA torch; "
+                    "scripts/check_cuda.sh compiles and lints that build")
+    assert ops.NATIVE_CUDA_UNAVAILABLE is None
+    assert "torch_cuda.rs" in torch._C._dispatch_dump(ops.OP_NAME)
+    op = torch.ops.ternary_rs.ternary_linear.default
+    cuda_only = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    q = torch.zeros(2, 2048, dtype=torch.uint8)
+    s = torch.zeros(4, 64, dtype=torch.float16)
+    for args, message in [
+        ((x, q, s, 64, 256, 64, None, 0), "x is not a CUDA tensor"),
+        ((x, q, s, 64, 256, 64, None, 9), "activations=9"),
+        ((x.double(), q, s, 64, 256, 64, None, 0), "x dtype is not supported on CUDA"),
+        ((x, q, s, 64, 256, 64, torch.zeros(3), 3), "x is not a CUDA tensor"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            op.redispatch(cuda_only, *args)

@@ -1,5 +1,12 @@
 """CUDA implementation of ``ternary_rs::ternary_linear`` (kernels in ``cuda/``, launched through ``_core``).
 
+* The op's CUDA kernel is registered **natively** with torch's dispatcher (:func:`register_native`:
+  ``rust/bindings/src/torch_cuda.rs``, PyTorch's stable C ABI resolved from the loaded
+  ``libtorch_cpu.so`` / ``libtorch_cuda.so``), so a call runs no Python. It follows :func:`ternary_linear`
+  below step for step — the same kernels, dtypes, workspaces and int8 numerics (its quantizers are
+  ``cuda/activation_quant.cu``, the CPU kernel's quantization bit for bit) — and that Python path stays as
+  the fallback (a torch without the ABI, ``TERNARY_RS_CUDA_NATIVE=0``) and as the GPU tests' reference.
+
 * :func:`prepare_weight` permutes the canonical tensors once (in Rust, on the CPU) into the kernels' layout
   (``rust/ternary-core/src/kernels/gpu_layout.rs``): ``qweight_k`` is ``uint8 [ceil(N/32), ceil(K/64)·512]``
   and ``scales_k`` is ``float16 [ceil(k_pad/g), n_pad]``, both on the weight's device. It needs no GPU.
@@ -12,6 +19,9 @@
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -95,7 +105,28 @@ def set_dequant_min_m(m: int) -> int:
     if int(m) < 0:
         raise ValueError("dequant_min_m must be >= 0")
     prev, _dequant_min_m = _dequant_min_m, int(m)
+    _core.cuda_set_dequant_min_m(_dequant_min_m)  # the native kernel's copy
     return prev
+
+
+def register_native() -> str | None:
+    """Register the native CUDA kernel with torch's dispatcher; returns why not (None on success)."""
+    if os.environ.get("TERNARY_RS_CUDA_NATIVE", "").strip() == "0":
+        return "TERNARY_RS_CUDA_NATIVE=0"
+    if not _core.cuda_available():
+        return "this ternary_rs build has no CUDA kernels"
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a build without CUDA"
+    lib = Path(torch.__file__).parent / "lib"
+    cuda_lib = lib / "libtorch_cuda.so"
+    if not cuda_lib.is_file():
+        return f"{cuda_lib} not found"
+    try:
+        _core.register_torch_cuda_kernel(str(lib / "libtorch_cpu.so"), str(cuda_lib))
+    except RuntimeError as e:
+        return str(e)
+    _core.cuda_set_dequant_min_m(_dequant_min_m)
+    return None
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, out_features: int, in_features: int, group_size: int,

@@ -11,10 +11,12 @@ Contract (stable; the vLLM backend codes against it):
   (f32 sums), 2 int8 per token and weight group, 3 int8 per token (BitNet b1.58's ``activation_quant``);
   see ``_ops_cpu`` for the error bounds.
 
-The schema and the fake implementation (for ``torch.compile(fullgraph=True)``) are defined here. The CPU
-kernel is registered natively with the dispatcher from Rust (``_ops_cpu.register_native``: no Python on
-the call path, torch's intra-op thread pool); where the running torch lacks the stable C ABI it falls
-back to the same kernel through Python. The CUDA kernel is launched from ``_ops_cuda``.
+The schema and the fake implementation (for ``torch.compile(fullgraph=True)``) are defined here. Both
+device kernels are registered natively with the dispatcher from Rust, so a call runs no Python: the CPU
+one by ``_ops_cpu.register_native`` (on torch's intra-op thread pool), the CUDA one by
+``_ops_cuda.register_native`` (on the current stream). Where that cannot be done (a torch without the
+stable C ABI, a build without CUDA kernels) the same kernels run through Python
+(``NATIVE_CPU_UNAVAILABLE`` / ``NATIVE_CUDA_UNAVAILABLE`` say why).
 """
 
 from __future__ import annotations
@@ -55,23 +57,30 @@ def _cuda(x, qweight, scales, out_features, in_features, group_size, bias=None, 
     return _ops_cuda.ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias, activations)
 
 
-def _define() -> str | None:
-    """Define the op once per process; returns why the CPU kernel is not native (None if it is)."""
+def _define() -> tuple[str | None, str | None]:
+    """Define the op once per process; returns why the CPU and the CUDA kernel are not native (None if
+    they are)."""
     global _LIBRARY
     _LIBRARY = torch.library.Library(LIB, "FRAGMENT")  # kept alive: dropping it removes the op
     _LIBRARY.define(SCHEMA)
     torch.library.register_fake(OP_NAME, _fake, lib=_LIBRARY)
-    torch.library.impl(OP_NAME, "cuda", _cuda, lib=_LIBRARY)
-    why = _ops_cpu.register_native()
-    if why is not None:
-        log.warning("ternary_rs: native CPU op registration unavailable (%s); using the Python path", why)
+    why_cpu = _ops_cpu.register_native()
+    if why_cpu is not None:
+        log.warning("ternary_rs: native CPU op registration unavailable (%s); using the Python path", why_cpu)
         torch.library.impl(OP_NAME, "cpu", _ops_cpu.ternary_linear, lib=_LIBRARY)
-    return why
+    from . import _ops_cuda
+
+    why_cuda = _ops_cuda.register_native()
+    if why_cuda is not None:
+        if torch.cuda.is_available():  # on a CPU-only machine the Python path only reports errors
+            log.warning("ternary_rs: native CUDA op registration unavailable (%s); using the Python path", why_cuda)
+        torch.library.impl(OP_NAME, "cuda", _cuda, lib=_LIBRARY)
+    return why_cpu, why_cuda
 
 
 _LIBRARY: torch.library.Library | None = None
-NATIVE_CPU_UNAVAILABLE: str | None = _define()
-"""Why the CPU kernel runs through Python (None: it is registered natively)."""
+NATIVE_CPU_UNAVAILABLE, NATIVE_CUDA_UNAVAILABLE = _define()
+"""Why the CPU / the CUDA kernel runs through Python (None: it is registered natively)."""
 
 
 def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias=None, activations=AUTO):

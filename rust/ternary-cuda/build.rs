@@ -12,8 +12,14 @@ use std::env;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const KERNEL_SOURCES: [&str; 2] = ["ternary_gemm.cu", "fwht.cu"];
-const KERNEL_HEADERS: [&str; 3] = ["ternary_gemm.h", "ternary_frag.h", "fwht.h"];
+const KERNEL_SOURCES: [&str; 3] = ["ternary_gemm.cu", "fwht.cu", "activation_quant.cu"];
+const KERNEL_HEADERS: [&str; 5] = [
+    "ternary_gemm.h",
+    "ternary_frag.h",
+    "fwht.h",
+    "activation_quant.h",
+    "activation_quant_math.h",
+];
 const GENCODE: [&str; 3] = [
     "arch=compute_89,code=sm_89",
     "arch=compute_90,code=sm_90",

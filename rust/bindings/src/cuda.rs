@@ -16,6 +16,7 @@ use ternary_core::kernels::gpu_layout as layout;
 use ternary_cuda::{CudaError, DType, LinearArgs};
 
 use crate::errors::to_py;
+use crate::torch_cuda;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
@@ -25,6 +26,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_ternary_linear, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_set_gemv_max_m, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_set_dequant_min_m, m)?)?;
+    m.add_function(wrap_pyfunction!(register_torch_cuda_kernel, m)?)?;
     m.add("GPU_CHUNK_N", layout::CHUNK_N)?;
     m.add("GPU_CHUNK_K", layout::CHUNK_K)?;
     m.add("GPU_CHUNK_BYTES", layout::CHUNK_BYTES)?;
@@ -129,6 +132,22 @@ fn cuda_plan<'py>(
     d.set_item("partial_floats", p.partial_floats)?;
     d.set_item("counters", p.counters)?;
     Ok(d)
+}
+
+/// Register the native CUDA kernel of `ternary_rs::ternary_linear` with torch's dispatcher (the schema
+/// must already be defined); the arguments are the paths of the loaded `libtorch_cpu.so` and
+/// `libtorch_cuda.so`. Raises RuntimeError saying why when it cannot (no kernels in this build, a torch
+/// without the stable ABI or without CUDA).
+#[pyfunction]
+fn register_torch_cuda_kernel(libtorch_cpu: &str, libtorch_cuda: &str) -> PyResult<()> {
+    torch_cuda::register(libtorch_cpu, libtorch_cuda).map_err(PyRuntimeError::new_err)
+}
+
+/// From this M on the native CUDA kernel dequantizes W and calls torch's cuBLAS GEMM (0 = never);
+/// returns the previous value. `_ops_cuda.set_dequant_min_m` keeps it in step with the Python path.
+#[pyfunction]
+fn cuda_set_dequant_min_m(m: i64) -> i64 {
+    torch_cuda::set_dequant_min_m(m)
 }
 
 /// Set the largest M that runs the decode GEMV (0..=16, default 8); returns the previous value.

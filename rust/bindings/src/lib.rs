@@ -10,6 +10,7 @@ mod errors;
 mod hadamard;
 mod kernels;
 mod torch_abi;
+mod torch_cuda;
 
 use pyo3::prelude::*;
 

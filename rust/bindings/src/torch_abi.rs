@@ -27,9 +27,9 @@ use ternary_core::kernels::cpu::{
 };
 use ternary_core::threads::ParallelFor;
 
-type Handle = *mut c_void;
-type Status = i32;
-type BoxedFn = unsafe extern "C" fn(*mut u64, u64, u64);
+pub(crate) type Handle = *mut c_void;
+pub(crate) type Status = i32;
+pub(crate) type BoxedFn = unsafe extern "C" fn(*mut u64, u64, u64);
 type ParallelFunc = unsafe extern "C" fn(i64, i64, *mut c_void);
 
 /// The schema's argument count: x, qweight, scales, out_features, in_features, group_size, bias,
@@ -58,19 +58,20 @@ const RTLD_NOLOAD: i32 = 0x4;
 type InitImplFn =
     unsafe extern "C" fn(*const c_char, *const c_char, *const c_char, u32, *mut Handle) -> Status;
 type ImplFn = unsafe extern "C" fn(Handle, *const c_char, BoxedFn, u64) -> Status;
+pub(crate) type HandleFn = unsafe extern "C" fn(Handle) -> Status;
 type PtrOutFn = unsafe extern "C" fn(Handle, *mut *mut c_void) -> Status;
 type I64OutFn = unsafe extern "C" fn(Handle, *mut i64) -> Status;
 type ArrayOutFn = unsafe extern "C" fn(Handle, *mut *mut i64) -> Status;
 type I32OutFn = unsafe extern "C" fn(Handle, *mut i32) -> Status;
 type EmptyStridedFn =
     unsafe extern "C" fn(i64, *const i64, *const i64, i32, i32, i32, *mut Handle) -> Status;
-type CopyFn = unsafe extern "C" fn(Handle, Handle, i32) -> Status;
+pub(crate) type CopyFn = unsafe extern "C" fn(Handle, Handle, i32) -> Status;
 type DeleteFn = unsafe extern "C" fn(Handle) -> Status;
 type ParallelForFn = unsafe extern "C" fn(i64, i64, i64, ParallelFunc, *mut c_void) -> Status;
 type U32OutFn = unsafe extern "C" fn(*mut u32) -> Status;
 type DeleteIValueFn = unsafe extern "C" fn(*mut u64) -> Status;
 type ConstFn = unsafe extern "C" fn() -> i32;
-type FromBlobFn = unsafe extern "C" fn(
+pub(crate) type FromBlobFn = unsafe extern "C" fn(
     *mut c_void,
     i64,
     *const i64,
@@ -81,19 +82,20 @@ type FromBlobFn = unsafe extern "C" fn(
     i32,
     *mut Handle,
 ) -> Status;
-type MmOutFn = unsafe extern "C" fn(Handle, Handle, Handle) -> Status;
-type AddmmOutFn = unsafe extern "C" fn(Handle, Handle, Handle, Handle, f64, f64) -> Status;
+pub(crate) type MmOutFn = unsafe extern "C" fn(Handle, Handle, Handle) -> Status;
+pub(crate) type AddmmOutFn =
+    unsafe extern "C" fn(Handle, Handle, Handle, Handle, f64, f64) -> Status;
 
 /// torch's own GEMM, for the dense-tile path at large M (absent in a torch without these symbols:
 /// then every M runs the fused kernel).
-struct TorchGemm {
-    from_blob: FromBlobFn,
+pub(crate) struct TorchGemm {
+    pub(crate) from_blob: FromBlobFn,
     mm_out: MmOutFn,
     addmm_out: AddmmOutFn,
 }
 
 /// The stable-ABI functions we call, resolved once.
-struct Api {
+pub(crate) struct Api {
     library_init_impl: InitImplFn,
     library_impl: ImplFn,
     get_data_ptr: PtrOutFn,
@@ -102,18 +104,22 @@ struct Api {
     get_strides: ArrayOutFn,
     get_dtype: I32OutFn,
     get_device_type: I32OutFn,
+    get_device_index: I32OutFn,
+    pub(crate) zero_: Option<HandleFn>,
     empty_strided: EmptyStridedFn,
-    copy_: CopyFn,
+    pub(crate) copy_: CopyFn,
     delete_tensor: DeleteFn,
     parallel_for: ParallelForFn,
     get_num_threads: U32OutFn,
     delete_stable_ivalue: Option<DeleteIValueFn>,
-    gemm: Option<TorchGemm>,
-    dtype_bf16: i32,
-    dtype_f16: i32,
-    dtype_f32: i32,
-    dtype_u8: i32,
-    device_cpu: i32,
+    pub(crate) gemm: Option<TorchGemm>,
+    pub(crate) dtype_bf16: i32,
+    pub(crate) dtype_f16: i32,
+    pub(crate) dtype_f32: i32,
+    pub(crate) dtype_i32: i32,
+    pub(crate) dtype_u8: i32,
+    pub(crate) device_cpu: i32,
+    pub(crate) device_cuda: i32,
 }
 
 // SAFETY: plain function pointers and integers.
@@ -121,6 +127,17 @@ unsafe impl Send for Api {}
 unsafe impl Sync for Api {}
 
 static API: OnceLock<Api> = OnceLock::new();
+
+/// The API, resolved from the loaded `libtorch_cpu` at `path` on first use.
+pub(crate) fn api(path: &str) -> Result<&'static Api, String> {
+    match API.get() {
+        Some(a) => Ok(a),
+        None => {
+            let a = load(path)?;
+            Ok(API.get_or_init(|| a))
+        }
+    }
+}
 /// The `torch::Library` our impl lives in; kept for the life of the process (dropping it would
 /// deregister the kernel).
 static LIBRARY: OnceLock<usize> = OnceLock::new();
@@ -189,68 +206,91 @@ pub fn register(path: &str) -> Result<(), String> {
     if LIBRARY.get().is_some() {
         return Ok(());
     }
-    let api = match API.get() {
-        Some(a) => a,
-        None => {
-            let a = load(path)?;
-            API.get_or_init(|| a)
-        }
-    };
-    let ns = c"ternary_rs";
-    let key = c"CPU";
-    let file = CString::new(file!()).unwrap_or_default();
-    let mut lib: Handle = std::ptr::null_mut();
-    // SAFETY: valid C strings; `lib` receives a new heap torch::Library we keep forever.
-    let status = unsafe {
-        (api.library_init_impl)(ns.as_ptr(), key.as_ptr(), file.as_ptr(), line!(), &mut lib)
-    };
-    if status != 0 || lib.is_null() {
-        return Err("aoti_torch_library_init_impl(ternary_rs, CPU) failed".into());
-    }
-    // SAFETY: `lib` is the library just created; the entry point follows the boxed convention.
-    let status = unsafe {
-        (api.library_impl)(
-            lib,
-            c"ternary_linear".as_ptr(),
-            ternary_rs_cpu_linear_entry,
-            BUILD_ABI_VERSION,
-        )
-    };
-    if status != 0 {
-        return Err("torch_library_impl(ternary_linear) failed (is the schema defined?)".into());
-    }
-    let _ = LIBRARY.set(lib as usize);
+    let lib = register_boxed(api(path)?, c"CPU", ternary_rs_cpu_linear_entry)?;
+    let _ = LIBRARY.set(lib);
     Ok(())
 }
 
-fn load(path: &str) -> Result<Api, String> {
-    let cpath = CString::new(path).map_err(|_| format!("bad library path {path:?}"))?;
-    // SAFETY: RTLD_NOLOAD only returns a handle to an already loaded library (never runs its init).
-    let lib = unsafe { dlopen(cpath.as_ptr(), RTLD_LAZY | RTLD_NOLOAD) };
-    if lib.is_null() {
-        // SAFETY: dlerror returns a thread-local C string or null.
-        let why = unsafe { dlerror() };
-        let why = if why.is_null() {
-            String::new()
-        } else {
-            unsafe { CStr::from_ptr(why) }
-                .to_string_lossy()
-                .into_owned()
-        };
-        return Err(format!("{path} is not loaded in this process ({why})"));
+/// `STABLE_TORCH_LIBRARY_IMPL(ternary_rs, <key>, m) { m.impl("ternary_linear", entry); }`: returns the
+/// new `torch::Library`, which the caller keeps for the life of the process.
+/// The registration names the caller's source line (`torch._C._dispatch_dump` shows it).
+#[track_caller]
+pub(crate) fn register_boxed(api: &Api, key: &CStr, entry: BoxedFn) -> Result<usize, String> {
+    let at = std::panic::Location::caller();
+    let file = CString::new(at.file()).unwrap_or_default();
+    let mut lib: Handle = std::ptr::null_mut();
+    // SAFETY: valid C strings; `lib` receives a new heap torch::Library the caller keeps forever.
+    let status = unsafe {
+        (api.library_init_impl)(
+            c"ternary_rs".as_ptr(),
+            key.as_ptr(),
+            file.as_ptr(),
+            at.line(),
+            &mut lib,
+        )
+    };
+    if status != 0 || lib.is_null() {
+        return Err(format!(
+            "aoti_torch_library_init_impl(ternary_rs, {}) failed",
+            key.to_string_lossy()
+        ));
     }
-    let sym = |name: &CStr| -> Result<*mut c_void, String> {
-        // SAFETY: `lib` is a valid handle and `name` a C string.
-        let p = unsafe { dlsym(lib, name.as_ptr()) };
+    // SAFETY: `lib` is the library just created; the entry point follows the boxed convention.
+    let status =
+        unsafe { (api.library_impl)(lib, c"ternary_linear".as_ptr(), entry, BUILD_ABI_VERSION) };
+    if status != 0 {
+        return Err("torch_library_impl(ternary_linear) failed (is the schema defined?)".into());
+    }
+    Ok(lib as usize)
+}
+
+/// A library already loaded in this process (`dlopen(RTLD_NOLOAD)`), for looking up its symbols.
+pub(crate) struct LoadedLib {
+    path: String,
+    handle: *mut c_void,
+}
+
+impl LoadedLib {
+    pub(crate) fn open(path: &str) -> Result<LoadedLib, String> {
+        let cpath = CString::new(path).map_err(|_| format!("bad library path {path:?}"))?;
+        // SAFETY: RTLD_NOLOAD only returns a handle to an already loaded library (never runs its init).
+        let handle = unsafe { dlopen(cpath.as_ptr(), RTLD_LAZY | RTLD_NOLOAD) };
+        if handle.is_null() {
+            // SAFETY: dlerror returns a thread-local C string or null.
+            let why = unsafe { dlerror() };
+            let why = if why.is_null() {
+                String::new()
+            } else {
+                unsafe { CStr::from_ptr(why) }
+                    .to_string_lossy()
+                    .into_owned()
+            };
+            return Err(format!("{path} is not loaded in this process ({why})"));
+        }
+        Ok(LoadedLib {
+            path: path.to_string(),
+            handle,
+        })
+    }
+
+    pub(crate) fn sym(&self, name: &CStr) -> Result<*mut c_void, String> {
+        // SAFETY: `handle` is a valid handle and `name` a C string.
+        let p = unsafe { dlsym(self.handle, name.as_ptr()) };
         if p.is_null() {
             Err(format!(
-                "{path} has no {} (torch < 2.10?)",
+                "{} has no {} (torch < 2.10?)",
+                self.path,
                 name.to_string_lossy()
             ))
         } else {
             Ok(p)
         }
-    };
+    }
+}
+
+fn load(path: &str) -> Result<Api, String> {
+    let lib = LoadedLib::open(path)?;
+    let sym = |name: &CStr| lib.sym(name);
     macro_rules! f {
         ($name:literal, $ty:ty) => {
             // SAFETY: the symbol is the stable-ABI function of that name, whose C signature `$ty`
@@ -293,6 +333,10 @@ fn load(path: &str) -> Result<Api, String> {
         get_strides: f!(c"aoti_torch_get_strides", ArrayOutFn),
         get_dtype: f!(c"aoti_torch_get_dtype", I32OutFn),
         get_device_type: f!(c"aoti_torch_get_device_type", I32OutFn),
+        get_device_index: f!(c"aoti_torch_get_device_index", I32OutFn),
+        // SAFETY: `AOTITorchError aoti_torch_zero_(AtenTensorHandle)`.
+        zero_: optional(c"aoti_torch_zero_")
+            .map(|p| unsafe { std::mem::transmute::<*mut c_void, HandleFn>(p) }),
         empty_strided: f!(c"aoti_torch_empty_strided", EmptyStridedFn),
         copy_: f!(c"aoti_torch_copy_", CopyFn),
         delete_tensor: f!(c"aoti_torch_delete_tensor_object", DeleteFn),
@@ -303,15 +347,24 @@ fn load(path: &str) -> Result<Api, String> {
         dtype_bf16: dtype(c"aoti_torch_dtype_bfloat16")?,
         dtype_f16: dtype(c"aoti_torch_dtype_float16")?,
         dtype_f32: dtype(c"aoti_torch_dtype_float32")?,
+        dtype_i32: dtype(c"aoti_torch_dtype_int32")?,
         dtype_u8: dtype(c"aoti_torch_dtype_uint8")?,
         device_cpu: dtype(c"aoti_torch_device_type_cpu")?,
+        device_cuda: dtype(c"aoti_torch_device_type_cuda")?,
     })
 }
 
 /// An owned tensor handle (freed on drop).
-struct Tensor<'a> {
-    api: &'a Api,
-    h: Handle,
+pub(crate) struct Tensor<'a> {
+    pub(crate) api: &'a Api,
+    pub(crate) h: Handle,
+}
+
+/// Where a tensor lives: the stable ABI's device type code and index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Device {
+    pub(crate) kind: i32,
+    pub(crate) index: i32,
 }
 
 impl Drop for Tensor<'_> {
@@ -330,13 +383,14 @@ macro_rules! check {
         }
     };
 }
+pub(crate) use check;
 
 impl<'a> Tensor<'a> {
-    fn into_raw(mut self) -> Handle {
+    pub(crate) fn into_raw(mut self) -> Handle {
         std::mem::replace(&mut self.h, std::ptr::null_mut())
     }
 
-    fn sizes(&self) -> Result<&[i64], String> {
+    pub(crate) fn sizes(&self) -> Result<&[i64], String> {
         let (mut dim, mut p) = (0i64, std::ptr::null_mut());
         // SAFETY: valid handle; the sizes array is borrowed from the tensor, which outlives `self`'s borrow.
         unsafe {
@@ -364,7 +418,7 @@ impl<'a> Tensor<'a> {
         }
     }
 
-    fn dtype(&self) -> Result<i32, String> {
+    pub(crate) fn dtype(&self) -> Result<i32, String> {
         let mut d = 0;
         // SAFETY: valid handle.
         check!(unsafe { (self.api.get_dtype)(self.h, &mut d) }, "get_dtype");
@@ -381,7 +435,23 @@ impl<'a> Tensor<'a> {
         Ok(d == self.api.device_cpu)
     }
 
-    fn data(&self) -> Result<*mut c_void, String> {
+    pub(crate) fn device(&self) -> Result<Device, String> {
+        let (mut kind, mut index) = (0, 0);
+        // SAFETY: valid handle, plain out-parameters.
+        unsafe {
+            check!(
+                (self.api.get_device_type)(self.h, &mut kind),
+                "get_device_type"
+            );
+            check!(
+                (self.api.get_device_index)(self.h, &mut index),
+                "get_device_index"
+            );
+        }
+        Ok(Device { kind, index })
+    }
+
+    pub(crate) fn data(&self) -> Result<*mut c_void, String> {
         let mut p = std::ptr::null_mut();
         // SAFETY: valid handle.
         check!(
@@ -391,11 +461,11 @@ impl<'a> Tensor<'a> {
         Ok(p)
     }
 
-    fn numel(&self) -> Result<usize, String> {
+    pub(crate) fn numel(&self) -> Result<usize, String> {
         Ok(self.sizes()?.iter().map(|&s| s as usize).product())
     }
 
-    fn is_contiguous(&self) -> Result<bool, String> {
+    pub(crate) fn is_contiguous(&self) -> Result<bool, String> {
         let (sizes, strides) = (self.sizes()?, self.strides()?);
         let mut expect = 1i64;
         for (&s, &st) in sizes.iter().zip(strides).rev() {
@@ -409,6 +479,21 @@ impl<'a> Tensor<'a> {
 
     /// A new contiguous CPU tensor of `sizes` and `dtype`.
     fn empty(api: &'a Api, sizes: &[i64], dtype: i32) -> Result<Tensor<'a>, String> {
+        let cpu = Device {
+            kind: api.device_cpu,
+            index: 0,
+        };
+        Tensor::empty_on(api, sizes, dtype, cpu)
+    }
+
+    /// A new contiguous tensor of `sizes` and `dtype` on `device` (torch's allocator; on CUDA the
+    /// caching allocator, ordered on the current stream).
+    pub(crate) fn empty_on(
+        api: &'a Api,
+        sizes: &[i64],
+        dtype: i32,
+        device: Device,
+    ) -> Result<Tensor<'a>, String> {
         let mut strides = vec![1i64; sizes.len()];
         for i in (0..sizes.len().saturating_sub(1)).rev() {
             strides[i] = strides[i + 1] * sizes[i + 1].max(1);
@@ -422,8 +507,8 @@ impl<'a> Tensor<'a> {
                     sizes.as_ptr(),
                     strides.as_ptr(),
                     dtype,
-                    api.device_cpu,
-                    0,
+                    device.kind,
+                    device.index,
                     &mut h,
                 )
             },
@@ -433,11 +518,20 @@ impl<'a> Tensor<'a> {
     }
 
     /// This tensor, or a contiguous copy of it in `dtype` when it is strided or of another dtype.
-    fn contiguous_as(self, dtype: i32) -> Result<Tensor<'a>, String> {
-        if self.dtype()? == dtype && self.is_contiguous()? {
+    pub(crate) fn contiguous_as(self, dtype: i32) -> Result<Tensor<'a>, String> {
+        self.contiguous_aligned(dtype, 1)
+    }
+
+    /// [`Self::contiguous_as`], also copying when the data is not `align`-byte aligned (a view at an
+    /// odd offset); the copy is on the same device.
+    pub(crate) fn contiguous_aligned(self, dtype: i32, align: usize) -> Result<Tensor<'a>, String> {
+        if self.dtype()? == dtype
+            && self.is_contiguous()?
+            && (self.data()? as usize).is_multiple_of(align)
+        {
             return Ok(self);
         }
-        let out = Tensor::empty(self.api, self.sizes()?, dtype)?;
+        let out = Tensor::empty_on(self.api, self.sizes()?, dtype, self.device()?)?;
         // SAFETY: both handles valid; copy_ converts dtype and layout.
         check!(unsafe { (self.api.copy_)(out.h, self.h, 0) }, "copy_");
         Ok(out)
@@ -506,9 +600,39 @@ pub unsafe extern "C" fn ternary_rs_cpu_linear_boxed(
     err: *mut c_char,
     err_len: usize,
 ) -> i32 {
+    // SAFETY: forwarded from our caller's contract.
+    unsafe { run_boxed(stack, num_args, num_outputs, err, err_len, linear) }
+}
+
+/// The device kernel behind a boxed entry point: the op's arguments, owned, and its result.
+#[allow(clippy::type_complexity)]
+pub(crate) type LinearFn = for<'a> fn(
+    &'a Api,
+    Tensor<'a>,
+    &Tensor<'a>,
+    &Tensor<'a>,
+    usize,
+    usize,
+    usize,
+    Option<Tensor<'a>>,
+    i64,
+) -> Result<Tensor<'a>, String>;
+
+/// Unbox the stack, run `kernel`, box its result; an error or panic becomes a message in `err`.
+///
+/// # Safety
+/// As for [`ternary_rs_cpu_linear_boxed`].
+pub(crate) unsafe fn run_boxed(
+    stack: *mut u64,
+    num_args: u64,
+    num_outputs: u64,
+    err: *mut c_char,
+    err_len: usize,
+    kernel: LinearFn,
+) -> i32 {
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         // SAFETY: forwarded from our caller's contract.
-        unsafe { boxed(stack, num_args, num_outputs) }
+        unsafe { boxed(stack, num_args, num_outputs, kernel) }
     }));
     let msg = match result {
         Ok(Ok(())) => return 0,
@@ -527,7 +651,12 @@ pub unsafe extern "C" fn ternary_rs_cpu_linear_boxed(
     1
 }
 
-unsafe fn boxed(stack: *mut u64, num_args: u64, num_outputs: u64) -> Result<(), String> {
+unsafe fn boxed(
+    stack: *mut u64,
+    num_args: u64,
+    num_outputs: u64,
+    kernel: LinearFn,
+) -> Result<(), String> {
     let api = API
         .get()
         .ok_or("ternary_rs: native kernel called before registration")?;
@@ -576,7 +705,7 @@ unsafe fn boxed(stack: *mut u64, num_args: u64, num_outputs: u64) -> Result<(), 
     let g = int_arg(5, "group_size")?;
     let activations = arg(7) as i64;
 
-    let out = linear(api, x, &qweight, &scales, n, k, g, bias, activations)?;
+    let out = kernel(api, x, &qweight, &scales, n, k, g, bias, activations)?;
     // SAFETY: outputs go to the front of the stack; ownership passes to torch.
     unsafe { *stack = out.into_raw() as u64 };
     Ok(())

@@ -6,12 +6,66 @@
 
 use std::fmt;
 
-/// Activation dtypes the kernels take (`x`, `bias` and `y` share one).
+/// Activation dtypes: the GEMM kernels take bf16 and fp16 (`x`, `bias` and `y` share one); the
+/// activation quantizers and the row-scale epilogue also take fp32.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(i32)]
 pub enum DType {
     Bf16 = 0,
     Fp16 = 1,
+    Fp32 = 2,
+}
+
+/// The activation quantizer a `ternary_linear` call runs before the GEMM (the op's `activations`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Quantize {
+    /// x as it is (auto and exact).
+    None,
+    /// BitNet's int8 per token: fp16 codes q · 2⁻⁷ into an fp16 GEMM, the token scale applied after it.
+    Tokens,
+    /// int8 per token and weight group: the dequantized q · xs_g in bf16 into a bf16 GEMM.
+    Groups,
+}
+
+/// The dtypes one `ternary_linear` call moves through on CUDA: the GEMM's compute dtype, and what x,
+/// the bias and y are converted to and from. fp32 x runs the GEMM in bf16 (the tensor cores take no
+/// fp32 inputs), the result converted back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallPlan {
+    pub x: DType,
+    pub quantize: Quantize,
+    /// The GEMM's input and output dtype.
+    pub compute: DType,
+}
+
+impl CallPlan {
+    pub fn new(x: DType, quantize: Quantize) -> CallPlan {
+        let compute = match quantize {
+            Quantize::Tokens => DType::Fp16,
+            Quantize::Groups => DType::Bf16,
+            Quantize::None if x == DType::Fp32 => DType::Bf16,
+            Quantize::None => x,
+        };
+        CallPlan {
+            x,
+            quantize,
+            compute,
+        }
+    }
+
+    /// The bias is added in this dtype: by the GEMM, or in f32 by the per-token epilogue.
+    pub fn bias_dtype(&self) -> DType {
+        match self.quantize {
+            Quantize::Tokens => DType::Fp32,
+            _ => self.compute,
+        }
+    }
+
+    /// Whether the GEMM writes a temporary that is then converted into y (per token the epilogue
+    /// writes y in x's dtype itself).
+    pub fn converts_output(&self) -> bool {
+        self.quantize != Quantize::Tokens && self.compute != self.x
+    }
 }
 
 /// How a call runs and the workspace it needs (see `cuda/ternary_gemm.h`).
@@ -124,6 +178,35 @@ mod ffi {
             stream: *mut c_void,
         ) -> c_int;
         pub fn ternary_cuda_device_count(count: *mut i32) -> c_int;
+        pub fn ternary_cuda_sm_count(device: i32, count: *mut i32) -> c_int;
+        pub fn ternary_cuda_quantize_tokens(
+            x: *const c_void,
+            x_dtype: i32,
+            m: i64,
+            k: i64,
+            codes: *mut c_void,
+            xs: *mut f32,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub fn ternary_cuda_quantize_groups(
+            x: *const c_void,
+            x_dtype: i32,
+            m: i64,
+            k: i64,
+            group_size: i32,
+            out: *mut c_void,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub fn ternary_cuda_scale_rows(
+            y16: *const c_void,
+            xs: *const f32,
+            bias: *const f32,
+            out: *mut c_void,
+            out_dtype: i32,
+            m: i64,
+            n: i64,
+            stream: *mut c_void,
+        ) -> c_int;
         pub fn ternary_cuda_error_string(code: c_int) -> *const c_char;
     }
 }
@@ -237,6 +320,139 @@ pub unsafe fn dequantize(
     }
 }
 
+/// Enqueue BitNet's per-token activation quantization of `x [m, k]` (`x_dtype`): `codes` (fp16
+/// `[m, k]`) = q · 2⁻⁷ and `xs` (f32 `[m]`) = 1 / scale, the CPU kernel's codes and scales bit for bit
+/// (`cuda/activation_quant.h`).
+///
+/// # Safety
+/// Live device buffers of the current device of those sizes, alive until the work has run; `stream` a
+/// stream of that device.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn quantize_tokens(
+    x: u64,
+    x_dtype: DType,
+    m: i64,
+    k: i64,
+    codes: u64,
+    xs: u64,
+    stream: u64,
+) -> Result<(), CudaError> {
+    #[cfg(feature = "nvcc")]
+    {
+        use std::ffi::c_void;
+        // SAFETY: forwarded to the caller's contract; the C side validates sizes and null pointers.
+        check(unsafe {
+            ffi::ternary_cuda_quantize_tokens(
+                x as *const c_void,
+                x_dtype as i32,
+                m,
+                k,
+                codes as *mut c_void,
+                xs as *mut f32,
+                stream as *mut c_void,
+            )
+        })
+    }
+    #[cfg(not(feature = "nvcc"))]
+    {
+        let _ = (x, x_dtype, m, k, codes, xs, stream);
+        Err(CudaError::NotBuilt)
+    }
+}
+
+/// Enqueue the per-group activation quantization of `x [m, k]`: `out` (bf16 `[m, k]`) = q · xs_g per
+/// token and weight group of `group_size`.
+///
+/// # Safety
+/// As for [`quantize_tokens`].
+pub unsafe fn quantize_groups(
+    x: u64,
+    x_dtype: DType,
+    m: i64,
+    k: i64,
+    group_size: i32,
+    out: u64,
+    stream: u64,
+) -> Result<(), CudaError> {
+    #[cfg(feature = "nvcc")]
+    {
+        use std::ffi::c_void;
+        // SAFETY: forwarded to the caller's contract; the C side validates sizes and null pointers.
+        check(unsafe {
+            ffi::ternary_cuda_quantize_groups(
+                x as *const c_void,
+                x_dtype as i32,
+                m,
+                k,
+                group_size,
+                out as *mut c_void,
+                stream as *mut c_void,
+            )
+        })
+    }
+    #[cfg(not(feature = "nvcc"))]
+    {
+        let _ = (x, x_dtype, m, k, group_size, out, stream);
+        Err(CudaError::NotBuilt)
+    }
+}
+
+/// Enqueue the per-token epilogue `out[m, n] = fl(y16 · xs[row] · 2⁷) + bias[col]` (`y16` fp16, `xs`
+/// and `bias` f32, `bias` 0 for none, `out` of `out_dtype`).
+///
+/// # Safety
+/// As for [`quantize_tokens`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn scale_rows(
+    y16: u64,
+    xs: u64,
+    bias: u64,
+    out: u64,
+    out_dtype: DType,
+    m: i64,
+    n: i64,
+    stream: u64,
+) -> Result<(), CudaError> {
+    #[cfg(feature = "nvcc")]
+    {
+        use std::ffi::c_void;
+        // SAFETY: forwarded to the caller's contract; the C side validates sizes and null pointers.
+        check(unsafe {
+            ffi::ternary_cuda_scale_rows(
+                y16 as *const c_void,
+                xs as *const f32,
+                bias as *const f32,
+                out as *mut c_void,
+                out_dtype as i32,
+                m,
+                n,
+                stream as *mut c_void,
+            )
+        })
+    }
+    #[cfg(not(feature = "nvcc"))]
+    {
+        let _ = (y16, xs, bias, out, out_dtype, m, n, stream);
+        Err(CudaError::NotBuilt)
+    }
+}
+
+/// Streaming multiprocessors of CUDA device `device` (the plan's `sm_count`).
+pub fn sm_count(device: i32) -> Result<i32, CudaError> {
+    #[cfg(feature = "nvcc")]
+    {
+        let mut c = 0i32;
+        // SAFETY: `c` is a valid out pointer; the call only queries a device attribute.
+        check(unsafe { ffi::ternary_cuda_sm_count(device, &mut c) })?;
+        Ok(c)
+    }
+    #[cfg(not(feature = "nvcc"))]
+    {
+        let _ = device;
+        Err(CudaError::NotBuilt)
+    }
+}
+
 /// Largest M the decode GEMV handles (the kernel supports up to this).
 pub const GEMV_MAX_ROWS: i32 = 16;
 
@@ -285,12 +501,43 @@ mod tests {
         assert_eq!(std::mem::align_of::<Plan>(), 8);
     }
 
+    #[test]
+    fn call_plans_pick_the_gemm_dtype_and_the_conversions() {
+        use DType::*;
+        let cases = [
+            // x, quantize, compute, bias dtype, y converted from a temporary
+            (Bf16, Quantize::None, Bf16, Bf16, false),
+            (Fp16, Quantize::None, Fp16, Fp16, false),
+            (Fp32, Quantize::None, Bf16, Bf16, true),
+            (Bf16, Quantize::Tokens, Fp16, Fp32, false),
+            (Fp16, Quantize::Tokens, Fp16, Fp32, false),
+            (Fp32, Quantize::Tokens, Fp16, Fp32, false),
+            (Bf16, Quantize::Groups, Bf16, Bf16, false),
+            (Fp16, Quantize::Groups, Bf16, Bf16, true),
+            (Fp32, Quantize::Groups, Bf16, Bf16, true),
+        ];
+        for (x, q, compute, bias, converts) in cases {
+            let p = CallPlan::new(x, q);
+            assert_eq!(
+                (p.compute, p.bias_dtype(), p.converts_output()),
+                (compute, bias, converts),
+                "{x:?} {q:?}"
+            );
+        }
+    }
+
     #[cfg(not(feature = "nvcc"))]
     #[test]
     fn without_kernels_everything_reports_not_built() {
         assert!(!available());
         assert_eq!(device_count(), 0);
         assert_eq!(plan(1, 32, 64, 64, 1), Err(CudaError::NotBuilt));
+        assert_eq!(sm_count(0), Err(CudaError::NotBuilt));
+        // SAFETY: without kernels nothing is called.
+        assert_eq!(
+            unsafe { quantize_tokens(8, DType::Bf16, 1, 64, 8, 8, 0) },
+            Err(CudaError::NotBuilt)
+        );
     }
 
     #[cfg(feature = "nvcc")]
@@ -344,5 +591,43 @@ mod tests {
         // SAFETY: null pointers are rejected before any CUDA call.
         let r = unsafe { dequantize(0, 0, 0, 32, 64, 64, DType::Fp16, 0) };
         assert!(matches!(r, Err(CudaError::Launch { code: -4, .. })));
+        // The activation functions check their arguments on the host too.
+        // SAFETY: every call below is rejected before any CUDA call.
+        unsafe {
+            assert!(matches!(
+                quantize_tokens(0, DType::Bf16, 1, 64, 0, 0, 0),
+                Err(CudaError::Launch { code: -4, .. })
+            ));
+            assert!(matches!(
+                quantize_tokens(8, DType::Bf16, 0, 64, 8, 8, 0),
+                Err(CudaError::Launch { code: -1, .. })
+            ));
+            assert!(matches!(
+                quantize_groups(8, DType::Fp32, 1, 96, 64, 8, 0),
+                Err(CudaError::Launch { code: -1, .. })
+            ));
+            assert!(matches!(
+                quantize_groups(8, DType::Fp32, 1, 96, 48, 8, 0),
+                Err(CudaError::Launch { code: -2, .. })
+            ));
+            assert!(matches!(
+                scale_rows(8, 8, 0, 0, DType::Fp16, 1, 1, 0),
+                Err(CudaError::Launch { code: -4, .. })
+            ));
+        }
+        // fp32 is for the activation functions only: the GEMM refuses it.
+        let args32 = LinearArgs {
+            dtype: DType::Fp32,
+            x: 16,
+            qweight: 16,
+            scales: 16,
+            y: 16,
+            ..args
+        };
+        // SAFETY: the dtype is rejected before any pointer is used.
+        assert!(matches!(
+            unsafe { linear(&args32) },
+            Err(CudaError::Launch { code: -3, .. })
+        ));
     }
 }

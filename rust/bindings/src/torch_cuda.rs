@@ -1,0 +1,567 @@
+//! The CUDA kernel of `torch.ops.ternary_rs.ternary_linear`, registered natively with torch's
+//! dispatcher like the CPU one (`torch_abi.rs`: same stable C ABI, same boxed calling convention), so
+//! a call runs no Python.
+//!
+//! The torch functions the CUDA path needs beyond the CPU ones (the current stream, a device guard,
+//! cuBLAS GEMMs for the optional dequantize path) live in `libtorch_cuda.so`, resolved at run time
+//! from the copy `import torch` loaded. Every allocation is torch's (caching allocator, ordered on the
+//! current stream), and the launchers only enqueue work on that stream, so calls can be captured in
+//! CUDA graphs. The numerics are those of the Python path (`_ops_cuda.ternary_linear`), which stays as
+//! the fallback and the reference the GPU tests compare against.
+
+use std::ffi::{c_char, c_void};
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use ternary_core::kernels::gpu_layout as gpu;
+use ternary_cuda::{CallPlan, DType, LinearArgs, Quantize};
+
+use crate::torch_abi::{
+    self, check, AddmmOutFn, Api, Device, Handle, HandleFn, LoadedLib, MmOutFn, Status, Tensor,
+    ACTIVATIONS_AUTO, ACTIVATIONS_EXACT, ACTIVATIONS_INT8_GROUP, ACTIVATIONS_INT8_TOKEN,
+};
+
+extern "C" {
+    fn ternary_rs_cuda_linear_entry(stack: *mut u64, num_args: u64, num_outputs: u64);
+}
+
+type StreamFn = unsafe extern "C" fn(i32, *mut *mut c_void) -> Status;
+type GuardFn = unsafe extern "C" fn(i32, *mut Handle) -> Status;
+
+/// The `libtorch_cuda` functions we call.
+struct CudaApi {
+    current_stream: StreamFn,
+    create_guard: GuardFn,
+    delete_guard: HandleFn,
+    zero_: HandleFn,
+    /// cuBLAS through torch, for the optional dequantize path (`set_dequant_min_m`).
+    mm_out: Option<MmOutFn>,
+    addmm_out: Option<AddmmOutFn>,
+}
+
+static CUDA_API: OnceLock<CudaApi> = OnceLock::new();
+static LIBRARY: OnceLock<usize> = OnceLock::new();
+/// From this M on, dequantize W and multiply with torch's cuBLAS GEMM (0 = never); `_ops_cuda`'s
+/// `set_dequant_min_m` sets it for both paths.
+static DEQUANT_MIN_M: AtomicI64 = AtomicI64::new(0);
+
+pub fn set_dequant_min_m(m: i64) -> i64 {
+    DEQUANT_MIN_M.swap(m.max(0), Ordering::Relaxed)
+}
+
+/// Register the native CUDA kernel (the schema must be defined). `libtorch_cpu` / `libtorch_cuda` are
+/// the paths of the loaded libraries. Idempotent.
+pub fn register(libtorch_cpu: &str, libtorch_cuda: &str) -> Result<(), String> {
+    if LIBRARY.get().is_some() {
+        return Ok(());
+    }
+    if !ternary_cuda::available() {
+        return Err("this ternary_rs build has no CUDA kernels".into());
+    }
+    let api = torch_abi::api(libtorch_cpu)?;
+    if CUDA_API.get().is_none() {
+        let zero_ = api
+            .zero_
+            .ok_or_else(|| format!("{libtorch_cpu} has no aoti_torch_zero_"))?;
+        let c = load(libtorch_cuda, zero_)?;
+        let _ = CUDA_API.set(c);
+    }
+    let lib = torch_abi::register_boxed(api, c"CUDA", ternary_rs_cuda_linear_entry)?;
+    let _ = LIBRARY.set(lib);
+    Ok(())
+}
+
+fn load(path: &str, zero_: HandleFn) -> Result<CudaApi, String> {
+    let lib = LoadedLib::open(path)?;
+    // SAFETY (all three): the AOTI shim functions of these names (aoti_torch/c/shim.h, USE_CUDA part)
+    // with the C signatures StreamFn / GuardFn / HandleFn spell out.
+    let current_stream = unsafe {
+        std::mem::transmute::<*mut c_void, StreamFn>(
+            lib.sym(c"aoti_torch_get_current_cuda_stream")?,
+        )
+    };
+    let create_guard = unsafe {
+        std::mem::transmute::<*mut c_void, GuardFn>(lib.sym(c"aoti_torch_create_cuda_guard")?)
+    };
+    let delete_guard = unsafe {
+        std::mem::transmute::<*mut c_void, HandleFn>(lib.sym(c"aoti_torch_delete_cuda_guard")?)
+    };
+    // SAFETY: generated/c_shim_cuda.h's mm_out / addmm_out, signatures MmOutFn / AddmmOutFn.
+    let mm_out = lib
+        .sym(c"aoti_torch_cuda_mm_out")
+        .ok()
+        .map(|p| unsafe { std::mem::transmute::<*mut c_void, MmOutFn>(p) });
+    let addmm_out = lib
+        .sym(c"aoti_torch_cuda_addmm_out")
+        .ok()
+        .map(|p| unsafe { std::mem::transmute::<*mut c_void, AddmmOutFn>(p) });
+    Ok(CudaApi {
+        current_stream,
+        create_guard,
+        delete_guard,
+        zero_,
+        mm_out,
+        addmm_out,
+    })
+}
+
+/// Entry point called by `csrc/torch_boxed.cpp` for CUDA tensors.
+///
+/// # Safety
+/// As for `torch_abi::ternary_rs_cpu_linear_boxed`.
+#[no_mangle]
+pub unsafe extern "C" fn ternary_rs_cuda_linear_boxed(
+    stack: *mut u64,
+    num_args: u64,
+    num_outputs: u64,
+    err: *mut c_char,
+    err_len: usize,
+) -> i32 {
+    // SAFETY: forwarded from our caller's contract.
+    unsafe { torch_abi::run_boxed(stack, num_args, num_outputs, err, err_len, linear) }
+}
+
+/// `at::cuda::CUDAGuard` for the call: makes the tensors' device current, restores the previous one.
+struct DeviceGuard<'c> {
+    cuda: &'c CudaApi,
+    h: Handle,
+}
+
+impl<'c> DeviceGuard<'c> {
+    fn new(cuda: &'c CudaApi, index: i32) -> Result<DeviceGuard<'c>, String> {
+        let mut h = std::ptr::null_mut();
+        // SAFETY: plain out-parameter; the guard is deleted on drop.
+        check!(
+            unsafe { (cuda.create_guard)(index, &mut h) },
+            "create_cuda_guard"
+        );
+        Ok(DeviceGuard { cuda, h })
+    }
+}
+
+impl Drop for DeviceGuard<'_> {
+    fn drop(&mut self) {
+        // SAFETY: we own the guard.
+        unsafe { (self.cuda.delete_guard)(self.h) };
+    }
+}
+
+fn err(e: ternary_cuda::CudaError) -> String {
+    format!("ternary_linear (CUDA): {e}")
+}
+
+/// SM count per device index (the plan's grid sizing), asked once.
+fn sm_count(device: i32) -> Result<i32, String> {
+    static CACHE: Mutex<Vec<(i32, i32)>> = Mutex::new(Vec::new());
+    let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(&(_, c)) = cache.iter().find(|(d, _)| *d == device) {
+        return Ok(c);
+    }
+    let c = ternary_cuda::sm_count(device).map_err(err)?;
+    cache.push((device, c));
+    Ok(c)
+}
+
+/// The split-K tile counters: one zeroed int32 buffer per (device, stream), kept for the life of the
+/// process (the kernels leave it zeroed). A buffer that grows is replaced, never freed: CUDA graphs
+/// captured earlier may still point at it.
+fn counters(
+    api: &Api,
+    cuda: &CudaApi,
+    device: Device,
+    stream: u64,
+    needed: i64,
+    sms: i32,
+) -> Result<(u64, i64), String> {
+    /// (device index, stream, data pointer, int32s); a handful of entries (streams × devices).
+    static BUFFERS: Mutex<Vec<(i32, u64, u64, i64)>> = Mutex::new(Vec::new());
+    let mut buffers = BUFFERS.lock().unwrap_or_else(|p| p.into_inner());
+    let slot = buffers
+        .iter()
+        .position(|&(d, s, _, _)| d == device.index && s == stream);
+    if let Some(i) = slot {
+        let (_, _, ptr, len) = buffers[i];
+        if len >= needed {
+            return Ok((ptr, len));
+        }
+    }
+    // Split-K is only used while tiles < 8 blocks per SM, so this size is rarely exceeded.
+    let len = needed.max(8 * sms as i64 + 64);
+    let t = Tensor::empty_on(api, &[len], api.dtype_i32, device)?;
+    // SAFETY: valid handle; zero_ is enqueued on the current stream, before the kernels that use it.
+    check!(unsafe { (cuda.zero_)(t.h) }, "zero_");
+    let ptr = t.data()? as u64;
+    let _kept_forever = t.into_raw();
+    let entry = (device.index, stream, ptr, len);
+    match slot {
+        Some(i) => buffers[i] = entry,
+        None => buffers.push(entry),
+    }
+    Ok((ptr, len))
+}
+
+fn dtype_of(api: &Api, code: i32) -> Option<DType> {
+    if code == api.dtype_bf16 {
+        Some(DType::Bf16)
+    } else if code == api.dtype_f16 {
+        Some(DType::Fp16)
+    } else if code == api.dtype_f32 {
+        Some(DType::Fp32)
+    } else {
+        None
+    }
+}
+
+fn code_of(api: &Api, d: DType) -> i32 {
+    match d {
+        DType::Bf16 => api.dtype_bf16,
+        DType::Fp16 => api.dtype_f16,
+        DType::Fp32 => api.dtype_f32,
+    }
+}
+
+/// The sizes of one call and the device it runs on.
+#[derive(Clone, Copy)]
+struct Call {
+    m: i64,
+    n: i64,
+    k: i64,
+    g: i32,
+    device: Device,
+    stream: u64,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn linear<'a>(
+    api: &'a Api,
+    x: Tensor<'a>,
+    qweight: &Tensor<'a>,
+    scales: &Tensor<'a>,
+    n: usize,
+    k: usize,
+    g: usize,
+    bias: Option<Tensor<'a>>,
+    activations: i64,
+) -> Result<Tensor<'a>, String> {
+    let cuda = CUDA_API
+        .get()
+        .ok_or("ternary_rs: native CUDA kernel called before registration")?;
+    let x_dtype = dtype_of(api, x.dtype()?).ok_or(
+        "ternary_linear: x dtype is not supported on CUDA; use bfloat16, float16 or float32",
+    )?;
+    let quantize = match activations {
+        ACTIVATIONS_AUTO | ACTIVATIONS_EXACT => Quantize::None,
+        ACTIVATIONS_INT8_GROUP => Quantize::Groups,
+        ACTIVATIONS_INT8_TOKEN => Quantize::Tokens,
+        other => {
+            return Err(format!(
+                "ternary_linear: activations={other}: expected 0, 1, 2 or 3"
+            ))
+        }
+    };
+    let plan = CallPlan::new(x_dtype, quantize);
+    let device = x.device()?;
+    if device.kind != api.device_cuda {
+        return Err("ternary_linear (CUDA kernel): x is not a CUDA tensor".into());
+    }
+    for (t, what) in [(qweight, "qweight"), (scales, "scales")] {
+        if t.device()? != device {
+            return Err(format!(
+                "ternary_linear: {what} is on another device than x (cuda:{})",
+                device.index
+            ));
+        }
+    }
+    let xs = x.sizes()?.to_vec();
+    if xs.is_empty() || xs[xs.len() - 1] as usize != k {
+        return Err(format!(
+            "ternary_linear: x has {} features (shape {xs:?}), the layer expects {k}",
+            xs.last().copied().unwrap_or(0)
+        ));
+    }
+    let (n_pad, k_pad, groups_pad) =
+        gpu::padded_dims(n.max(1), k, g).map_err(|e| format!("ternary_linear: {e}"))?;
+    let want_q = [
+        (n_pad / gpu::CHUNK_N) as i64,
+        (k_pad / gpu::CHUNK_K * gpu::CHUNK_BYTES) as i64,
+    ];
+    let want_s = [groups_pad as i64, n_pad as i64];
+    if qweight.dtype()? != api.dtype_u8 || qweight.sizes()? != want_q || !qweight.is_contiguous()? {
+        return Err(format!(
+            "ternary_linear: qweight must be the prepared CUDA layout uint8 {want_q:?} for [{n}, {k}] g{g}, \
+             got shape {:?} (call ternary_rs.ops.prepare_weight first)",
+            qweight.sizes()?
+        ));
+    }
+    if scales.dtype()? != api.dtype_f16 || scales.sizes()? != want_s || !scales.is_contiguous()? {
+        return Err(format!(
+            "ternary_linear: scales must be the prepared float16 {want_s:?}, got shape {:?}",
+            scales.sizes()?
+        ));
+    }
+    let bias = match bias {
+        Some(b) => {
+            if b.sizes()? != [n as i64] || b.device()? != device {
+                return Err(format!(
+                    "ternary_linear: bias must be a tensor of shape [{n}] on x's device, got {:?}",
+                    b.sizes()?
+                ));
+            }
+            Some(b.contiguous_as(code_of(api, plan.bias_dtype()))?)
+        }
+        None => None,
+    };
+
+    let _guard = DeviceGuard::new(cuda, device.index)?;
+    let mut stream = std::ptr::null_mut();
+    // SAFETY: plain out-parameter.
+    check!(
+        unsafe { (cuda.current_stream)(device.index, &mut stream) },
+        "get_current_cuda_stream"
+    );
+    let mut out_sizes = xs[..xs.len() - 1].to_vec();
+    out_sizes.push(n as i64);
+    let y = Tensor::empty_on(api, &out_sizes, x.dtype()?, device)?;
+    let m = x.numel()? / k.max(1);
+    if m == 0 || n == 0 {
+        return Ok(y);
+    }
+    let call = Call {
+        m: m as i64,
+        n: n as i64,
+        k: k as i64,
+        g: g as i32,
+        device,
+        stream: stream as u64,
+    };
+    let compute = code_of(api, plan.compute);
+    let bias_ptr = match &bias {
+        Some(b) => b.data()? as u64,
+        None => 0,
+    };
+    match plan.quantize {
+        Quantize::None | Quantize::Groups => {
+            let xin = if plan.quantize == Quantize::Groups {
+                let xc = x.contiguous_as(code_of(api, x_dtype))?;
+                let xq = Tensor::empty_on(api, &[call.m, call.k], compute, device)?;
+                // SAFETY: live tensors of this device of [m, k] elements, on the current stream.
+                unsafe {
+                    ternary_cuda::quantize_groups(
+                        xc.data()? as u64,
+                        x_dtype,
+                        call.m,
+                        call.k,
+                        call.g,
+                        xq.data()? as u64,
+                        call.stream,
+                    )
+                }
+                .map_err(err)?;
+                xq
+            } else {
+                // The kernels read x with 16-byte loads.
+                x.contiguous_aligned(compute, 16)?
+            };
+            if plan.converts_output() {
+                let yc = Tensor::empty_on(api, &out_sizes, compute, device)?;
+                gemm(
+                    api,
+                    cuda,
+                    call,
+                    plan.compute,
+                    &xin,
+                    qweight,
+                    scales,
+                    bias_ptr,
+                    &yc,
+                )?;
+                // SAFETY: valid handles of one shape; copy_ converts the dtype on the current stream.
+                check!(unsafe { (api.copy_)(y.h, yc.h, 0) }, "copy_");
+            } else {
+                gemm(
+                    api,
+                    cuda,
+                    call,
+                    plan.compute,
+                    &xin,
+                    qweight,
+                    scales,
+                    bias_ptr,
+                    &y,
+                )?;
+            }
+        }
+        Quantize::Tokens => {
+            let xc = x.contiguous_as(code_of(api, x_dtype))?;
+            let codes = Tensor::empty_on(api, &[call.m, call.k], api.dtype_f16, device)?;
+            let token_scales = Tensor::empty_on(api, &[call.m], api.dtype_f32, device)?;
+            // SAFETY: live tensors of this device of the sizes given, on the current stream.
+            unsafe {
+                ternary_cuda::quantize_tokens(
+                    xc.data()? as u64,
+                    x_dtype,
+                    call.m,
+                    call.k,
+                    codes.data()? as u64,
+                    token_scales.data()? as u64,
+                    call.stream,
+                )
+            }
+            .map_err(err)?;
+            let y16 = Tensor::empty_on(api, &[call.m, call.n], api.dtype_f16, device)?;
+            gemm(
+                api,
+                cuda,
+                call,
+                DType::Fp16,
+                &codes,
+                qweight,
+                scales,
+                0,
+                &y16,
+            )?;
+            // SAFETY: as above; y has m·n elements of x's dtype.
+            unsafe {
+                ternary_cuda::scale_rows(
+                    y16.data()? as u64,
+                    token_scales.data()? as u64,
+                    bias_ptr,
+                    y.data()? as u64,
+                    x_dtype,
+                    call.m,
+                    call.n,
+                    call.stream,
+                )
+            }
+            .map_err(err)?;
+        }
+    }
+    Ok(y)
+}
+
+/// `y[m, n] = x[m, k] @ Wᵀ (+ bias)` in `dtype`: the fused kernels, or from `DEQUANT_MIN_M` on W
+/// dequantized into a temporary and torch's cuBLAS GEMM (bias added by the same call).
+#[allow(clippy::too_many_arguments)]
+fn gemm(
+    api: &Api,
+    cuda: &CudaApi,
+    c: Call,
+    dtype: DType,
+    x: &Tensor<'_>,
+    qweight: &Tensor<'_>,
+    scales: &Tensor<'_>,
+    bias: u64,
+    y: &Tensor<'_>,
+) -> Result<(), String> {
+    let dequant_min_m = DEQUANT_MIN_M.load(Ordering::Relaxed);
+    if dequant_min_m > 0 && c.m >= dequant_min_m {
+        return dequantized_gemm(api, cuda, c, dtype, x, qweight, scales, bias, y);
+    }
+    let sms = sm_count(c.device.index)?;
+    let p = ternary_cuda::plan(c.m, c.n, c.k, c.g, sms).map_err(err)?;
+    let (mut partials, mut partials_len, mut counters_ptr, mut counters_len) = (0, 0, 0, 0);
+    // Per call from torch's caching allocator (stream-ordered, graph-safe); freed after the enqueue.
+    let workspace;
+    if p.splits > 1 {
+        workspace = Tensor::empty_on(api, &[p.partial_floats], api.dtype_f32, c.device)?;
+        partials = workspace.data()? as u64;
+        partials_len = p.partial_floats;
+        (counters_ptr, counters_len) = counters(api, cuda, c.device, c.stream, p.counters, sms)?;
+    }
+    let args = LinearArgs {
+        x: x.data()? as u64,
+        qweight: qweight.data()? as u64,
+        scales: scales.data()? as u64,
+        bias,
+        y: y.data()? as u64,
+        partials,
+        partials_len,
+        counters: counters_ptr,
+        counters_len,
+        m: c.m,
+        n: c.n,
+        k: c.k,
+        group_size: c.g,
+        dtype,
+        sm_count: sms,
+        stream: c.stream,
+    };
+    // SAFETY: every pointer is the data of a live tensor of this device with the sizes the plan and
+    // the layout require (checked by the caller); the launcher re-checks sizes and alignment.
+    unsafe { ternary_cuda::linear(&args) }.map_err(err)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn dequantized_gemm(
+    api: &Api,
+    cuda: &CudaApi,
+    c: Call,
+    dtype: DType,
+    x: &Tensor<'_>,
+    qweight: &Tensor<'_>,
+    scales: &Tensor<'_>,
+    bias: u64,
+    y: &Tensor<'_>,
+) -> Result<(), String> {
+    let (Some(blob), Some(mm_out), Some(addmm_out)) = (&api.gemm, cuda.mm_out, cuda.addmm_out)
+    else {
+        return Err(
+            "ternary_linear: the dequantize path needs torch's cuBLAS GEMM through the stable ABI \
+                    (aoti_torch_cuda_mm_out), which this torch lacks; set_dequant_min_m(0)"
+                .into(),
+        );
+    };
+    let code = code_of(api, dtype);
+    let w = Tensor::empty_on(api, &[c.n, c.k], code, c.device)?;
+    // SAFETY: live tensors of this device in the GPU layout for (n, k, g) and [n, k] of `dtype`.
+    unsafe {
+        ternary_cuda::dequantize(
+            qweight.data()? as u64,
+            scales.data()? as u64,
+            w.data()? as u64,
+            c.n,
+            c.k,
+            c.g,
+            dtype,
+            c.stream,
+        )
+    }
+    .map_err(err)?;
+    // 2-D views (x and y may have more dimensions; all are contiguous).
+    let view = |data: u64, sizes: [i64; 2], strides: [i64; 2]| -> Result<Tensor<'_>, String> {
+        let mut h = std::ptr::null_mut();
+        // SAFETY: `data` addresses at least what these sizes/strides cover, alive past the GEMM.
+        check!(
+            unsafe {
+                (blob.from_blob)(
+                    data as *mut c_void,
+                    2,
+                    sizes.as_ptr(),
+                    strides.as_ptr(),
+                    0,
+                    code,
+                    c.device.kind,
+                    c.device.index,
+                    &mut h,
+                )
+            },
+            "create_tensor_from_blob"
+        );
+        Ok(Tensor { api, h })
+    };
+    let xv = view(x.data()? as u64, [c.m, c.k], [c.k, 1])?;
+    let wt = view(w.data()? as u64, [c.k, c.n], [1, c.k])?;
+    let out = view(y.data()? as u64, [c.m, c.n], [c.n, 1])?;
+    if bias != 0 {
+        let b = view(bias, [c.m, c.n], [0, 1])?; // broadcast over tokens
+                                                 // SAFETY: valid handles; out = 1·bias + 1·(x · wt).
+        check!(
+            unsafe { addmm_out(out.h, b.h, xv.h, wt.h, 1.0, 1.0) },
+            "cuda_addmm_out"
+        );
+    } else {
+        // SAFETY: valid handles.
+        check!(unsafe { mm_out(out.h, xv.h, wt.h) }, "cuda_mm_out");
+    }
+    Ok(())
+}
