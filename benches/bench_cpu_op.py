@@ -14,7 +14,8 @@ op runs on torch's intra-op pool, like ``F.linear``):
   instead reuses one copy (the condition of llama.cpp's ``test-backend-ops perf``, whose weights stay in
   cache), printed as extra rows;
 * **per-call overhead** at 1×1024→1024: the native op through torch's dispatcher vs the same kernel called
-  directly (``_core``), and the old Python dispatch path for comparison.
+  directly (``_core``), and the old Python dispatch path for comparison, in interleaved rounds (min per
+  side); plus a native call with almost no work next to ``torch.add`` (what any op call costs).
 
 * the ternary modes and torch bf16 of one (shape, M, threads) are timed **round-robin** in one loop
   (``timed_together``; the ``--hot`` rows in a loop of their own, so cold calls do not evict their
@@ -109,32 +110,51 @@ def stream_bandwidth(threads: int) -> float:
     return a.numel() * 4 / t / 1e9
 
 
-def overhead(threads: int) -> dict:
+def overhead(threads: int, rounds: int = 15, reps: int = 2000) -> dict:
+    """Per-call cost at 1x1024->1024: the native op vs the same kernel called directly (``_core``, no torch
+    dispatch, no output allocation), in interleaved rounds (min per side: one side's quiet phase must not
+    be compared with the other's busy one). Also a native call with almost no work (1x128->4: dispatch,
+    argument checks and the output allocation) next to the same tiny kernel called directly and torch's
+    own ``add`` of two small tensors, also through ``torch.ops.aten`` (the generic op-call path ours takes). The direct calls run on the ternary-rs pool, set to the same thread
+    count as torch's."""
     torch.set_num_threads(threads)
+    ternary_rs.set_num_threads(threads)
     n = k = 1024
     q, s = random_canonical(n, k, GROUP)
     qk, sk = ops.prepare_weight(q, s, GROUP)
     x = torch.randn(1, k, dtype=torch.bfloat16)
     y = torch.empty(1, n, dtype=torch.bfloat16)
+    tq, ts = ops.prepare_weight(*random_canonical(4, 128, GROUP), GROUP)
+    tx = torch.randn(1, 128, dtype=torch.bfloat16)
     op = torch.ops.ternary_rs.ternary_linear.default
     args = (x.data_ptr(), "bfloat16", 1, k, qk.data_ptr(), sk.data_ptr(), n, GROUP, 0, y.data_ptr())
-
-    def best(fn, reps=3000):
-        for _ in range(300):
-            fn()
-        out = float("inf")
-        for _ in range(5):
+    ty = torch.empty(1, 4, dtype=torch.bfloat16)
+    tiny_args = (tx.data_ptr(), "bfloat16", 1, 128, tq.data_ptr(), ts.data_ptr(), 4, GROUP, 0, ty.data_ptr())
+    sides = {
+        "native": lambda: op(x, qk, sk, n, k, GROUP, None, 0),
+        "direct": lambda: _core.ternary_gemm_cpu(*args),
+        "python_path": lambda: _ops_cpu.ternary_linear(x, qk, sk, n, k, GROUP, None, 0),
+        "native_tiny": lambda: op(tx, tq, ts, 4, 128, GROUP, None, 0),
+        "direct_tiny": lambda: _core.ternary_gemm_cpu(*tiny_args),
+        "torch_add": lambda: torch.add(tx, tx),
+        "torch_ops_add": lambda: torch.ops.aten.add.Tensor(tx, tx),  # the same torch.ops call path as ours
+    }
+    best = dict.fromkeys(sides, float("inf"))
+    for _ in range(rounds):
+        for name, fn in sides.items():
+            for _ in range(reps // 20):
+                fn()
             t0 = time.perf_counter()
             for _ in range(reps):
                 fn()
-            out = min(out, (time.perf_counter() - t0) / reps)
-        return out
-
-    native = best(lambda: op(x, qk, sk, n, k, GROUP, None, 0))
-    direct = best(lambda: _core.ternary_gemm_cpu(*args))
-    python_path = best(lambda: _ops_cpu.ternary_linear(x, qk, sk, n, k, GROUP, None, 0))
-    return {"native_us": native * 1e6, "kernel_direct_us": direct * 1e6,
-            "native_overhead_us": (native - direct) * 1e6, "python_path_us": python_path * 1e6}
+            best[name] = min(best[name], (time.perf_counter() - t0) / reps)
+    ternary_rs.set_num_threads(0)
+    us = {name: v * 1e6 for name, v in best.items()}
+    return {"native_us": us["native"], "kernel_direct_us": us["direct"],
+            "native_overhead_us": us["native"] - us["direct"], "python_path_us": us["python_path"],
+            "native_tiny_us": us["native_tiny"], "direct_tiny_us": us["direct_tiny"],
+            "tiny_overhead_us": us["native_tiny"] - us["direct_tiny"], "torch_add_us": us["torch_add"],
+            "torch_ops_add_us": us["torch_ops_add"]}
 
 
 def main() -> None:
@@ -163,7 +183,10 @@ def main() -> None:
         results["overhead"][t] = o = overhead(t)
         print(f"per-call at 1x1024->1024, {t} thread(s): native op {o['native_us']:.2f} us, kernel called "
               f"directly {o['kernel_direct_us']:.2f} us (dispatch overhead {o['native_overhead_us']:.2f} us), "
-              f"old Python path {o['python_path_us']:.2f} us")
+              f"old Python path {o['python_path_us']:.2f} us; with almost no work (1x128->4): native "
+              f"{o['native_tiny_us']:.2f} us, direct {o['direct_tiny_us']:.2f} us (overhead {o['tiny_overhead_us']:.2f} us), "
+              f"torch.add of two such x {o['torch_add_us']:.2f} us, through torch.ops.aten.add.Tensor "
+              f"{o['torch_ops_add_us']:.2f} us (goal: overhead <= 5 us)")
 
     hdr = (f"{'K x N':>14} {'M':>4} {'thr':>3} {'mode':>16} {'ms':>9} {'Gw/s':>7} {'Gwt/s':>7} {'GB/s':>6} "
            f"{'%bw':>5} {'bf16 ms':>9} {'x bf16':>7} {'x min':>6}")
