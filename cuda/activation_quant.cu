@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kScaleThreads) scale_rows_kernel(const __half*
   for (int64_t i = (int64_t)blockIdx.x * kScaleThreads + threadIdx.x; i < total;
        i += (int64_t)gridDim.x * kScaleThreads) {
     const int64_t row = i / n, col = i - row * n;
-    const float b = bias != nullptr ? bias[col] : 0.0f;
+    const float b = bias != nullptr ? bias[col] : -0.0f;
     store_f32(out, i, quant::scale_row_value(__half2float(y16[i]), xs[row], b));
   }
 }

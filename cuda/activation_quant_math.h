@@ -68,17 +68,22 @@ TERNARY_QUANT_FN DomainScale domain_scale(float amax, bool per_token) {
     const float scale = div_rn(kInt8Max, amax > kTokenScaleFloor ? amax : kTokenScaleFloor);
     return {scale, div_rn(1.0f, scale)};
   }
-  if (amax == 0.0f) return {0.0f, 0.0f};
-  return {div_rn(kInt8Max, amax), div_rn(amax, kInt8Max)};
+  // All zeros, or max|x| < 127 / FLT_MAX (~3.7e-37) where the multiplier overflows: a zero group.
+  const float mul = div_rn(kInt8Max, amax);
+  if (!(mul <= 3.402823466e38f)) return {0.0f, 0.0f};
+  return {mul, div_rn(amax, kInt8Max)};
 }
 
-// q = clamp(round_half_even(v * mul), lo, 127) as a float (lo = -128 per token, -127 per group).
+// q = clamp(round_half_even(v * mul), lo, 127) as a float (lo = -128 per token, -127 per group); NaN
+// (only from a non-finite x, whose domain scale is NaN anyway) gives 0, as the CPU's `as i8` does.
 TERNARY_QUANT_FN float quantize(float v, float mul, float lo) {
   const float r = rintf(mul_rn(v, mul));
+  if (r != r) return 0.0f;
   return r < lo ? lo : (r > kInt8Max ? kInt8Max : r);
 }
 
-// The epilogue of the per-token mode: y = fl(fl(y16 * xs * 2^7) + bias) (xs * 2^7 is exact).
+// The epilogue of the per-token mode: y = fl(fl(y16 * xs * 2^7) + bias) (xs * 2^7 is exact). Without a
+// bias the caller passes -0.0f, the additive identity that also keeps a -0 product.
 TERNARY_QUANT_FN float scale_row_value(float y16, float xs, float bias) {
   return add_rn(mul_rn(y16, mul_rn(xs, kCodeScaleInv)), bias);
 }

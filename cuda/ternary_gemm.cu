@@ -636,6 +636,15 @@ extern "C" int ternary_cuda_sm_count(int32_t device, int32_t* count) {
   return TERNARY_CUDA_OK;
 }
 
+extern "C" int ternary_cuda_stream_capturing(void* stream, int32_t* capturing) {
+  if (capturing == nullptr) return TERNARY_CUDA_ERR_POINTER;
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  const cudaError_t e = cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &st);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  *capturing = st == cudaStreamCaptureStatusNone ? 0 : 1;
+  return TERNARY_CUDA_OK;
+}
+
 extern "C" const char* ternary_cuda_error_string(int code) {
   switch (code) {
     case TERNARY_CUDA_OK:

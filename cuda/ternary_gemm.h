@@ -61,6 +61,9 @@ int ternary_cuda_device_count(int32_t* count);
 // Streaming multiprocessors of `device` (the plan's `sm_count`). Returns TERNARY_CUDA_OK or a cudaError_t.
 int ternary_cuda_sm_count(int32_t device, int32_t* count);
 
+// Whether `stream` is being captured into a CUDA graph (*capturing = 1) or not (0). Legal during capture.
+int ternary_cuda_stream_capturing(void* stream, int32_t* capturing);
+
 // A static message for a code returned above.
 const char* ternary_cuda_error_string(int code);
 

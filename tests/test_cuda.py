@@ -318,5 +318,37 @@ def test_native_errors_name_the_problem():
     x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
     with pytest.raises((RuntimeError, ValueError), match="activations=9"):
         ops.ternary_linear(x, q_k, s_k, 64, 256, 64, None, 9)
-    with pytest.raises((RuntimeError, ValueError), match="another device|CUDA tensor"):
+    with pytest.raises((RuntimeError, ValueError), match="another device|CUDA tensor|is on cpu"):
         ops.ternary_linear(x, q_k.cpu(), s_k, 64, 256, 64)
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_counters_made_inside_a_capture_are_zeroed_before_eager_use(path):
+    """The first split-K call on a fresh stream is inside a capture, so its counters' zeros exist only as a
+    node of that graph. An eager call on the same stream before the graph ever replays, and a second
+    capture on it, must still see zeroed counters."""
+    fn = ops.ternary_linear if path == "native" else _ops_cuda.ternary_linear
+    n, k, g = 64, 4096, 128
+    qw, sc = make_layer(n, k, g, seed=43)
+    w = dequantize(qw, sc, g)
+    q_k, s_k = ops.prepare_weight(qw, sc, g)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    assert _core.cuda_plan(1, n, k, g, torch.cuda.get_device_properties(0).multi_processor_count)["splits"] > 1
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    first, second = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(first, stream=side):
+        y_first = fn(x, q_k, s_k, n, k, g)
+    with torch.cuda.graph(second, stream=side):
+        y_second = fn(x, q_k, s_k, n, k, g)
+    with torch.cuda.stream(side):
+        y_eager = fn(x, q_k, s_k, n, k, g)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    ref = reference(x, w, None)
+    assert_matches(y_eager, ref, torch.bfloat16, f"{path}: eager before any replay")
+    second.replay()
+    first.replay()
+    torch.cuda.synchronize()
+    assert_matches(y_second, ref, torch.bfloat16, f"{path}: second graph")
+    assert_matches(y_first, ref, torch.bfloat16, f"{path}: first graph")

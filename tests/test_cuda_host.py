@@ -56,6 +56,7 @@ def test_cuda_int8_emulation_quantizes_like_the_cpu_kernel(per_token):
     half[1] *= 1e-8                                                  # max|x| under BitNet's 1e-5 clamp
     half[2] = 0.0                                                    # an all-zero token
     half[3, 64:] = 0.0                                               # all-zero groups (per-group mode)
+    half[5, :64] = torch.arange(64) % 3 * 1e-38                      # 127 / max|x_g| overflows: a zero group
     x = torch.stack([half, -half], dim=-1).reshape(12, k).contiguous()
     eye = torch.eye(k, dtype=torch.int8)
     qk, sk = ops.prepare_weight(torch.from_numpy(pack_codes(eye.numpy())), torch.ones(k, k // g, dtype=torch.float16), g)
@@ -132,6 +133,7 @@ def _hostile_activations(torch, m: int, k: int, g: int):
     x[2] = 0.0
     x[3, g:2 * g] = 0.0
     x[4, ::3] = -x[4].abs().max()
+    x[5, :g] = torch.arange(g) % 3 * 1e-38  # max|x_g| < 127 / f32 max: 127 / max overflows, a zero group
     return x.contiguous()
 
 

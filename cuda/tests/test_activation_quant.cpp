@@ -117,7 +117,15 @@ static int self_test() {
   expect(go[0] == 0 && go[31] == 0, "all-zero group");
   const float s = 128.0f / 127.0f;
   expect(go[32] == bf16_rn(mul_rn(-127.0f, s)), "per-group clamp at -127");
-  // Epilogue: one rounding per operation, no FMA.
+  // max|x_g| < 127 / FLT_MAX: the multiplier would overflow (x * inf = inf, 0 * inf = NaN); a zero group.
+  std::vector<float> tiny_group(32, 0.0f);
+  for (int i = 0; i < 32; i += 3) tiny_group[i] = 1e-38f;
+  const std::vector<uint16_t> tg = groups(tiny_group, 1, 32, 32);
+  bool all_zero = true;
+  for (uint16_t b : tg) all_zero = all_zero && b == 0;
+  expect(all_zero, "a group whose 127 / max|x| overflows quantizes to zeros");
+  // Epilogue: one rounding per operation, no FMA; -0 stays -0 without a bias.
+  expect(std::signbit(scale_row_value(-0.0f, 0.25f, -0.0f)), "no-bias epilogue keeps -0");
   expect(scale_row_value(3.0f, 0.25f, 1.0f) == 97.0f, "epilogue y * xs * 128 + bias");
   if (bad == 0) std::printf("all activation-quantizer replays match\n");
   return bad == 0 ? 0 : 1;

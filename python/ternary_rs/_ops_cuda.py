@@ -37,9 +37,9 @@ _GROUP_SIZES = _core.GROUP_SIZES
 _sm_counts: dict[int, int] = {}
 # (m, n, k, g, sm_count) -> (splits, partial_floats, counters); cleared when the GEMV cut-off changes.
 _plans: dict[tuple[int, int, int, int, int], tuple[int, int, int]] = {}
-# (device index, stream handle) -> zeroed int32 counters; retired buffers stay alive because CUDA graphs
-# captured earlier may still point at them.
-_counters: dict[tuple[int, int], torch.Tensor] = {}
+# (device index, stream handle) -> (zeroed int32 counters, zeroed outside any capture); retired buffers stay
+# alive because CUDA graphs captured earlier may still point at them.
+_counters: dict[tuple[int, int], tuple[torch.Tensor, bool]] = {}
 _retired: list[torch.Tensor] = []
 # From this M on, dequantize W to x.dtype and call cuBLAS instead of the fused GEMM (0 = never, the
 # default: enable only where benches/bench_gpu.py measured it faster).
@@ -163,16 +163,22 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _counter_buffer(device: torch.device, stream: int, needed: int) -> torch.Tensor:
+    """The zeroed split-K counters of (device, stream). One made during a graph capture is zeroed only by
+    that graph's memset node, so until a call outside any capture zeroes it, every call zeroes it again
+    (eagerly: now; in another capture: a memset node of that graph too) — as the native kernel does."""
     key = (device.index if device.index is not None else torch.cuda.current_device(), stream)
-    buf = _counters.get(key)
-    if buf is None or buf.numel() < needed:
-        if buf is not None:
-            _retired.append(buf)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    entry = _counters.get(key)
+    if entry is None or entry[0].numel() < needed:
+        if entry is not None:
+            _retired.append(entry[0])
         # Split-K is only used while tiles < 8 blocks per SM, so this size is rarely exceeded.
         size = max(needed, 8 * _sm_count(device) + 64)
-        buf = torch.zeros(size, dtype=torch.int32, device=device)
-        _counters[key] = buf
-    return buf
+        entry = _counters[key] = (torch.zeros(size, dtype=torch.int32, device=device), not capturing)
+    elif not entry[1]:
+        entry[0].zero_()
+        entry = _counters[key] = (entry[0], not capturing)
+    return entry[0]
 
 
 def _check_weight(qweight, scales, x, n, k, g) -> None:
@@ -215,9 +221,12 @@ def _int8_activations(x: torch.Tensor, g: int, per_token: bool) -> tuple[torch.T
         return q.to(torch.float16), 1.0 / scale
     xg = xf.reshape(*xf.shape[:-1], -1, g)
     amax = xg.abs().amax(dim=-1, keepdim=True)
-    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    q = (xg * (int8_max / safe)).round().clamp(-127, 127)
-    return (q * (amax / 127.0)).reshape(xf.shape), None
+    mul = int8_max / amax
+    # All-zero groups and max|x| < 127 / f32 max (the multiplier overflows) quantize to zeros, as in the
+    # CPU kernel's domain_scale; a NaN max stays NaN (and makes the group NaN).
+    zero_group = torch.isinf(mul)
+    q = (xg * torch.where(zero_group, 0.0, mul)).round().clamp(-127, 127)
+    return (q * torch.where(zero_group, 0.0, amax / 127.0)).reshape(xf.shape), None
 
 
 def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias=None, activations=_AUTO):

@@ -59,6 +59,9 @@ type InitImplFn =
     unsafe extern "C" fn(*const c_char, *const c_char, *const c_char, u32, *mut Handle) -> Status;
 type ImplFn = unsafe extern "C" fn(Handle, *const c_char, BoxedFn, u64) -> Status;
 pub(crate) type HandleFn = unsafe extern "C" fn(Handle) -> Status;
+/// `aoti_torch__reinterpret_tensor(self, ndim, sizes, strides, storage_offset_increment, &out)`.
+pub(crate) type ReinterpretFn =
+    unsafe extern "C" fn(Handle, i64, *const i64, *const i64, i64, *mut Handle) -> Status;
 type PtrOutFn = unsafe extern "C" fn(Handle, *mut *mut c_void) -> Status;
 type I64OutFn = unsafe extern "C" fn(Handle, *mut i64) -> Status;
 type ArrayOutFn = unsafe extern "C" fn(Handle, *mut *mut i64) -> Status;
@@ -106,6 +109,7 @@ pub(crate) struct Api {
     get_device_type: I32OutFn,
     get_device_index: I32OutFn,
     pub(crate) zero_: Option<HandleFn>,
+    pub(crate) reinterpret: Option<ReinterpretFn>,
     empty_strided: EmptyStridedFn,
     pub(crate) copy_: CopyFn,
     delete_tensor: DeleteFn,
@@ -337,6 +341,9 @@ fn load(path: &str) -> Result<Api, String> {
         // SAFETY: `AOTITorchError aoti_torch_zero_(AtenTensorHandle)`.
         zero_: optional(c"aoti_torch_zero_")
             .map(|p| unsafe { std::mem::transmute::<*mut c_void, HandleFn>(p) }),
+        // SAFETY: `aoti_torch__reinterpret_tensor`, signature ReinterpretFn (aoti_torch/c/shim.h).
+        reinterpret: optional(c"aoti_torch__reinterpret_tensor")
+            .map(|p| unsafe { std::mem::transmute::<*mut c_void, ReinterpretFn>(p) }),
         empty_strided: f!(c"aoti_torch_empty_strided", EmptyStridedFn),
         copy_: f!(c"aoti_torch_copy_", CopyFn),
         delete_tensor: f!(c"aoti_torch_delete_tensor_object", DeleteFn),
@@ -433,6 +440,32 @@ impl<'a> Tensor<'a> {
             "get_device_type"
         );
         Ok(d == self.api.device_cpu)
+    }
+
+    /// A view of this tensor's storage with `sizes` and `strides` (same data pointer, same device); no
+    /// device-pointer query, unlike a tensor made from a blob.
+    pub(crate) fn view(&self, sizes: &[i64], strides: &[i64]) -> Result<Tensor<'a>, String> {
+        let f = self
+            .api
+            .reinterpret
+            .ok_or("this torch has no aoti_torch__reinterpret_tensor")?;
+        let mut h = std::ptr::null_mut();
+        // SAFETY: valid handle; sizes and strides have ndim entries and address inside the storage
+        // (the callers view contiguous tensors of at least that many elements).
+        check!(
+            unsafe {
+                f(
+                    self.h,
+                    sizes.len() as i64,
+                    sizes.as_ptr(),
+                    strides.as_ptr(),
+                    0,
+                    &mut h,
+                )
+            },
+            "_reinterpret_tensor"
+        );
+        Ok(Tensor { api: self.api, h })
     }
 
     pub(crate) fn device(&self) -> Result<Device, String> {

@@ -164,7 +164,9 @@ fn sm_count(device: i32) -> Result<i32, String> {
 
 /// The split-K tile counters: one zeroed int32 buffer per (device, stream), kept for the life of the
 /// process (the kernels leave it zeroed). A buffer that grows is replaced, never freed: CUDA graphs
-/// captured earlier may still point at it.
+/// captured earlier may still point at it. A buffer made during a capture is zeroed only by that
+/// graph's memset node, so until a call outside any capture zeroes it, every call zeroes it again on
+/// its stream (an eager call: now; another capture: a memset node of that graph).
 fn counters(
     api: &Api,
     cuda: &CudaApi,
@@ -173,16 +175,28 @@ fn counters(
     needed: i64,
     sms: i32,
 ) -> Result<(u64, i64), String> {
-    /// (device index, stream, data pointer, int32s); a handful of entries (streams × devices).
-    static BUFFERS: Mutex<Vec<(i32, u64, u64, i64)>> = Mutex::new(Vec::new());
+    struct Buffer {
+        device: i32,
+        stream: u64,
+        handle: usize,
+        ptr: u64,
+        len: i64,
+        zeroed_outside_capture: bool,
+    }
+    static BUFFERS: Mutex<Vec<Buffer>> = Mutex::new(Vec::new());
+    let capturing = ternary_cuda::stream_capturing(stream).map_err(err)?;
     let mut buffers = BUFFERS.lock().unwrap_or_else(|p| p.into_inner());
     let slot = buffers
         .iter()
-        .position(|&(d, s, _, _)| d == device.index && s == stream);
-    if let Some(i) = slot {
-        let (_, _, ptr, len) = buffers[i];
-        if len >= needed {
-            return Ok((ptr, len));
+        .position(|b| b.device == device.index && b.stream == stream);
+    if let Some(b) = slot.map(|i| &mut buffers[i]) {
+        if b.len >= needed {
+            if !b.zeroed_outside_capture {
+                // SAFETY: the handle we keep forever; zero_ is enqueued on the current stream.
+                check!(unsafe { (cuda.zero_)(b.handle as Handle) }, "zero_");
+                b.zeroed_outside_capture = !capturing;
+            }
+            return Ok((b.ptr, b.len));
         }
     }
     // Split-K is only used while tiles < 8 blocks per SM, so this size is rarely exceeded.
@@ -191,8 +205,14 @@ fn counters(
     // SAFETY: valid handle; zero_ is enqueued on the current stream, before the kernels that use it.
     check!(unsafe { (cuda.zero_)(t.h) }, "zero_");
     let ptr = t.data()? as u64;
-    let _kept_forever = t.into_raw();
-    let entry = (device.index, stream, ptr, len);
+    let entry = Buffer {
+        device: device.index,
+        stream,
+        handle: t.into_raw() as usize, // kept forever
+        ptr,
+        len,
+        zeroed_outside_capture: !capturing,
+    };
     match slot {
         Some(i) => buffers[i] = entry,
         None => buffers.push(entry),
@@ -299,15 +319,24 @@ fn linear<'a>(
             scales.sizes()?
         ));
     }
+    let bias_dtype = code_of(api, plan.bias_dtype());
     let bias = match bias {
         Some(b) => {
-            if b.sizes()? != [n as i64] || b.device()? != device {
+            if b.sizes()? != [n as i64] {
                 return Err(format!(
-                    "ternary_linear: bias must be a tensor of shape [{n}] on x's device, got {:?}",
+                    "ternary_linear: bias must have shape [{n}], got {:?}",
                     b.sizes()?
                 ));
             }
-            Some(b.contiguous_as(code_of(api, plan.bias_dtype()))?)
+            if b.device()? == device {
+                Some(b.contiguous_as(bias_dtype)?)
+            } else {
+                // As the Python path's `bias.to(device=x.device)`: copied over (and converted).
+                let moved = Tensor::empty_on(api, &[n as i64], bias_dtype, device)?;
+                // SAFETY: valid handles of one shape; copy_ moves and converts.
+                check!(unsafe { (api.copy_)(moved.h, b.h, 0) }, "copy_");
+                Some(moved)
+            }
         }
         None => None,
     };
@@ -335,10 +364,6 @@ fn linear<'a>(
         stream: stream as u64,
     };
     let compute = code_of(api, plan.compute);
-    let bias_ptr = match &bias {
-        Some(b) => b.data()? as u64,
-        None => 0,
-    };
     match plan.quantize {
         Quantize::None | Quantize::Groups => {
             let xin = if plan.quantize == Quantize::Groups {
@@ -372,7 +397,7 @@ fn linear<'a>(
                     &xin,
                     qweight,
                     scales,
-                    bias_ptr,
+                    bias.as_ref(),
                     &yc,
                 )?;
                 // SAFETY: valid handles of one shape; copy_ converts the dtype on the current stream.
@@ -386,7 +411,7 @@ fn linear<'a>(
                     &xin,
                     qweight,
                     scales,
-                    bias_ptr,
+                    bias.as_ref(),
                     &y,
                 )?;
             }
@@ -417,7 +442,7 @@ fn linear<'a>(
                 &codes,
                 qweight,
                 scales,
-                0,
+                None,
                 &y16,
             )?;
             // SAFETY: as above; y has m·n elements of x's dtype.
@@ -425,7 +450,10 @@ fn linear<'a>(
                 ternary_cuda::scale_rows(
                     y16.data()? as u64,
                     token_scales.data()? as u64,
-                    bias_ptr,
+                    match &bias {
+                        Some(b) => b.data()? as u64,
+                        None => 0,
+                    },
                     y.data()? as u64,
                     x_dtype,
                     call.m,
@@ -450,7 +478,7 @@ fn gemm(
     x: &Tensor<'_>,
     qweight: &Tensor<'_>,
     scales: &Tensor<'_>,
-    bias: u64,
+    bias: Option<&Tensor<'_>>,
     y: &Tensor<'_>,
 ) -> Result<(), String> {
     let dequant_min_m = DEQUANT_MIN_M.load(Ordering::Relaxed);
@@ -472,7 +500,10 @@ fn gemm(
         x: x.data()? as u64,
         qweight: qweight.data()? as u64,
         scales: scales.data()? as u64,
-        bias,
+        bias: match bias {
+            Some(b) => b.data()? as u64,
+            None => 0,
+        },
         y: y.data()? as u64,
         partials,
         partials_len,
@@ -500,19 +531,17 @@ fn dequantized_gemm(
     x: &Tensor<'_>,
     qweight: &Tensor<'_>,
     scales: &Tensor<'_>,
-    bias: u64,
+    bias: Option<&Tensor<'_>>,
     y: &Tensor<'_>,
 ) -> Result<(), String> {
-    let (Some(blob), Some(mm_out), Some(addmm_out)) = (&api.gemm, cuda.mm_out, cuda.addmm_out)
-    else {
+    let (Some(mm_out), Some(addmm_out)) = (cuda.mm_out, cuda.addmm_out) else {
         return Err(
             "ternary_linear: the dequantize path needs torch's cuBLAS GEMM through the stable ABI \
                     (aoti_torch_cuda_mm_out), which this torch lacks; set_dequant_min_m(0)"
                 .into(),
         );
     };
-    let code = code_of(api, dtype);
-    let w = Tensor::empty_on(api, &[c.n, c.k], code, c.device)?;
+    let w = Tensor::empty_on(api, &[c.n, c.k], code_of(api, dtype), c.device)?;
     // SAFETY: live tensors of this device in the GPU layout for (n, k, g) and [n, k] of `dtype`.
     unsafe {
         ternary_cuda::dequantize(
@@ -527,41 +556,19 @@ fn dequantized_gemm(
         )
     }
     .map_err(err)?;
-    // 2-D views (x and y may have more dimensions; all are contiguous).
-    let view = |data: u64, sizes: [i64; 2], strides: [i64; 2]| -> Result<Tensor<'_>, String> {
-        let mut h = std::ptr::null_mut();
-        // SAFETY: `data` addresses at least what these sizes/strides cover, alive past the GEMM.
-        check!(
-            unsafe {
-                (blob.from_blob)(
-                    data as *mut c_void,
-                    2,
-                    sizes.as_ptr(),
-                    strides.as_ptr(),
-                    0,
-                    code,
-                    c.device.kind,
-                    c.device.index,
-                    &mut h,
-                )
-            },
-            "create_tensor_from_blob"
-        );
-        Ok(Tensor { api, h })
-    };
-    let xv = view(x.data()? as u64, [c.m, c.k], [c.k, 1])?;
-    let wt = view(w.data()? as u64, [c.k, c.n], [1, c.k])?;
-    let out = view(y.data()? as u64, [c.m, c.n], [c.n, 1])?;
-    if bias != 0 {
-        let b = view(bias, [c.m, c.n], [0, 1])?; // broadcast over tokens
-                                                 // SAFETY: valid handles; out = 1·bias + 1·(x · wt).
-        check!(
+    // 2-D views of the contiguous x and y (which may have more dimensions) and Wᵀ.
+    let xv = x.view(&[c.m, c.k], &[c.k, 1])?;
+    let wt = w.view(&[c.k, c.n], &[1, c.k])?;
+    let out = y.view(&[c.m, c.n], &[c.n, 1])?;
+    match bias {
+        // The 1-D bias, as `F.linear` passes it (cuBLASLt's bias epilogue).
+        // SAFETY: valid handles; out = 1·bias + 1·(x · wt).
+        Some(b) => check!(
             unsafe { addmm_out(out.h, b.h, xv.h, wt.h, 1.0, 1.0) },
             "cuda_addmm_out"
-        );
-    } else {
+        ),
         // SAFETY: valid handles.
-        check!(unsafe { mm_out(out.h, xv.h, wt.h) }, "cuda_mm_out");
+        None => check!(unsafe { mm_out(out.h, xv.h, wt.h) }, "cuda_mm_out"),
     }
     Ok(())
 }

@@ -179,6 +179,7 @@ mod ffi {
         ) -> c_int;
         pub fn ternary_cuda_device_count(count: *mut i32) -> c_int;
         pub fn ternary_cuda_sm_count(device: i32, count: *mut i32) -> c_int;
+        pub fn ternary_cuda_stream_capturing(stream: *mut c_void, capturing: *mut i32) -> c_int;
         pub fn ternary_cuda_quantize_tokens(
             x: *const c_void,
             x_dtype: i32,
@@ -453,6 +454,24 @@ pub fn sm_count(device: i32) -> Result<i32, CudaError> {
     }
 }
 
+/// Whether `stream` (a `cudaStream_t`) is being captured into a CUDA graph.
+pub fn stream_capturing(stream: u64) -> Result<bool, CudaError> {
+    #[cfg(feature = "nvcc")]
+    {
+        let mut c = 0i32;
+        // SAFETY: `c` is a valid out pointer; cudaStreamIsCapturing only queries the stream.
+        check(unsafe {
+            ffi::ternary_cuda_stream_capturing(stream as *mut std::ffi::c_void, &mut c)
+        })?;
+        Ok(c != 0)
+    }
+    #[cfg(not(feature = "nvcc"))]
+    {
+        let _ = stream;
+        Err(CudaError::NotBuilt)
+    }
+}
+
 /// Largest M the decode GEMV handles (the kernel supports up to this).
 pub const GEMV_MAX_ROWS: i32 = 16;
 
@@ -533,6 +552,7 @@ mod tests {
         assert_eq!(device_count(), 0);
         assert_eq!(plan(1, 32, 64, 64, 1), Err(CudaError::NotBuilt));
         assert_eq!(sm_count(0), Err(CudaError::NotBuilt));
+        assert_eq!(stream_capturing(0), Err(CudaError::NotBuilt));
         // SAFETY: without kernels nothing is called.
         assert_eq!(
             unsafe { quantize_tokens(8, DType::Bf16, 1, 64, 8, 8, 0) },

@@ -26,18 +26,22 @@ pub(crate) fn abs_max(x: &[f32]) -> f32 {
 
 /// Scale for a quantization domain with maximum `amax`: `(multiplier, xs)` with `x ≈ xs · q`,
 /// `q = round(x · multiplier)`. A non-finite activation gives `xs = NaN`, so the whole output row is
-/// NaN as the exact path would make it.
+/// NaN as the exact path would make it. A group whose `127 / amax` is not finite — all zeros, or
+/// `amax` < 127 / f32::MAX ≈ 3.7e-37, where `x · inf` would be inf or NaN and the SIMD conversions
+/// would disagree with this one — quantizes to zeros (its contribution is below 3.7e-37 · Σ|W|).
 pub(crate) fn domain_scale(amax: f32, per_token: bool) -> (f32, f32) {
     if !amax.is_finite() {
         return (0.0, f32::NAN);
     }
     if per_token {
         let scale = INT8_MAX / amax.max(TOKEN_SCALE_FLOOR);
-        (scale, 1.0 / scale)
-    } else if amax == 0.0 {
-        (0.0, 0.0)
+        return (scale, 1.0 / scale);
+    }
+    let mul = INT8_MAX / amax;
+    if mul.is_finite() {
+        (mul, amax / INT8_MAX)
     } else {
-        (INT8_MAX / amax, amax / INT8_MAX)
+        (0.0, 0.0)
     }
 }
 

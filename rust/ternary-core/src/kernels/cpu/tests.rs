@@ -326,6 +326,15 @@ fn quantizers_match_the_reference_bit_for_bit() {
             x[3] = 0.5 * 127.0 / 64.0; // exact halves after scaling hit the ties-to-even rule
             x[kp - 1] = 0.0;
             x[g..2 * g].fill(0.0); // an all-zero group
+                                   // A group whose max|x| is so small that 127 / max|x| overflows f32 (x · inf would be inf for
+                                   // its nonzero values and NaN for its zeros): it quantizes as an all-zero group.
+            for (i, v) in x[2 * g..3 * g].iter_mut().enumerate() {
+                *v = if i % 3 == 0 {
+                    0.0
+                } else {
+                    1e-38 * (i % 5) as f32
+                };
+            }
             let gp = kp / g;
             let mut want = (vec![0i8; kp], vec![0f32; gp * 4], vec![0f32; gp * 4]);
             quantize_row(&x, &mut want.0, g, per_token, &mut want.1, &mut want.2);
