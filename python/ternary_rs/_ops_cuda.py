@@ -125,7 +125,6 @@ def register_native() -> str | None:
         _core.register_torch_cuda_kernel(str(lib / "libtorch_cpu.so"), str(cuda_lib))
     except RuntimeError as e:
         return str(e)
-    _core.cuda_set_dequant_min_m(_dequant_min_m)
     return None
 
 

@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-from . import _ops_cpu
+from . import _ops_cpu, _ops_cuda
 
 LIB = "ternary_rs"
 OP_NAME = f"{LIB}::ternary_linear"
@@ -41,20 +41,12 @@ log = logging.getLogger("ternary_rs.ops")
 def prepare_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int):
     """Permute canonical tensors once into the layout of the kernel for their device."""
     if qweight.device.type == "cuda":
-        from . import _ops_cuda
-
         return _ops_cuda.prepare_weight(qweight, scales, group_size)
     return _ops_cpu.prepare_weight(qweight, scales, group_size)
 
 
 def _fake(x, qweight, scales, out_features, in_features, group_size, bias=None, activations=0):
     return x.new_empty((*x.shape[:-1], out_features))
-
-
-def _cuda(x, qweight, scales, out_features, in_features, group_size, bias=None, activations=0):
-    from . import _ops_cuda
-
-    return _ops_cuda.ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias, activations)
 
 
 def _define() -> tuple[str | None, str | None]:
@@ -68,13 +60,11 @@ def _define() -> tuple[str | None, str | None]:
     if why_cpu is not None:
         log.warning("ternary_rs: native CPU op registration unavailable (%s); using the Python path", why_cpu)
         torch.library.impl(OP_NAME, "cpu", _ops_cpu.ternary_linear, lib=_LIBRARY)
-    from . import _ops_cuda
-
     why_cuda = _ops_cuda.register_native()
     if why_cuda is not None:
         if torch.cuda.is_available():  # on a CPU-only machine the Python path only reports errors
             log.warning("ternary_rs: native CUDA op registration unavailable (%s); using the Python path", why_cuda)
-        torch.library.impl(OP_NAME, "cuda", _cuda, lib=_LIBRARY)
+        torch.library.impl(OP_NAME, "cuda", _ops_cuda.ternary_linear, lib=_LIBRARY)
     return why_cpu, why_cuda
 
 
