@@ -124,6 +124,62 @@ def test_force_never_replaces_foreign_files(ggufs, tmp_path):
     assert run("convert", a, empty, "--force", "--no-progress", "--no-transformers").returncode == 0
 
 
+def test_force_refuses_an_output_with_an_edited_file(ggufs, tmp_path):
+    """``convert --force`` once discarded a user's edit inside an earlier output (a changed chat template):
+    a file whose SHA-256 no longer matches the manifest is user data, refused by name unless
+    ``--discard-edits`` says so too."""
+    _, a, b, _ = ggufs
+    out = tmp_path / "out"
+    assert run("convert", a, out, "--no-progress", "--no-transformers").returncode == 0
+    config = out / "tokenizer_config.json"
+    edited = json.loads(config.read_text())
+    edited["chat_template"] = "{{ my own template }}"
+    config.write_text(json.dumps(edited))
+    before = _tree(tmp_path)
+    r = run("convert", b, out, "--force", "--no-progress", "--no-transformers")
+    assert r.returncode == 1, r.stdout
+    assert "tokenizer_config.json changed since ternary_rs wrote it" in r.stderr and "--discard-edits" in r.stderr
+    assert _tree(tmp_path) == before
+    # the same size but other bytes is an edit too (not only a size change)
+    config.write_text(config.read_text().replace("my own", "my OWN"))
+    before = _tree(tmp_path)
+    assert run("convert", b, out, "--force", "--no-progress", "--no-transformers").returncode == 1
+    assert _tree(tmp_path) == before
+    r = run("convert", b, out, "--force", "--discard-edits", "--no-progress", "--no-transformers")
+    assert r.returncode == 0, r.stderr
+    assert "my OWN" not in config.read_text() and run("verify", out).returncode == 0
+    # an unedited output is still replaced by --force alone
+    assert run("convert", a, out, "--force", "--no-progress", "--no-transformers").returncode == 0
+
+
+def test_demo_keep_never_replaces_a_users_files(tmp_path):
+    """``demo --keep DIR`` once overwrote ``DIR/demo-qwen3-PQ2_0.gguf`` and replaced ``DIR/demo-qwen3-vllm``:
+    existing files need ``--force``, and even then only files an earlier demo wrote are replaced."""
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "demo-qwen3-PQ2_0.gguf").write_bytes(b"my own model")
+    before = _tree(tmp_path)
+    for extra in ([], ["--force"]):
+        r = run("demo", "--keep", keep, *extra)
+        assert r.returncode == 1 and "demo-qwen3-PQ2_0.gguf" in r.stderr, (extra, r.stdout, r.stderr)
+        assert _tree(tmp_path) == before
+    (keep / "demo-qwen3-PQ2_0.gguf").unlink()
+    (keep / "demo-qwen3-vllm").mkdir()
+    (keep / "demo-qwen3-vllm" / "notes.txt").write_text("mine")
+    before = _tree(tmp_path)
+    for extra in ([], ["--force"]):
+        r = run("demo", "--keep", keep, *extra)
+        assert r.returncode == 1 and "demo-qwen3-vllm" in r.stderr, (extra, r.stdout, r.stderr)
+        assert _tree(tmp_path) == before  # refused before anything was written: no GGUF either
+    # a fresh folder works; a second run needs --force and then replaces the earlier demo's own files
+    fresh = tmp_path / "fresh"
+    assert run("demo", "--keep", fresh).returncode == 0
+    r = run("demo", "--keep", fresh)
+    assert r.returncode == 1 and "--force" in r.stderr
+    r = run("demo", "--keep", fresh, "--force")
+    assert r.returncode == 0 and "verify: OK" in r.stdout, r.stdout + r.stderr
+
+
 def test_bulk_refuses_colliding_output_names(ggufs, tmp_path):
     _, a, b, _ = ggufs
     (tmp_path / "d1").mkdir()

@@ -181,32 +181,82 @@ def _refuse_foreign(dst: Path, when: str) -> None:
             f"refusing to replace it, even with --force: move it away or choose another destination")
 
 
+class EditedFiles:
+    """Which files of a ternary_rs output directory no longer match its manifest (size or SHA-256).
+
+    Such a file was changed after ternary_rs wrote it: a user's edit (a chat template in
+    ``tokenizer_config.json``), so it is user data. Digests are remembered by (size, mtime): the check
+    before a conversion and the one again just before the rename hash each unchanged file once.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[str, int, int], str] = {}
+
+    def __call__(self, out_dir: Path) -> list[str]:
+        try:
+            manifest = json.loads((out_dir / MANIFEST_NAME).read_text())
+        except (OSError, ValueError):
+            return []
+        edited = []
+        for rel, want in sorted((manifest.get("files") or {}).items()):
+            p = out_dir / rel
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue  # a deleted output file holds nothing to lose
+            if not isinstance(want, dict) or st.st_size != want.get("size"):
+                edited.append(rel)
+                continue
+            key = (str(p), st.st_size, st.st_mtime_ns)
+            if key not in self._known:
+                self._known[key] = sha256_file(p)
+            if self._known[key] != want.get("sha256"):
+                edited.append(rel)
+        return edited
+
+
+def _refuse_edited(dst: Path, edited: list[str], when: str) -> None:
+    if edited:
+        shown = ", ".join(edited[:5]) + (f" and {len(edited) - 5} more" if len(edited) > 5 else "")
+        raise FileExistsError(
+            f"{dst} {when}, and {shown} changed since ternary_rs wrote it (its SHA-256 no longer matches "
+            f"{MANIFEST_NAME}); refusing to replace it with --force, as that would lose the change: copy "
+            f"what you need first, or pass --discard-edits as well to replace it anyway")
+
+
 class Staging:
     """Write ``dst`` (a directory or a file) through a temporary sibling; :meth:`commit` renames it in.
 
     On an exception (including KeyboardInterrupt) the temporary is removed and ``dst`` is untouched.
     An existing ``dst`` is replaced only with ``force`` and only when it is a ternary_rs output
-    (:func:`is_ternary_rs_output`): a user's own files are never deleted, whatever the flags.
+    (:func:`is_ternary_rs_output`): a user's own files are never deleted, whatever the flags. An output
+    directory with a file edited since it was written (:class:`EditedFiles`) is replaced only when
+    ``discard_edits`` says so as well.
     """
 
     def __init__(self, dst: str | os.PathLike, *, force: bool = False, directory: bool = True,
-                 parents: bool = False):
+                 parents: bool = False, discard_edits: bool = False):
         self.dst = Path(dst).absolute()
         self.force = force
+        self.discard_edits = discard_edits
+        self._edited = EditedFiles()
         self.directory = directory
         self.parents = parents
         self.tmp = self.dst.parent / f".{self.dst.name}{TMP_MARK}{os.getpid()}-{os.urandom(4).hex()}"
         self.committed = False
 
-    def _check_replaceable(self, when: str) -> None:
+    def check_replaceable(self, when: str = "already exists") -> None:
+        """Raise ``FileExistsError`` unless ``dst`` is absent or may be replaced (see the class doc)."""
         if not (self.dst.exists() or self.dst.is_symlink()):
             return
         if not self.force:
             raise FileExistsError(f"{self.dst} {when}; pass --force to replace a ternary_rs output")
         _refuse_foreign(self.dst, when)
+        if self.dst.is_dir() and not self.discard_edits:
+            _refuse_edited(self.dst, self._edited(self.dst), when)
 
     def __enter__(self) -> Path:
-        self._check_replaceable("already exists")
+        self.check_replaceable("already exists")
         if not self.dst.parent.is_dir():
             if not self.parents:  # a mistyped folder is not created silently
                 raise ConversionError(f"{self.dst.parent}: no such file or directory (the folder of the destination "
@@ -221,7 +271,7 @@ class Staging:
         _sleep_hook()  # tests: a window with every output file closed, before the rename
         old = None
         # Checked again: the destination may have appeared (or changed) while we were writing.
-        self._check_replaceable("exists now (it appeared or changed during the conversion)")
+        self.check_replaceable("exists now (it appeared or changed during the conversion)")
         if self.dst.exists() and (self.directory or self.dst.is_dir()):
             old = self.dst.parent / f".{self.dst.name}{OLD_MARK}{os.getpid()}-{os.urandom(4).hex()}"
             os.replace(self.dst, old)

@@ -43,6 +43,7 @@ _PYTHON_TO_FLAGS = (
     (r"\bshard_size\b", "--shard-size"),
     (r"\buse_transformers=False\b", "--no-transformers"),
     (r"\bforce=True\b", "--force"),
+    (r"\bdiscard_edits=True\b", "--discard-edits"),
     (r"\bgpu_memory\b", "--gpu-memory"),
     (r"\bkv_dtype\b", "--kv-dtype"),
 )
@@ -253,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "2GiB = 2*2^30)")
     c.add_argument("--force", action="store_true", help="replace an existing destination that ternary_rs wrote "
                                                         "(never anything else)")
+    c.add_argument("--discard-edits", action="store_true",
+                   help="with --force: replace the output even where a file in it was changed since ternary_rs "
+                        "wrote it (its SHA-256 no longer matches ternary_rs.json); those changes are lost")
     c.add_argument("--parents", action="store_true", help="create missing parent folders of DST")
     c.add_argument("--no-progress", action="store_true", help="no progress bar (never shown when stderr is not a "
                                                               "terminal)")
@@ -322,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "completion."),
                        epilog=_examples("ternary-rs demo", "ternary-rs demo --keep /tmp/demo", "ternary-rs demo --serve"))
     d.add_argument("--keep", default=None, help="write the demo files here instead of a temporary folder")
+    d.add_argument("--force", action="store_true",
+                   help="with --keep: replace demo files an earlier demo wrote there (never a file of yours)")
     d.add_argument("--serve", action="store_true",
                    help="then serve the demo GGUF with `ternary-rs serve` (needs vLLM) and print a completion")
     return ap
@@ -348,7 +354,7 @@ def _convert(args, ap: argparse.ArgumentParser) -> int:
                       threads=args.threads, shard_size=args.shard_size, force=args.force,
                       progress=not args.no_progress, use_transformers=not args.no_transformers,
                       requantize=args.requantize, parents=args.parents,
-                      ternarize=args.ternarize)
+                      ternarize=args.ternarize, discard_edits=args.discard_edits)
     except BulkConversionError as e:
         for r in e.results:
             print(f"wrote {r}")
@@ -402,7 +408,7 @@ def _run(args, ap: argparse.ArgumentParser) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        return EXIT_OK if run_demo(args.keep, serve=args.serve) else EXIT_FAIL
+        return EXIT_OK if run_demo(args.keep, serve=args.serve, force=args.force) else EXIT_FAIL
     return EXIT_USAGE
 
 

@@ -121,6 +121,7 @@ class ConvertOptions:
     threads: int | None = None
     shard_size: int = 5 * 10**9
     force: bool = False
+    discard_edits: bool = False     # with force: replace an output even where a file was edited since written
     progress: bool = True
     source_paths: list[Path] = field(default_factory=list)
     use_transformers: bool = True   # transformers may rebuild GGUF tokenizers the built-in rebuild does not cover
@@ -705,7 +706,8 @@ def _convert_one_unchecked(src: Path, dst: Path, options: ConvertOptions) -> Pat
     hasher = SourceHasher(options.source_paths)
     try:
         if options.to == "gguf":
-            with (staging := Staging(dst, force=options.force, directory=False, parents=options.parents)) as tmp:
+            with (staging := Staging(dst, force=options.force, directory=False, parents=options.parents,
+                                    discard_edits=options.discard_edits)) as tmp:
                 if gguf_hook is not None:
                     gguf_hook(source.file, tmp, options)
                 else:
@@ -714,7 +716,8 @@ def _convert_one_unchecked(src: Path, dst: Path, options: ConvertOptions) -> Pat
                 source.file.check_unchanged()  # a source that changed while read: keep nothing
                 staging.commit()
             return dst
-        with (staging := Staging(dst, force=options.force, directory=True, parents=options.parents)) as tmp:
+        with (staging := Staging(dst, force=options.force, directory=True, parents=options.parents,
+                                discard_edits=options.discard_edits)) as tmp:
             hook = getattr(source.arch, "write_vllm_checkpoint", None)
             if hook is not None:
                 hook(source.file, tmp, options)
@@ -775,7 +778,7 @@ def output_kind(dst, to: str | None, bulk: bool = False) -> str:
 def convert(src, dst, to: str | None = None, gguf_type: str | None = None, group_size: int | None = None,
             threads: int | None = None, shard_size: int | str = "5GB", force: bool = False,
             progress: bool = True, *, use_transformers: bool = True, requantize: bool = False,
-            parents: bool = False, ternarize: bool = False):
+            parents: bool = False, ternarize: bool = False, discard_edits: bool = False):
     """Convert a ternary checkpoint into a vLLM directory (``to="vllm"``) or a ternary GGUF (``to="gguf"``;
     the default when ``dst`` ends in ``.gguf``, see :func:`output_kind`).
 
@@ -787,6 +790,8 @@ def convert(src, dst, to: str | None = None, gguf_type: str | None = None, group
     ``ternarize`` (opt-in, lossy by nature): dense float linear weights that are not already ternary are
     ternarized by the architecture's own training convention (BitNet: per tensor by absmean, exactly as
     transformers' ``WeightQuant``); architectures without one refuse it.
+    ``force`` replaces an existing output that ternary_rs wrote; if a file in it was changed since (its
+    SHA-256 no longer matches the manifest) it is refused unless ``discard_edits`` is set too.
     Returns the output path (bulk: the list of outputs).
     """
     sources, bulk = _expand_sources(src)
@@ -805,7 +810,7 @@ def convert(src, dst, to: str | None = None, gguf_type: str | None = None, group
     options = ConvertOptions(to=to, gguf_type=gguf_type.upper() if gguf_type else None, group_size=group_size,
                              threads=threads, shard_size=parse_size(shard_size), force=force,
                              progress=progress, use_transformers=use_transformers, requantize=requantize,
-                             parents=parents, ternarize=ternarize)
+                             parents=parents, ternarize=ternarize, discard_edits=discard_edits)
     if requantize:
         log.warning("--requantize: weights that cannot be regrouped losslessly are re-ternarized (they change)")
     if not bulk:

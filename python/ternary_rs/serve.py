@@ -333,7 +333,8 @@ def prepare_checkpoint(opts: ServeOptions, scratch: list[Path]) -> Path:
               file=sys.stderr, flush=True)
         root.mkdir(parents=True, exist_ok=True)
         # An entry failing the check (files removed, say) is ours to replace: convert refuses anything else.
-        convert(src, entry, to="vllm", progress=opts.progress, force=entry.exists())
+        # The cache is ternary_rs's own (docs/cli.md), so a changed file in a broken entry is replaced too.
+        convert(src, entry, to="vllm", progress=opts.progress, force=entry.exists(), discard_edits=True)
         return entry
 
 
