@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -112,7 +113,8 @@ def test_model_without_ternary_weights_is_refused(tmp_path):
 
 def test_model_that_does_not_fit_is_refused_with_the_plan(demo):
     _, src, cache = demo
-    r = run(src, "--cache-dir", cache, "--max-model-len", str(10**9))
+    # (past the model's own context, which alone is refused: test_refuses_what_vllm_would_refuse)
+    r = run(src, "--cache-dir", cache, "--max-model-len", str(10**9), env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})
     assert r.returncode == 1
     assert "does not fit" in r.stderr and "--max-model-len" in r.stderr and "ternary-rs plan" in r.stderr
     assert not cache.exists()
@@ -141,11 +143,143 @@ def test_cache_is_reused_and_checked_against_the_manifest(demo):
     assert _entries(cache) == [entry]
     assert subprocess.run([sys.executable, "-m", "ternary_rs", "verify", str(entry)]).returncode == 0
 
-    # A changed source is a different cache key: converted again, the old entry left alone.
+    # A changed source is a different cache key: converted again, and the old entry (which can never be
+    # reused) is removed with its lock files, so the cache does not grow with every edit of the source.
     write_demo_gguf(src, seed=7)
     changed = run(src, "--cache-dir", cache, "--dry-run")
     assert changed.returncode == 0 and CONVERTING in changed.stderr
-    assert len(_entries(cache)) == 2
+    assert f"removed the cache entry {entry.name}" in changed.stderr
+    (new_entry,) = _entries(cache)
+    assert new_entry != entry and not any(p.name.startswith(entry.name) for p in cache.iterdir())
+
+
+def test_clear_cache_keeps_entries_in_use(demo, tmp_path):
+    import fcntl
+
+    _, src, cache = demo
+    other = tmp_path / "other.gguf"
+    write_demo_gguf(other, seed=3)
+    for model in (src, other):
+        assert run(model, "--cache-dir", cache, "--dry-run").returncode == 0
+    busy, idle = sorted(_entries(cache), key=lambda p: not p.name.startswith("demo"))
+    with open(busy.with_name(busy.name + ".inuse"), "a+") as held:  # as a running serve holds it
+        fcntl.flock(held, fcntl.LOCK_SH)
+        r = subprocess.run([sys.executable, "-m", "ternary_rs", "serve", "--clear-cache", "--cache-dir", str(cache)],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "removed 1 cache entry" in r.stderr and f"1 in use kept: {busy.name}" in r.stderr
+    assert _entries(cache) == [busy] and not idle.exists()
+
+
+def test_refuses_what_vllm_would_refuse(demo, tmp_path):
+    """Known failures are refused before converting, not after a minute of vLLM start-up."""
+    _, src, cache = demo
+    for args, words in ((["--max-model-len", "99999"], "exceeds the model's context of 2048"),
+                        (["--tensor-parallel-size", "3"], "sizes that work: 1, 2, 4"),
+                        (["--quantization", "fp8"], "--quantization fp8"),
+                        (["--no-cache", "--dry-run"], "--no-cache removes the converted model")):
+        r = run(src, "--cache-dir" if "--no-cache" not in args else "--no-progress",
+                *([cache] if "--no-cache" not in args else []), "--dry-run", *args)
+        assert r.returncode == 1 and words in r.stderr, (args, r.stderr)
+    assert not cache.exists()
+    # a GGUF without a tokenizer: vLLM could not start on it
+    bare = tmp_path / "bare.gguf"
+    _copy_without_tokenizer(src, bare)
+    r = run(bare, "--cache-dir", cache, "--dry-run")
+    assert r.returncode == 1 and "has no tokenizer" in r.stderr and "--skip-tokenizer-init" in r.stderr
+    assert not cache.exists()
+    r = run(bare, "--cache-dir", cache, "--dry-run", "--skip-tokenizer-init")
+    assert r.returncode == 0, r.stderr
+
+
+def _copy_without_tokenizer(src: Path, dst: Path) -> None:
+    from ternary_rs.io import GGUFWriter
+    from ternary_rs.io import open as open_checkpoint
+
+    with open_checkpoint(src) as f:
+        w = GGUFWriter(dst)
+        for key, value in f.metadata.items():
+            if not key.startswith("tokenizer.") and key not in ("general.alignment",):
+                w.add_metadata(key, value)
+        infos = list(f.tensors.values())
+        for info in infos:
+            w.add_tensor_info(info.name, info.shape, info.type_id, info.nbytes)
+        for info in infos:
+            w.write_tensor_data(info.name, np.asarray(f.raw(info.name)))
+        w.close()
+
+
+def test_folder_holding_one_gguf_is_served_and_converted(demo, tmp_path):
+    """How a downloaded GGUF repository looks: a folder with one GGUF (and a README)."""
+    _, src, cache = demo
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "model.gguf").write_bytes(src.read_bytes())
+    (repo / "README.md").write_text("a model card")
+    r = run(repo, "--cache-dir", cache, "--dry-run")
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "out"
+    c = subprocess.run([sys.executable, "-m", "ternary_rs", "convert", str(repo), str(out), "--no-progress"],
+                       capture_output=True, text=True, timeout=300)
+    assert c.returncode == 0, c.stderr
+    assert subprocess.run([sys.executable, "-m", "ternary_rs", "verify", str(out)]).returncode == 0
+
+
+def test_cpu_settings_are_chosen_and_the_users_win(demo):
+    """On vLLM CPU: no core reserved on a small machine, the KV space sized from the plan (vLLM dies
+    without one), all printed; a user's own variable is kept and reported as theirs."""
+    _, src, cache = demo
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}
+    r = subprocess.run(CLI + [str(src), "--cache-dir", str(cache), "--dry-run", "--max-model-len", "512"],
+                       capture_output=True, text=True, timeout=300, env=clean)
+    assert r.returncode == 0, r.stderr
+    assert "vLLM CPU settings:" in r.stderr and "VLLM_CPU_KVCACHE_SPACE=" in r.stderr
+    assert re.search(r"VLLM_CPU_KVCACHE_SPACE=\d+ ", r.stdout)  # the printed command carries them
+    if (os.cpu_count() or 1) <= 4:
+        assert "VLLM_CPU_NUM_OF_RESERVED_CPU=0 " in r.stdout
+    mine = {**clean, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    r = subprocess.run(CLI + [str(src), "--cache-dir", str(cache), "--dry-run"], capture_output=True, text=True,
+                       timeout=300, env=mine)
+    assert r.returncode == 0, r.stderr
+    assert "VLLM_CPU_KVCACHE_SPACE=2 (yours)" in r.stderr and "VLLM_CPU_NUM_OF_RESERVED_CPU=1 (yours)" in r.stderr
+    assert "VLLM_CPU_KVCACHE_SPACE=" not in r.stdout  # nothing of ours overrides them
+    r = subprocess.run(CLI + [str(src), "--cache-dir", str(cache), "--dry-run", "--kv-cache-memory-bytes", "1G"],
+                       capture_output=True, text=True, timeout=300, env=clean)
+    assert r.returncode == 0 and "VLLM_CPU_KVCACHE_SPACE" not in r.stdout + r.stderr
+
+
+def test_kv_space_rule():
+    from ternary_rs import cpu_serving as cs
+
+    gib = cs.GIB
+    demo = TESTS / "_kv_rule_demo.gguf"
+    write_demo_gguf(demo)
+    try:
+        space, why = cs.kv_cache_space(demo, max_model_len=512, max_num_seqs=None, available=20 * gib)
+        assert space == cs.MIN_TARGET_BYTES and "20.0 GiB available" in why
+        # little memory: what is left, in whole GiB, at least one sequence
+        space, _ = cs.kv_cache_space(demo, max_model_len=512, max_num_seqs=None, available=int(4.5 * gib))
+        assert space == 2 * gib
+        with pytest.raises(cs.DoesNotFit, match="one 512-token sequence"):
+            cs.kv_cache_space(demo, max_model_len=512, max_num_seqs=None, available=3 * gib)
+        assert cs.reserved_cpus_choice({}, 2).value == "0" and cs.reserved_cpus_choice({}, 16) is None
+        assert cs.reserved_cpus_choice({cs.RESERVED_ENV: "3"}, 2).by_user
+        s = cs.choose(demo, env={}, kv_bytes_given=True, cores=2, available=20 * gib)
+        assert s.kv_bytes is None and cs.KV_ENV not in s.env
+    finally:
+        demo.unlink()
+
+
+def test_failure_cause_is_vllm_s_own_error():
+    from ternary_rs.serve import failure_cause
+
+    lines = ["(EngineCore pid=1) ERROR 12-02 07:55:25 [core.py:1510] Traceback (most recent call last):",
+             "(EngineCore pid=1) ERROR 12-02 07:55:25 [core.py:1510] ValueError: Available memory on node 0 (3.1/13.2 "
+             "GiB) on kv cache allocation is less than requested",
+             "Traceback (most recent call last):",
+             "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"]
+    assert failure_cause(lines).startswith("ValueError: Available memory on node 0")
+    assert failure_cause(["all fine"]) is None
 
 
 def test_xdg_cache_home_and_no_cache(demo):
@@ -154,12 +288,11 @@ def test_xdg_cache_home_and_no_cache(demo):
     r = run(src, "--dry-run", env={"XDG_CACHE_HOME": str(xdg)})
     assert r.returncode == 0, r.stderr
     assert len(_entries(xdg / "ternary_rs")) == 1
+    # --no-cache with --dry-run would print a model folder removed when the command ends: refused
+    # (the --no-cache conversion itself runs in `demo --serve`, test_demo_serve_prints_a_served_completion)
     r = run(src, "--dry-run", "--no-cache", env={"XDG_CACHE_HOME": str(root / "xdg2")})
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1 and "--no-cache removes the converted model" in r.stderr
     assert not (root / "xdg2").exists()
-    # the temporary conversion is removed when the command ends
-    tmp_model = Path(r.stdout.split("--model ")[1].split()[0])
-    assert not tmp_model.exists()
 
 
 def test_concurrent_serves_convert_once(demo):
@@ -209,7 +342,7 @@ def _cpu_env() -> dict:
 class Server:
     """``ternary-rs serve`` running in the background, its output in a log file."""
 
-    def __init__(self, src: Path, cache: Path, log: Path):
+    def __init__(self, src: Path, cache: Path, log: Path, env: dict | None = None):
         import psutil
 
         self.port = _free_port()
@@ -218,7 +351,7 @@ class Server:
         self.proc = subprocess.Popen(
             CLI + [str(src), "--cache-dir", str(cache), "--no-progress", "--host", "127.0.0.1", "--port",
                    str(self.port), "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "4"],
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **_cpu_env()})
+            stdout=self.log, stderr=subprocess.STDOUT, env=env if env is not None else {**os.environ, **_cpu_env()})
         self.children: list = []
         deadline = time.time() + SERVER_START_TIMEOUT_S
         while "ternary-rs: serving" not in self.text():
@@ -256,9 +389,12 @@ def test_serve_demo_gguf_end_to_end(tmp_path):
 
     src, cache = tmp_path / "demo.gguf", tmp_path / "cache"
     write_demo_gguf(src)
-    server = Server(src, cache, tmp_path / "serve1.log")
+    # As a new user starts it: no VLLM_CPU_* variable (vLLM CPU alone would die for want of a KV space).
+    new_user = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}
+    server = Server(src, cache, tmp_path / "serve1.log", env=new_user)
     try:
         text = server.text()
+        assert "vLLM CPU settings:" in text and "VLLM_CPU_KVCACHE_SPACE=" in text
         assert CONVERTING in text
         assert f"serving 'demo' at http://127.0.0.1:{server.port}/v1" in text
         r = _post(server.base + "/v1/completions", {"model": "demo", "prompt": "the", "max_tokens": 8,
@@ -271,7 +407,7 @@ def test_serve_demo_gguf_end_to_end(tmp_path):
         assert chat["choices"][0]["message"]["role"] == "assistant" and chat["usage"]["completion_tokens"] == 6
     finally:
         code = server.stop()
-    assert code == 0, server.text()[-3000:]
+    assert code == 130, server.text()[-3000:]  # docs/cli.md: interrupted
     assert "vLLM stopped" in server.log_path.read_text()
     assert server.children and not [c for c in server.children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
 
@@ -284,9 +420,76 @@ def test_serve_demo_gguf_end_to_end(tmp_path):
                                                    "temperature": 0, "ignore_eos": True})
         assert r["usage"]["completion_tokens"] == 4
     finally:
-        assert server.stop(signal.SIGTERM) == 0  # what a process manager sends
+        assert server.stop(signal.SIGTERM) == 130  # what a process manager sends
     assert "vLLM stopped" in server.log_path.read_text()
     assert len(_entries(cache)) == 1
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_failure_prints_its_cause_and_a_signal_stops_start_up(tmp_path):
+    """vLLM's 170-line traceback used to end in "exited with code 1": its own one-line cause is printed.
+    SIGTERM to the serve process alone (a service manager) during start-up stops vLLM and its engine
+    promptly, with the documented status 130."""
+    pytest.importorskip("vllm")
+    import psutil
+
+    src, cache = tmp_path / "demo.gguf", tmp_path / "cache"
+    write_demo_gguf(src)
+    env = {**os.environ, **_cpu_env(), "VLLM_CPU_KVCACHE_SPACE": "100000"}  # the user's own, far too large
+    r = subprocess.run(CLI + [str(src), "--cache-dir", str(cache), "--no-progress", "--port", str(_free_port()),
+                              "--max-model-len", "256", "--enforce-eager"],
+                       capture_output=True, text=True, timeout=SERVER_START_TIMEOUT_S, env=env)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert "ternary-rs: vLLM exited with code" in last and "ValueError: " in last and "memory" in last, last
+
+    log = tmp_path / "startup.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(CLI + [str(src), "--cache-dir", str(cache), "--no-progress", "--port",
+                                       str(_free_port()), "--max-model-len", "256", "--enforce-eager"],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **_cpu_env()})
+        deadline = time.time() + 300
+        while "starting vLLM" not in log.read_text() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        time.sleep(5)  # vLLM is importing / loading
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, log.read_text()[-3000:]
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        took = time.time() - t0
+    assert code == 130, log.read_text()[-3000:]
+    assert took < 30, took
+    time.sleep(1)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_plugin_chooses_cpu_settings_for_llm_users(tmp_path):
+    """``vllm.LLM(checkpoint)`` with vLLM's defaults (no VLLM_CPU_* variable) starts and generates: the
+    plugin sized the KV space (vLLM CPU alone refuses to start on a loaded machine)."""
+    pytest.importorskip("vllm")
+    src, ckpt = tmp_path / "demo.gguf", tmp_path / "ckpt"
+    write_demo_gguf(src)
+    assert subprocess.run([sys.executable, "-m", "ternary_rs", "convert", str(src), str(ckpt),
+                           "--no-progress"]).returncode == 0
+    script = tmp_path / "llm.py"
+    script.write_text(
+        "import os, sys\n"
+        "if __name__ == '__main__':\n"
+        "    from vllm import LLM, SamplingParams\n"
+        "    llm = LLM(sys.argv[1], max_model_len=256, enforce_eager=True)\n"
+        "    out = llm.generate(['the'], SamplingParams(max_tokens=4, ignore_eos=True))\n"
+        "    print('GENERATED', len(out[0].outputs[0].token_ids), os.environ.get('VLLM_CPU_NUM_OF_RESERVED_CPU'))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}
+    r = subprocess.run([sys.executable, str(script), str(ckpt)], capture_output=True, text=True,
+                       timeout=SERVER_START_TIMEOUT_S, env=env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert "ternary_rs: vLLM CPU settings:" in r.stdout + r.stderr
+    expected_reserved = "0" if (os.cpu_count() or 1) <= 4 else "None"
+    assert f"GENERATED 4 {expected_reserved}" in r.stdout
 
 
 @pytest.mark.vllm

@@ -313,11 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "vllm.entrypoints.openai.api_server --help)."),
         epilog=_examples("ternary-rs serve Bonsai-8B.gguf --port 8000 --max-model-len 8192",
                          "ternary-rs serve out_dir --dry-run"))
-    s.add_argument("model", help="GGUF file, Hugging Face / MLX directory or ternary_rs checkpoint")
+    s.add_argument("model", nargs="?", default="",
+                   help="GGUF file (or a folder holding one), Hugging Face / MLX directory or ternary_rs checkpoint")
     s.add_argument("--cache-dir", help="cache folder (default: $XDG_CACHE_HOME/ternary_rs)")
     s.add_argument("--no-cache", action="store_true", help="convert into a temporary folder removed on exit")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.add_argument("--dry-run", action="store_true", help="convert (or reuse) and print the vLLM command only")
+    s.add_argument("--clear-cache", action="store_true",
+                   help="remove every cache entry no serve is using (then serve MODEL, if given)")
     s.add_argument("vllm_args", nargs=argparse.REMAINDER, help="options passed to vLLM's server")
 
     d = sub.add_parser("demo", formatter_class=_Help, help="run the whole pipeline on a small built-in example",
@@ -403,7 +406,9 @@ def _run(args, ap: argparse.ArgumentParser) -> int:
 
         own = (["--cache-dir", args.cache_dir] if args.cache_dir else []) + [
             flag for flag, on in (("--no-cache", args.no_cache), ("--no-progress", args.no_progress),
-                                  ("--dry-run", args.dry_run)) if on]
+                                  ("--dry-run", args.dry_run), ("--clear-cache", args.clear_cache)) if on]
+        if not args.model and not args.clear_cache:
+            ap.error("serve: a MODEL is required (a GGUF file, a model folder or a ternary_rs checkpoint)")
         return serve(split_args(args.model, own + list(args.vllm_args)))
     if args.command == "demo":
         from .demo import run_demo

@@ -725,7 +725,7 @@ def _convert_one_unchecked(src: Path, dst: Path, options: ConvertOptions) -> Pat
             else:
                 details = write_vllm_dir(source, tmp, options)
             if source.is_gguf:  # lets a later conversion back to GGUF restore every key (tokenizer scores …)
-                keep_source_metadata(src, tmp)
+                keep_source_metadata(options.source_paths[0], tmp)  # the GGUF itself, also when src is its folder
             t0 = time.perf_counter()
             sources = hasher.result()
             t1 = time.perf_counter()

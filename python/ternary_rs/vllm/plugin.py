@@ -35,4 +35,58 @@ def register() -> None:
         register_quantization_config(QUANT_METHOD)(TernaryConfig)
     for arch, target in MODEL_CLASSES.items():
         ModelRegistry.register_model(arch, target)
+    _install_cpu_defaults()
     _registered = True
+
+
+def _install_cpu_defaults() -> None:
+    """On vLLM CPU, wrap the platform's ``check_and_update_config`` (the one place that sees the whole
+    config before vLLM reads ``VLLM_CPU_KVCACHE_SPACE`` and before the workers are bound) so that a ternary
+    model gets the fast settings of :mod:`ternary_rs.cpu_serving` that the user did not set."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    cls = type(current_platform)
+    if getattr(cls.check_and_update_config, "_ternary_rs_defaults", False):
+        return
+    original = cls.check_and_update_config.__func__
+
+    def check_and_update_config(klass, vllm_config):
+        apply_cpu_defaults(vllm_config)
+        return original(klass, vllm_config)
+
+    check_and_update_config._ternary_rs_defaults = True  # type: ignore[attr-defined]
+    cls.check_and_update_config = classmethod(check_and_update_config)
+
+
+def apply_cpu_defaults(vllm_config) -> None:
+    """Reserved cores (environment, read later by vLLM's worker binding) and the KV cache space
+    (``cache_config.kv_cache_memory_bytes``) for a ternary model, unless the user set them."""
+    import logging
+    import os
+
+    from ternary_rs import cpu_serving
+
+    log = logging.getLogger("ternary_rs.vllm")
+    quant = getattr(vllm_config, "quant_config", None)
+    model_config = getattr(vllm_config, "model_config", None)
+    if quant is None or model_config is None or quant.get_name() != "ternary":
+        return
+    cache = vllm_config.cache_config
+    kv = str(getattr(cache, "cache_dtype", "auto") or "auto")
+    try:
+        settings = cpu_serving.choose(
+            model_config.model, max_model_len=model_config.max_model_len,
+            max_num_seqs=getattr(vllm_config.scheduler_config, "max_num_seqs", None),
+            kv_dtype="fp8" if kv.startswith("fp8") else "fp16",
+            kv_bytes_given=cache.kv_cache_memory_bytes is not None)
+    except (cpu_serving.DoesNotFit, ValueError, OSError) as e:
+        log.warning("ternary_rs: vLLM CPU settings left as vLLM's: %s", e)
+        return
+    for name, value in settings.env.items():
+        if name != cpu_serving.KV_ENV:
+            os.environ.setdefault(name, value)
+    if settings.kv_bytes is not None:
+        cache.kv_cache_memory_bytes = settings.kv_bytes
+    log.warning("ternary_rs: vLLM CPU settings: %s", settings.summary())
