@@ -24,6 +24,7 @@ pub(crate) static KERNELS: Kernels = Kernels {
     micro,
     quantize: quant::quantize_row_fn,
     amx_int8: false,
+    int8_wide: false,
 };
 
 pub(crate) fn is_supported() -> bool {

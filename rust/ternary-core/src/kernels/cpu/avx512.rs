@@ -28,6 +28,7 @@ pub(crate) const KERNELS: Kernels = Kernels {
     micro,
     quantize,
     amx_int8: false,
+    int8_wide: true,
 };
 
 /// The same kernels plus the `vdpbf16ps` GEMV for bf16 activations (CPUs with AVX512_BF16).

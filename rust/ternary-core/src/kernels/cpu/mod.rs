@@ -43,6 +43,8 @@ mod amx;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod wide;
 
 use std::cell::RefCell;
 
@@ -77,6 +79,24 @@ pub(crate) const ACC_WINDOW: usize = (MICRO_M - 1) * ACC_STRIDE + ROWS * LANES;
 /// per call (AMX with 8-token tiles vs VNNI): M = 2 571 vs 333, 3 612 vs 524, 4 741 vs 770, 5 741 vs
 /// 1014, 8 734 vs 1478.
 pub const AMX_MIN_M: usize = 5;
+/// From this many tokens the AVX-512 int8 modes (and the [`Variant::Amx`] ones below [`AMX_MIN_M`])
+/// run the rows-in-lanes kernel ([`wide`]: the weight decoded once per call, one epilogue per 16 rows,
+/// group and token) instead of the per-row GEMV.
+pub const WIDE_MIN_M: usize = 4;
+
+#[cfg(test)]
+thread_local! {
+    /// Tests lower [`WIDE_MIN_M`] on their thread to run the wide kernel at every M.
+    static WIDE_MIN_M_OVERRIDE: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+fn wide_min_m() -> usize {
+    #[cfg(test)]
+    if let Some(v) = WIDE_MIN_M_OVERRIDE.with(|c| c.get()) {
+        return v;
+    }
+    WIDE_MIN_M
+}
 /// From this many output bytes the AMX paths write y with non-temporal stores. Their outputs go out
 /// as 64-byte pieces of many token rows, and ordinary stores first read each line from DRAM, holding
 /// line-fill buffers the tile loads need: 512 × 2048 → 6144 (6 MiB of y), one thread, 22.2 → 13.8 ms
@@ -341,6 +361,8 @@ pub(crate) struct Kernels {
     pub quantize: quant::QuantizeFn,
     /// Whether the int8 modes take AMX tiles from [`AMX_MIN_M`] tokens.
     pub amx_int8: bool,
+    /// Whether the int8 modes take the rows-in-lanes AVX-512 VNNI kernel from [`WIDE_MIN_M`] tokens.
+    pub int8_wide: bool,
 }
 
 /// Raw output pointer shared by tasks that write disjoint elements.
@@ -360,6 +382,8 @@ struct Scratch {
     xb: Vec<u16>,
     #[cfg(target_arch = "x86_64")]
     tiles: amx::TokenTiles,
+    #[cfg(target_arch = "x86_64")]
+    wide: wide::Tokens,
 }
 
 thread_local! {
@@ -454,6 +478,12 @@ pub fn gemm<T: Activation>(
             if kernels.amx_int8 && m >= AMX_MIN_M {
                 s.tiles.fill(q, xs4, m, kp, gp);
                 job.int8_amx(&s.tiles, par);
+                return;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if kernels.int8_wide && m >= wide_min_m() {
+                s.wide.fill(xs4, qsum4, m, gp);
+                job.int8_wide(q, &s.wide, par);
                 return;
             }
             job.int8(q, xs4, qsum4, par);
@@ -706,6 +736,26 @@ impl<T: Activation> Job<'_, T> {
                 },
             );
         }
+    }
+
+    /// Int8 modes, AVX-512 VNNI from [`WIDE_MIN_M`] tokens: 16-row groups of the weight, each decoded
+    /// once per call, against every token ([`wide`]).
+    #[cfg(target_arch = "x86_64")]
+    fn int8_wide(&self, q: &[i8], tokens: &wide::Tokens, par: &dyn ParallelFor) {
+        let kp = layout::padded_cols(self.w.cols);
+        let groups = self.w.rows.div_ceil(wide::GROUP_ROWS);
+        self.split(groups, wide::GROUP_ROWS * kp, par, &|range| {
+            let mut worker = wide::Worker::new();
+            for grp in range {
+                let out = worker.group(&self.w, grp, q, tokens, self.m);
+                let n0 = grp * wide::GROUP_ROWS;
+                let rows = wide::GROUP_ROWS.min(self.w.rows - n0);
+                for (t, vals) in out.iter().enumerate() {
+                    let mut v = *vals;
+                    self.store_row(t, n0, &mut v[..rows]);
+                }
+            }
+        });
     }
 
     /// Exact GEMV: each row block streamed once per token (the block stays in L1 for the next token).

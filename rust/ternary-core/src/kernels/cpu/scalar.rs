@@ -19,6 +19,7 @@ pub(crate) static KERNELS: Kernels = Kernels {
     micro,
     quantize: quant::quantize_row_fn,
     amx_int8: false,
+    int8_wide: false,
 };
 
 /// Columns of a row block (`Kp`): the block is `Kp` bytes.

@@ -683,3 +683,124 @@ fn amx_streamed_outputs_match_scalar() {
         }
     }
 }
+
+/// The wide kernel's numerics written out in scalar code: per (token, row), `v = fma(f32(Σ_{k∈g} t·q),
+/// f32(s) · xs, v)` group after group from 0, plus bias (the AMX epilogue's order too).
+fn wide_model(c: &Case, m: usize, precision: Precision, bias: bool) -> Vec<f32> {
+    let (k, g) = (c.k, c.g);
+    let kp = layout::padded_cols(k);
+    let gp = layout::padded_groups(k, g);
+    let w = c.canonical();
+    let mut y = vec![0f32; m * c.n];
+    for mi in 0..m {
+        let mut xf = vec![0f32; kp];
+        xf[..k].copy_from_slice(&c.x[mi * k..(mi + 1) * k]);
+        let (mut q, mut xs4, mut qsum4) = (vec![0i8; kp], vec![0f32; gp * 4], vec![0f32; gp * 4]);
+        quantize_row(
+            &xf,
+            &mut q,
+            g,
+            precision == Precision::Int8Token,
+            &mut xs4,
+            &mut qsum4,
+        );
+        for nn in 0..c.n {
+            let mut v = 0f32;
+            for gi in 0..k / g {
+                let sum: i32 = (gi * g..(gi + 1) * g)
+                    .map(|kk| w.trit(nn, kk) as i32 * q[kk] as i32)
+                    .sum();
+                let cs = w.scale(nn, gi * g).to_f32() * xs4[gi * 4];
+                v = (sum as f32).mul_add(cs, v);
+            }
+            y[mi * c.n + nn] = v + if bias { c.bias[nn] } else { 0.0 };
+        }
+    }
+    y
+}
+
+/// The rows-in-lanes AVX-512 kernel (forced at every M = 1..20) equals its scalar model bit for bit:
+/// partial 16-row groups, odd N, partial 512-column chunks, every group size, both int8 modes, token
+/// counts that split into several passes of up to 8, with and without bias, single- and multi-threaded.
+#[test]
+fn wide_int8_matches_its_scalar_model_bit_for_bit() {
+    if !Variant::Avx512.is_supported() {
+        eprintln!("no AVX-512 VNNI here: nothing to test");
+        return;
+    }
+    WIDE_MIN_M_OVERRIDE.with(|o| o.set(Some(1)));
+    let shapes: &[(usize, usize, usize)] = &[
+        (1, 96, 32),
+        (5, 1280, 64),
+        (17, 640, 128),
+        (33, 2304, 256),
+        (37, 544, 32),
+        (16, 1024, 128),
+        (3, 768, 256),
+        (21, 192, 64),
+    ];
+    for (si, &(n, k, g)) in shapes.iter().enumerate() {
+        for m in 1..=20 {
+            if (m + si) % 3 != 0 && m > 9 && m != 16 && m != 20 {
+                continue; // every shape at M = 1..9, 16, 20; a third of the rest
+            }
+            let c = case(m, n, k, g, 100 + (si * 20 + m) as u64);
+            let planes = c.prepared();
+            for precision in [Precision::Int8Group, Precision::Int8Token] {
+                for bias in [false, true] {
+                    let want = wide_model(&c, m, precision, bias);
+                    let b = bias.then_some(&c.bias[..]);
+                    let got = c.run(&c.x, b, Variant::Avx512, precision, &planes);
+                    for (i, (a, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            w.to_bits(),
+                            "{precision:?} m{m} n{n} k{k} g{g} bias {bias} [{i}]: {a} vs {w}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // Parallel split over 16-row groups (N·K above PARALLEL_MIN_WEIGHTS), bf16 in and out.
+    let (m, n, k, g) = (7, 1100, 1024, 128);
+    let c = case(m, n, k, g, 5);
+    let planes = c.prepared();
+    let xb: Vec<bf16> = c.x.iter().map(|&v| bf16::from_f32(v)).collect();
+    let xq: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+    let bq: Vec<f32> = c.bias.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+    let cq = Case {
+        x: xq,
+        bias: bq,
+        ..c
+    };
+    let want_b: Vec<bf16> = wide_model(&cq, m, Precision::Int8Group, true)
+        .iter()
+        .map(|&v| bf16::from_f32(v))
+        .collect();
+    let bias_b: Vec<bf16> = cq.bias.iter().map(|&v| bf16::from_f32(v)).collect();
+    let got = cq.run(
+        &xb,
+        Some(&bias_b[..]),
+        Variant::Avx512,
+        Precision::Int8Group,
+        &planes,
+    );
+    assert_eq!(want_b.len(), got.len());
+    for (i, (a, w)) in got.iter().zip(&want_b).enumerate() {
+        assert_eq!(a.to_bits(), w.to_bits(), "parallel bf16 [{i}]: {a} vs {w}");
+    }
+    WIDE_MIN_M_OVERRIDE.with(|o| o.set(None));
+}
+
+/// Every variant and both int8 modes at M = 1..20 against float64 (the quantization bound) and the
+/// scalar reference, on shapes with partial groups of every kind (odd N, partial chunks).
+#[test]
+fn int8_every_m_to_20() {
+    for precision in [Precision::Int8Group, Precision::Int8Token] {
+        for m in 1..=20 {
+            let (n, k, g) = [(19, 1280, 64), (37, 768, 256), (5, 544, 32), (33, 640, 128)][m % 4];
+            check_int8(m, n, k, g, 40 + m as u64, precision);
+        }
+    }
+}
