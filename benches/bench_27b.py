@@ -125,8 +125,9 @@ def tensor_list(layers: int) -> tuple[dict[str, tuple[int, int]], dict[str, tupl
     return ternary, dense
 
 
-def build(out_dir: Path, layers: int, seed: int = 0) -> Path:
-    """Stream the synthetic checkpoint into ``out_dir`` (config.json, shards, index)."""
+def build(out_dir: Path, layers: int, seed: int = 0, rotation: bool = True) -> Path:
+    """Stream the synthetic checkpoint into ``out_dir`` (config.json, shards, index); ``rotation=False``
+    leaves out the Hadamard rotation description (a plain ternary qwen35, as upstream llama.cpp runs)."""
     from ternary_rs.checkpoint import Job, OutTensor, quantization_config, write_shards
     from ternary_rs.hadamard import HadamardSpec
 
@@ -166,7 +167,8 @@ def build(out_dir: Path, layers: int, seed: int = 0) -> Path:
     rotated = {m: (k, None) for m, (n, k) in ternary.items() if m != "model.embed_tokens"}
     spec = HadamardSpec(HADAMARD_BLOCK, signs, rotated, ("model.embed_tokens",), source="bench_27b")
     qc = quantization_config(GROUP)
-    qc["hadamard"] = spec.to_config()
+    if rotation:
+        qc["hadamard"] = spec.to_config()
     (tmp / "config.json").write_text(json.dumps({**config(layers), "quantization_config": qc}, indent=2) + "\n")
     tmp.rename(out_dir)
     return out_dir

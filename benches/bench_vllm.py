@@ -48,8 +48,9 @@ def _linear_shapes(c: dict) -> list[tuple[str, tuple[int, int]]]:
     return out
 
 
-def write_synthetic(tern: Path, dense: Path, c: dict, seed: int = 0) -> int:
-    """Both checkpoints, one safetensors shard per layer; returns the parameter count."""
+def write_synthetic(tern: Path, dense: Path | None, c: dict, seed: int = 0) -> int:
+    """Both checkpoints (``dense=None``: the ternary one only), one safetensors shard per layer; returns the
+    parameter count."""
     import torch
     from models import train_tokenizer
     from safetensors.torch import save_file
@@ -57,7 +58,8 @@ def write_synthetic(tern: Path, dense: Path, c: dict, seed: int = 0) -> int:
     g = c["group_size"]
     rng = np.random.default_rng(seed)
     for d in (tern, dense):
-        d.mkdir(parents=True, exist_ok=True)
+        if d is not None:
+            d.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(tern)
     config = {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": c["hidden"],
@@ -97,17 +99,20 @@ def write_synthetic(tern: Path, dense: Path, c: dict, seed: int = 0) -> int:
         if si == len(groups) - 1:
             t_tensors["model.norm.weight"] = d_tensors["model.norm.weight"] = torch.ones(c["hidden"], dtype=torch.bfloat16)
         save_file(t_tensors, str(tern / shard), metadata={"format": "pt"})
-        save_file(d_tensors, str(dense / shard), metadata={"format": "pt"})
+        if dense is not None:
+            save_file(d_tensors, str(dense / shard), metadata={"format": "pt"})
         weight_map_t.update(dict.fromkeys(t_tensors, shard))
         weight_map_d.update(dict.fromkeys(d_tensors, shard))
     for d, wm, qc in ((tern, weight_map_t, True), (dense, weight_map_d, False)):
+        if d is None:
+            continue
         (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}, indent=1))
         cfg = dict(config)
         if qc:
             cfg["quantization_config"] = {"quant_method": "ternary", "format_version": 1, "group_size": g,
                                           "scale_dtype": "float16", "modules_not_converted": []}
         (d / "config.json").write_text(json.dumps(cfg, indent=2))
-    for f in tern.iterdir():
+    for f in tern.iterdir() if dense is not None else ():
         if f.suffix in (".json", ".jinja") and f.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copy2(f, dense / f.name)
     return params
