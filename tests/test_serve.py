@@ -503,3 +503,41 @@ def test_demo_serve_prints_a_served_completion():
     assert "verify: OK" in r.stdout and "5. serve: ternary-rs serve" in r.stdout
     assert "   text: " in r.stdout and " tokens in " in r.stdout and "tokens/s" in r.stdout
     assert not [line for line in r.stdout.splitlines() if "api_server" in line]  # vLLM's log stays out of it
+
+
+def test_plugin_cpu_defaults_respect_the_users_settings(demo, monkeypatch):
+    """``apply_cpu_defaults`` on a stand-in config: a ternary model gets the KV space and the reserved
+    cores; ``--kv-cache-memory-bytes``, a variable of the user's, or a model of another quantization are
+    left alone; a model it cannot plan is left to vLLM (never an error)."""
+    from types import SimpleNamespace
+
+    from ternary_rs.vllm.plugin import apply_cpu_defaults
+
+    _, src, _ = demo
+    for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND"):
+        monkeypatch.delenv(k, raising=False)
+
+    def config(quant="ternary", kv_bytes=None, model=src):
+        return SimpleNamespace(
+            quant_config=SimpleNamespace(get_name=lambda: quant),
+            model_config=SimpleNamespace(model=str(model), max_model_len=256),
+            cache_config=SimpleNamespace(cache_dtype="auto", kv_cache_memory_bytes=kv_bytes),
+            scheduler_config=SimpleNamespace(max_num_seqs=8))
+
+    c = config()
+    apply_cpu_defaults(c)
+    assert c.cache_config.kv_cache_memory_bytes and c.cache_config.kv_cache_memory_bytes % (1 << 30) == 0
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ  # set on the config, so a later variable still wins
+    if (os.cpu_count() or 1) <= 4:
+        assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    c = config(kv_bytes=123)
+    apply_cpu_defaults(c)
+    assert c.cache_config.kv_cache_memory_bytes == 123
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    c = config()
+    apply_cpu_defaults(c)
+    assert c.cache_config.kv_cache_memory_bytes is None
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    for c in (config(quant="fp8"), config(model=src.parent / "missing")):
+        apply_cpu_defaults(c)
+        assert c.cache_config.kv_cache_memory_bytes is None
