@@ -8,7 +8,9 @@ op runs on torch's intra-op pool, like ``F.linear``):
 * per shape (in_features × out_features; the 27B decode shapes by default) and M: G weights/s,
   G weight-tokens/s and GB/s of the packed weight (codes + scales: the bytes the kernel streams), the
   fraction of the streaming bandwidth, and the ratio to torch bf16 ``F.linear`` of the same shape, for
-  the default bf16 mode (int8 per group) and the exact mode;
+  the default bf16 mode (int8 per group) and the exact mode; for M > 1 the int8 time over the int8 time
+  at M = 1 of the same shape, timed in the same rounds (``xM1``: medians, ``xM1min``: minima; the
+  continuous-batching goal is <= 1.5 at M = 8 and <= 2.5 at M = 16);
 * weights are **cold**: each shape cycles through enough copies to exceed the last-level cache several
   times (a decoding model streams every layer from DRAM), for ternary and for bf16 alike; ``--hot``
   instead reuses one copy (the condition of llama.cpp's ``test-backend-ops perf``, whose weights stay in
@@ -189,7 +191,7 @@ def main() -> None:
               f"{o['torch_ops_add_us']:.2f} us (goal: overhead <= 5 us)")
 
     hdr = (f"{'K x N':>14} {'M':>4} {'thr':>3} {'mode':>16} {'ms':>9} {'Gw/s':>7} {'Gwt/s':>7} {'GB/s':>6} "
-           f"{'%bw':>5} {'bf16 ms':>9} {'x bf16':>7} {'x min':>6}")
+           f"{'%bw':>5} {'bf16 ms':>9} {'x bf16':>7} {'x min':>6} {'xM1':>6} {'xM1min':>6}")
     print(hdr)
     for k, n in shapes:
         q, s = random_canonical(n, k, GROUP)
@@ -226,12 +228,17 @@ def main() -> None:
                 # Cold rows (and bf16, also cold) round-robin together; cache-resident ("hot") rows in a
                 # loop of their own, or the cold calls between them would evict their weights.
                 fns.update(entries(variants))
+                if m > 1:  # M = 1 in the same rounds: the goal is time(M) / time(1) (x M1 columns)
+                    x1 = x[:1].clone()
+                    fns["m1"] = (lambda i: torch.ops.ternary_rs.ternary_linear(
+                        x1, tq[i], ts[i], n, k, GROUP, None, ops.AUTO), copies, None)
                 got = timed_together(fns, args.budget * len(fns))
                 if hot_variants:
                     got.update(timed_together(entries(hot_variants), args.budget * len(hot_variants)))
                 variants += hot_variants
                 _ops_cpu.set_kernel_variant("auto")
                 t_bf16, t_bf16_min = got.get("bf16", (None, None))
+                t_m1, t_m1_min = got.get("m1", (None, None))
                 for mode, act, cps, kernel in variants:
                     t, t_min = got[mode]
                     row = {"k": k, "n": n, "m": m, "threads": th, "mode": mode, "seconds": t,
@@ -239,13 +246,17 @@ def main() -> None:
                            "packed_GBps": packed / t / 1e9, "fraction_of_bandwidth": packed / t / 1e9 / bandwidth[th],
                            "bf16_seconds": t_bf16, "speedup_vs_bf16": (t_bf16 / t) if t_bf16 else None,
                            "min_seconds": t_min, "bf16_min_seconds": t_bf16_min,
-                           "speedup_vs_bf16_min": (t_bf16_min / t_min) if t_bf16 else None}
+                           "speedup_vs_bf16_min": (t_bf16_min / t_min) if t_bf16 else None,
+                           "time_vs_m1": (t / t_m1) if t_m1 else None,
+                           "time_vs_m1_min": (t_min / t_m1_min) if t_m1 else None}
                     results["rows"].append(row)
+                    m1 = (f"{t / t_m1:6.2f} {t_min / t_m1_min:6.2f}" if t_m1 and act == ops.AUTO
+                          else f"{'-':>6} {'-':>6}")
                     bf = (f"{t_bf16 * 1e3:9.3f} {t_bf16 / t:7.2f} {t_bf16_min / t_min:6.2f}" if t_bf16
                           else f"{'-':>9} {'-':>7} {'-':>6}")
                     print(f"{k:>6} x {n:<6} {m:>4} {th:>3} {mode:>16} {t * 1e3:9.3f} {row['G_weights_per_s']:7.1f} "
                           f"{row['G_weight_tokens_per_s']:7.1f} {row['packed_GBps']:6.2f} "
-                          f"{100 * row['fraction_of_bandwidth']:5.1f} {bf}", flush=True)
+                          f"{100 * row['fraction_of_bandwidth']:5.1f} {bf} {m1}", flush=True)
         tq = ts = dense = None  # free this shape's copies before the next
     if args.json:
         with open(args.json, "w") as f:

@@ -23,7 +23,9 @@
 //!     CPUs with AVX512_BF16 takes `vdpbf16ps` (exact products, f32 sums; |x| < 2⁻¹²⁶ counts as 0).
 //! * Shapes: the int8 modes run one kernel for every M (row blocks × token tiles of up to
 //!   [`INT8_TILE`] tokens: each 64-byte weight load is unpacked once per tile), or from [`AMX_MIN_M`]
-//!   tokens AMX tiles (32-row groups × 16-token tiles, 8-token ones up to 8 tokens). The exact mode streams
+//!   tokens AMX tiles (32-row groups × 16-token tiles, 8-token ones up to 8 tokens); on AVX-512 from
+//!   [`WIDE_MIN_M`] tokens (below [`AMX_MIN_M`] on AMX) the rows-in-lanes kernel [`wide`] (16 rows per
+//!   vector, the weight decoded once per call, one epilogue per 16 rows × group × token). The exact mode streams
 //!   row blocks per token below [`GEMM_MIN_M`] and decodes f32 tiles for an FMA micro-kernel above.
 //! * Prefill: inside torch, bf16 activations in the default mode with `M ≥` [`dense::DENSE_MIN_M`]
 //!   go to torch's own bf16 GEMM on row chunks decoded exactly to bf16 by [`dense`] — unless the
