@@ -140,6 +140,28 @@ def test_plain_qwen35_without_rotation(tiny, tmp_path):
     np.testing.assert_array_equal(got["model.layers.0.mlp.down_proj.qweight"], pack_codes(t))
 
 
+def test_plain_qwen35_to_upstream_tq2_0(tiny, converted, tmp_path):
+    """Upstream llama.cpp runs qwen35 in TQ2_0 / TQ1_0 (no PrismML types): a checkpoint without rotation is
+    written so (group 256: --requantize from group 128); a rotated one is refused (upstream would drop
+    the rotation)."""
+    src = write_prism_gguf(tiny, tmp_path / "plain.gguf", "PQ2_0", hadamard=False)
+    plain = ternary_rs.convert(src, tmp_path / "plain", progress=False)
+    with pytest.raises(ternary_rs.TernaryError):  # g128 -> g256 is lossy here
+        ternary_rs.convert(plain, tmp_path / "strict.gguf", to="gguf", gguf_type="TQ2_0", progress=False)
+    for qtype in ("TQ2_0", "TQ1_0"):
+        g = ternary_rs.convert(plain, tmp_path / f"plain-{qtype}.gguf", to="gguf", gguf_type=qtype,
+                               requantize=True, progress=False)
+        with ternary_rs.open(g) as f:
+            assert f.metadata["general.architecture"] == "qwen35"
+            assert qtype in {i.type for i in f.tensors.values()}
+            assert not [k for k in f.metadata if k.startswith("prism.")]
+        back = read_all(ternary_rs.convert(g, tmp_path / f"back-{qtype}", progress=False))
+        assert set(back) == set(read_all(plain))
+    with pytest.raises(ternary_rs.TernaryError, match="Hadamard rotation"):
+        ternary_rs.convert(converted["PQ2_0"], tmp_path / "rot.gguf", to="gguf", gguf_type="TQ2_0",
+                           requantize=True, progress=False)
+
+
 def test_gdn_tiled_basis_gets_a_permutation(tiny, tmp_path):
     import gguf
 

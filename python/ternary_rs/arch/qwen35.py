@@ -739,11 +739,14 @@ def _plan_from_checkpoint(src, options) -> _Plan:
     return plan
 
 
-# PrismML's ternary GGUF types a qwen35 file is written in: (ggml type id, values per block, bytes per block).
-QWEN35_GGUF_OUTPUT = {"PQ2_0": (142, 128, 34), "PTQ1_0": (143, 128, 28)}
+# Ternary GGUF types a qwen35 file is written in: (ggml type id, values per block, bytes per block). PrismML's
+# PQ2_0 / PTQ1_0 by default (the fork runs them, rotation included); upstream llama.cpp runs TQ2_0 / TQ1_0
+# (one scale per 256 weights: from a g128 checkpoint only with --requantize, and without a rotation).
+QWEN35_GGUF_OUTPUT = {"PQ2_0": (142, 128, 34), "PTQ1_0": (143, 128, 28), "TQ2_0": (35, 256, 66),
+                      "TQ1_0": (34, 256, 54)}
 GGUF_F32 = 0
 # The fork's llama ftype of a PQ2_0 file (FORMATS.md §1.3: LLAMA_FTYPE_MOSTLY_PQ2_0 = 141).
-GGUF_FILE_TYPES = {"PQ2_0": 141}
+GGUF_FILE_TYPES = {"PQ2_0": 141, "TQ1_0": 36, "TQ2_0": 37}
 
 
 def _tiled_rows(hf: str, cfg: dict) -> np.ndarray | None:
@@ -795,6 +798,10 @@ def _write_gguf(plan: _Plan, out_path: Path, options) -> None:
     gtype = (options.gguf_type or "PQ2_0").upper()
     if gtype not in QWEN35_GGUF_OUTPUT:
         raise UnsupportedTypeError(f"--gguf-type {gtype}: a qwen35 GGUF is written as {sorted(QWEN35_GGUF_OUTPUT)}")
+    if plan.spec is not None and gtype in ("TQ2_0", "TQ1_0"):
+        # Upstream llama.cpp knows no prism.hadamard.*: it would run the weights without their rotation.
+        raise UnsupportedTypeError(f"{plan.source}: --gguf-type {gtype}: this model carries a Hadamard rotation, "
+                                   f"which only PrismML's types keep (PQ2_0, PTQ1_0)")
     type_id, block, block_bytes = QWEN35_GGUF_OUTPUT[gtype]
     cfg = plan.config
     n_layers = int(cfg["num_hidden_layers"])
@@ -823,8 +830,8 @@ def _write_gguf(plan: _Plan, out_path: Path, options) -> None:
             def produce(module=module, rows=_tiled_rows(module + ".weight", cfg)):
                 q, sc = plan.ternary[module]()
                 t = TernaryTensor(q, sc, g, name=module, validate=False)
-                if g != block:  # to a divisor: scales repeat; to a multiple: only when lossless (else raises)
-                    t = repack(t, block)
+                if g != block:  # to a divisor: scales repeat; to a multiple: lossless or --requantize (else raises)
+                    t = repack(t, block, requantize=options.requantize)
                 if rows is not None:
                     t = TernaryTensor(np.ascontiguousarray(t.qweight[rows]), np.ascontiguousarray(t.scales[rows]),
                                       t.group_size, name=module, validate=False)
