@@ -1,7 +1,7 @@
 //! The ggml tensor type table: id, name, values per block and bytes per block.
 //!
 //! Covers every type of gguf-py 0.19's `GGML_QUANT_SIZES` plus the ternary types of the forks
-//! (bitnet.cpp I2_S, PrismML PQ2_0/PTQ1_0). Type id 42 names two formats (upstream Q2_0 with
+//! (bitnet.cpp I2_S, PrismML PQ2_0/PTQ1_0, Tencent STQ1_0 of llama.cpp PR #22836). Type id 42 names two formats (upstream Q2_0 with
 //! 64-value blocks, first-generation PrismML "Q2_0" with 128-value blocks); the reader tells them
 //! apart by the tensor's byte span and reports [`GgmlType::Q2_0`] or [`GgmlType::Q2_0_G128`].
 
@@ -52,6 +52,8 @@ pub enum GgmlType {
     Q2_0,
     /// First-generation PrismML "Q2_0" (also id 42): 128 values, 34 bytes, the bytes of PQ2_0.
     Q2_0_G128,
+    /// Tencent STQ1_0 (id 43, llama.cpp PR #22836): 256 values, 42 bytes (`qs[32]`, `sign[8]`, `d`).
+    STQ1_0,
     /// PrismML PQ2_0 (id 142): 128 values, 34 bytes.
     PQ2_0,
     /// PrismML PTQ1_0 (id 143): 128 values, 28 bytes.
@@ -97,6 +99,7 @@ pub const ALL_TYPES: &[GgmlType] = &[
     GgmlType::Q1_0,
     GgmlType::Q2_0,
     GgmlType::Q2_0_G128,
+    GgmlType::STQ1_0,
     GgmlType::PQ2_0,
     GgmlType::PTQ1_0,
 ];
@@ -147,6 +150,7 @@ impl GgmlType {
             Q1_0 => (41, "Q1_0", 128, 2 + 16),
             Q2_0 => (42, "Q2_0", 64, 2 + 16),
             Q2_0_G128 => (42, "Q2_0_G128", 128, 2 + 32),
+            STQ1_0 => (43, "STQ1_0", QK_K, QK_K / 8 + QK_K / 32 + 2),
             PQ2_0 => (142, "PQ2_0", 128, 2 + 32),
             PTQ1_0 => (143, "PTQ1_0", 128, 24 + 2 + 2),
         }
@@ -235,6 +239,7 @@ mod tests {
             (GgmlType::Q2_0_G128, 42, 128, 34),
             (GgmlType::PQ2_0, 142, 128, 34),
             (GgmlType::PTQ1_0, 143, 128, 28),
+            (GgmlType::STQ1_0, 43, 256, 42),
             (GgmlType::MXFP4, 39, 32, 17),
             (GgmlType::NVFP4, 40, 64, 36),
         ];

@@ -20,6 +20,7 @@ pub mod pq2_0;
 pub mod ptq1_0;
 pub mod q1_0;
 pub mod q2_0;
+pub mod stq1_0;
 pub mod tq1_0;
 pub mod tq2_0;
 
@@ -44,6 +45,8 @@ pub enum Format {
     Ptq1_0,
     /// Upstream Q1_0 (id 41): binary ±d, 128 values in 18 bytes (decodes to codes 0/2, no zeros).
     Q1_0,
+    /// Tencent STQ1_0 (id 43, llama.cpp PR #22836): 3:4-sparse ternary codebook, 256 values in 42 bytes.
+    Stq1_0,
     /// bitnet.cpp I2_S (id 36), x86 128-interleave, one f32 scale per tensor in a 32-byte tail.
     I2S,
     /// transformers BitNet packing: uint8 `[N/4, K]` along the output dim + one `weight_scale`.
@@ -56,7 +59,7 @@ pub enum Format {
 
 /// Names accepted by [`Format::from_name`] (case-insensitive), as the container layer reports them.
 pub const FORMAT_NAMES: &str =
-    "TQ1_0, TQ2_0, Q2_0, Q2_0_G128, PQ2_0, PTQ1_0, Q1_0, I2_S, BITNET, MLX, DENSE";
+    "TQ1_0, TQ2_0, Q2_0, Q2_0_G128, PQ2_0, PTQ1_0, Q1_0, STQ1_0, I2_S, BITNET, MLX, DENSE";
 
 impl Format {
     pub fn from_name(name: &str) -> Result<Self> {
@@ -68,6 +71,7 @@ impl Format {
             "PQ2_0" => Format::Pq2_0,
             "PTQ1_0" => Format::Ptq1_0,
             "Q1_0" | "Q1_0_G128" => Format::Q1_0,
+            "STQ1_0" => Format::Stq1_0,
             "I2_S" => Format::I2S,
             "BITNET" => Format::BitNet,
             "MLX" => Format::Mlx,
@@ -97,6 +101,7 @@ impl Format {
             Format::Pq2_0 => "PQ2_0",
             Format::Ptq1_0 => "PTQ1_0",
             Format::Q1_0 => "Q1_0",
+            Format::Stq1_0 => "STQ1_0",
             Format::I2S => "I2_S",
             Format::BitNet => "BITNET",
             Format::Mlx => "MLX",
@@ -113,6 +118,7 @@ impl Format {
             Format::Pq2_0 => Some(142),
             Format::Ptq1_0 => Some(143),
             Format::Q1_0 => Some(41),
+            Format::Stq1_0 => Some(43),
             Format::I2S => Some(36),
             _ => None,
         }
@@ -121,7 +127,7 @@ impl Format {
     /// The group size a format stores one scale for (None: one scale per tensor, any group fits).
     pub fn native_group(self) -> Option<usize> {
         match self {
-            Format::Tq1_0 | Format::Tq2_0 => Some(256),
+            Format::Tq1_0 | Format::Tq2_0 | Format::Stq1_0 => Some(256),
             Format::Q2_0 => Some(64),
             Format::Q2_0G128 | Format::Pq2_0 | Format::Ptq1_0 | Format::Q1_0 => Some(128),
             Format::I2S | Format::BitNet | Format::Mlx | Format::Dense => None,
