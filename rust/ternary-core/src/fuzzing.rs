@@ -15,16 +15,18 @@ use std::sync::OnceLock;
 
 use half::f16;
 
-use crate::canonical::{CanonicalTernary, GROUP_SIZES};
+use crate::canonical::{CanonicalRef, CanonicalTernary, GROUP_SIZES};
 use crate::container::{GgufFile, MappedFile, SafetensorsCheckpoint, SafetensorsFile};
 use crate::formats::pq2_0::BlockPq2_0;
 use crate::formats::ptq1_0::BlockPtq1_0;
 use crate::formats::q1_0::BlockQ1_0;
 use crate::formats::q2_0::BlockQ2_0;
+use crate::formats::stq1_0::{self, BlockStq1_0};
 use crate::formats::tq1_0::BlockTq1_0;
 use crate::formats::tq2_0::BlockTq2_0;
 use crate::formats::{bitnet, dense, i2_s, mlx, BlockCodec, Format};
 use crate::repack::{decode_blocks_ref, decode_gguf, encode_blocks_ref, encode_gguf};
+use crate::{Error, Result};
 
 /// A fuzz harness: returns on acceptable behaviour, panics otherwise.
 pub type Harness = fn(&[u8]);
@@ -40,6 +42,7 @@ pub const TARGETS: &[(&str, Harness)] = &[
     ("decode_pq2_0", decode_pq2_0),
     ("decode_ptq1_0", decode_ptq1_0),
     ("decode_q1_0", decode_q1_0),
+    ("decode_stq1_0", decode_stq1_0),
     ("decode_i2_s", decode_i2_s),
     ("decode_bitnet", decode_bitnet),
     ("decode_mlx", decode_mlx),
@@ -227,10 +230,25 @@ fn exercise_canonical(t: &CanonicalTernary, sel: u8) {
 
 /// Differential check of one GGUF block format against its scalar reference.
 fn block_codec<C: BlockCodec>(format: Format, data: &[u8]) {
+    block_codec_via::<C>(
+        format,
+        data,
+        |bytes, rows, cols| decode_gguf(format, "fuzz", bytes, rows, cols, None, false),
+        |t| encode_gguf(format, "fuzz", t, false),
+    )
+}
+
+/// [`block_codec`] through given tensor-level decode and encode drivers.
+fn block_codec_via<C: BlockCodec>(
+    format: Format,
+    data: &[u8],
+    decode: impl Fn(&[u8], usize, usize) -> Result<CanonicalTernary>,
+    encode: impl Fn(CanonicalRef<'_>) -> Result<Vec<u8>>,
+) {
     let Some((rows, cols, bytes, sel)) = block_input::<C>(data) else {
         return;
     };
-    let got = decode_gguf(format, "fuzz", &bytes, rows, cols, None, false);
+    let got = decode(&bytes, rows, cols);
     let need = rows * (cols / C::BLOCK_VALUES) * C::BLOCK_BYTES;
     if bytes.len() != need {
         assert!(
@@ -275,15 +293,14 @@ fn block_codec<C: BlockCodec>(format: Format, data: &[u8]) {
         format.name()
     );
     // Fast encoder = reference encoder, and its output decodes to the same tensor.
-    let enc = encode_gguf(format, "fuzz", t.as_ref(), false).expect("re-encode a decoded tensor");
+    let enc = encode(t.as_ref()).expect("re-encode a decoded tensor");
     assert_eq!(
         enc,
         encode_blocks_ref::<C>(&codes, &scales),
         "{}: fast encoder differs",
         format.name()
     );
-    let back =
-        decode_gguf(format, "fuzz", &enc, rows, cols, None, false).expect("decode re-encoded");
+    let back = decode(&enc, rows, cols).expect("decode re-encoded");
     assert_eq!(
         back,
         t,
@@ -319,6 +336,50 @@ pub fn decode_ptq1_0(data: &[u8]) {
 }
 pub fn decode_q1_0(data: &[u8]) {
     block_codec::<BlockQ1_0>(Format::Q1_0, data)
+}
+/// STQ1_0 through its own drivers (`stq1_0::decode` / `stq1_0::encode`), then the encode side on
+/// arbitrary trits: the input bytes as a canonical g256 tensor (code 3 read as 1) either encodes —
+/// and decodes back to itself — or is refused with exactly the groups `first_unrepresentable` counts.
+pub fn decode_stq1_0(data: &[u8]) {
+    block_codec_via::<BlockStq1_0>(
+        Format::Stq1_0,
+        data,
+        |bytes, rows, cols| stq1_0::decode("fuzz", bytes, rows, cols),
+        |t| stq1_0::encode("fuzz", t),
+    );
+    let Some((&sel, rest)) = data.split_first() else {
+        return;
+    };
+    let (rows, cols) = small_shape(sel, 256);
+    let qweight: Vec<u8> = sized(rest, rows * cols / 4)
+        .into_iter()
+        .map(|b| b & !((b & (b >> 1) & 0x55) << 1))
+        .collect();
+    let t = CanonicalTernary {
+        rows,
+        cols,
+        group_size: 256,
+        qweight,
+        scales: vec![f16::from_f32(0.5); rows * cols / 256],
+    };
+    let (count, first) = stq1_0::first_unrepresentable(t.as_ref());
+    match stq1_0::encode("fuzz", t.as_ref()) {
+        Ok(enc) => {
+            assert_eq!(count, 0, "STQ1_0 encoded {count} unrepresentable groups");
+            let back = stq1_0::decode("fuzz", &enc, rows, cols).expect("decode encoded");
+            assert_eq!(back, t, "STQ1_0: decode(encode(x)) != x");
+        }
+        Err(Error::Validation {
+            first_index,
+            count: n,
+            ..
+        }) => {
+            let u = first.expect("a refusal names a group");
+            assert_eq!(n, count);
+            assert_eq!(first_index, (u.row * cols + u.cols[0]) as u64);
+        }
+        Err(e) => panic!("STQ1_0 refused a valid canonical tensor: {e}"),
+    }
 }
 
 /// Shape `[rows, cols]` from bits 0–2 of `sel`: rows ∈ 1..=2, cols a multiple of `unit` (1..=4 of them).
