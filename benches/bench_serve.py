@@ -239,7 +239,7 @@ def main() -> None:
     if args.only != "llama":
         proc, base, log, up = start_ours(gguf, args.workdir, max_len)
         chosen = [line for line in log.read_text().splitlines() if "vLLM CPU settings" in line]
-        print(f"ternary-rs serve ready after {up:.0f} s; {chosen[-1] if chosen else ''}", flush=True)
+        print(f"ternary-rs serve ready after {up:.0f} s; {chosen[0] if chosen else ''}", flush=True)
         try:
             closed_loop(base, model, 1, 8, 5.0, seed=99)  # warm-up (first requests compile)
             for n in clients:
