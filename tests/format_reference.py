@@ -286,3 +286,72 @@ def ternarize_absmean(w: np.ndarray, g: int | None):
     s = np.maximum(s, np.float32(1e-5))
     t = np.clip(np.rint(wg / s), -1, 1)
     return t.reshape(n, k).astype(np.int8), s[..., 0].astype(np.float16)
+
+
+# -- STQ1_0 (GGUF type 43, llama.cpp PR #22836; Tencent Hy-MT2 / Hy4) — 3:4-sparse codebook -------
+# Written from the upstream description (ggml-common.h / ggml-quants.c of the PR branch, and the
+# stride-16 layout note of vllm-project/vllm-gguf-plugin's gguf_stq.py), not from the Rust code.
+
+def stq1_0_codebook() -> np.ndarray:
+    """The 32 group patterns, derived from the PR's rule rather than copied: index = (sign << 4) | slot,
+    slot = (zero_pos << 2) | tail; lanes left of/after the zero: the 1st non-zero lane is +1, tail bit
+    0/1 makes the 2nd/3rd non-zero lane −1; sign = 1 negates every non-zero lane. Lane p (t ∈ {−1, 0,
+    1} as t+1) sits at bits 2p of the pattern byte."""
+    book = np.zeros(32, np.uint8)
+    for sign in range(2):
+        for slot in range(16):
+            zero, tail = slot >> 2, slot & 3
+            lanes, nz = [], 0
+            for p in range(4):
+                if p == zero:
+                    lanes.append(0)
+                    continue
+                t = -1 if nz > 0 and (tail >> (nz - 1)) & 1 else 1
+                lanes.append(-t if sign else t)
+                nz += 1
+            book[(sign << 4) | slot] = sum((t + 1) << (2 * p) for p, t in enumerate(lanes))
+    return book
+
+
+def stq1_0_value_of(g: int, p: int) -> int:
+    """Value index (0..256) in its block of lane p of group g: chunk g//16, position g%16, stride 16."""
+    return 64 * (g // 16) + g % 16 + 16 * p
+
+
+def decode_stq1_0(data, shape):
+    """Block (42 B) = qs[32] | sign[8] | d (f16 LE). Group g: slot = (qs[g//2] >> 4·(g%2)) & 15 (low nibble
+    first), sign = (sign[g//8] >> g%8) & 1, pattern = codebook[sign<<4 | slot]; lane p = (pattern >> 2p)
+    & 3 is the code of value stq1_0_value_of(g, p). → (codes uint8 [N, K] 0..2, scales float16
+    [N, K/256])."""
+    n, k = shape
+    blocks = np.asarray(data, np.uint8).reshape(-1, 42)
+    book = stq1_0_codebook()
+    d = blocks[:, 40:42].copy().view("<f2").reshape(n, k // 256)
+    codes = np.zeros((blocks.shape[0], 256), np.uint8)
+    for g in range(64):
+        slot = (blocks[:, g // 2] >> (4 * (g % 2))) & 0xF
+        sign = (blocks[:, 32 + g // 8] >> (g % 8)) & 1
+        pattern = book[(sign.astype(np.int64) << 4) | slot]
+        for p in range(4):
+            codes[:, stq1_0_value_of(g, p)] = (pattern >> (2 * p)) & 3
+    return codes.reshape(n, k), d
+
+
+def encode_stq1_0(trits: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Inverse of decode_stq1_0 for trits with exactly one zero per group (lanes at stride 16);
+    raises ValueError naming the first (row, group) that has another pattern."""
+    n, k = trits.shape
+    book = [int(b) for b in stq1_0_codebook()]
+    codes = (trits.astype(np.int16) + 1).astype(np.uint8).reshape(n, k // 256, 256)
+    out = np.zeros((n, k // 256, 42), np.uint8)
+    for r in range(n):
+        for b in range(k // 256):
+            for g in range(64):
+                pattern = sum(int(codes[r, b, stq1_0_value_of(g, p)]) << (2 * p) for p in range(4))
+                if pattern not in book:
+                    raise ValueError(f"STQ1_0: row {r} group {64 * b + g} is not one of the 32 patterns")
+                idx = book.index(pattern)
+                out[r, b, g // 2] |= (idx & 15) << (4 * (g % 2))
+                out[r, b, 32 + g // 8] |= (idx >> 4) << (g % 8)
+    out[:, :, 40:42] = scales.astype("<f2").reshape(n, k // 256, 1).view(np.uint8)
+    return out.reshape(-1)
