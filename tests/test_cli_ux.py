@@ -234,7 +234,7 @@ def test_inspect_reads_headers_only_unless_scan(demo, tmp_path):
     assert "scales:" not in head.stdout and "1.32 M parameters" in head.stdout
     scan = run("inspect", d, "--scan")
     assert "scales:" in scan.stdout and "Inf 1" in scan.stdout
-    assert "problem: model.layers.0.self_attn.q_proj.weight: 0 NaN and 1 Inf scales (first at scale index 0)" \
+    assert "problem: model.layers.0.self_attn.q_proj.scales: 0 NaN and 1 Inf scales (first at scale index 0)" \
         in scan.stdout
     table = run("inspect", out, "--tensors")
     with ternary_rs.open(out) as f:

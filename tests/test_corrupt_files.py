@@ -244,8 +244,12 @@ def test_tensor_in_two_shards(tmp_path):
 
 
 def test_directory_problems(tmp_path):
+    with pytest.raises(FormatError, match="the folder is empty"):  # issue 24, item 18: said as such
+        ternary_rs.open(tmp_path)
+    (tmp_path / "notes.txt").write_text("no model here")
     with pytest.raises(FormatError, match="no model.safetensors.index.json"):
         ternary_rs.open(tmp_path)
+    (tmp_path / "notes.txt").unlink()
     make_sharded(tmp_path)
     with pytest.raises(FormatError, match="no \\*.safetensors.index.json"):
         ternary_rs.open(tmp_path)

@@ -7,12 +7,21 @@ Public API (see README):
 * ``ternary_rs.convert / inspect / verify / plan`` — the ``ternary-rs`` command's functions.
 * ``ternary_rs.set_num_threads / get_num_threads`` — size of the worker pool for heavy work.
 
-Every error derives from :class:`TernaryError`.
+Every error derives from :class:`TernaryError` (those that are also a built-in exception —
+``OSError`` and its subclasses, ``ValueError``/``TypeError``, ``KeyError`` — derive from both).
 """
 
 from ._core import (
     FormatError,
+    InvalidArgumentError,
+    TensorNotFoundError,
     TernaryError,
+    TernaryFileExistsError,
+    TernaryFileNotFoundError,
+    TernaryIsADirectoryError,
+    TernaryNotADirectoryError,
+    TernaryOSError,
+    TernaryPermissionError,
     UnsupportedTypeError,
     ValidationError,
     __version__,
@@ -27,6 +36,14 @@ from .report import inspect, verify
 
 __all__ = [
     "FormatError",
+    "InvalidArgumentError",
+    "TensorNotFoundError",
+    "TernaryFileExistsError",
+    "TernaryFileNotFoundError",
+    "TernaryIsADirectoryError",
+    "TernaryNotADirectoryError",
+    "TernaryOSError",
+    "TernaryPermissionError",
     "TensorInfo",
     "TernaryError",
     "TernaryFile",

@@ -25,6 +25,22 @@ class UnsupportedTypeError(TernaryError):
 class ValidationError(TernaryError):
     """Well-formed but unacceptable data: NaN/Inf scale, code 3, non-ternary values, shape mismatch."""
 
+class InvalidArgumentError(TernaryError, ValueError, TypeError):
+    """A bad argument: an unknown dtype, a K that is no multiple of the group, a negative thread count,
+    a closed file (also a ValueError and a TypeError)."""
+
+class TensorNotFoundError(TernaryError, KeyError):
+    """No tensor of that name in the file (also a KeyError)."""
+
+class TernaryOSError(TernaryError, OSError):
+    """A file could not be read or written (also an OSError; errno and filename as usual)."""
+
+class TernaryFileNotFoundError(TernaryOSError, FileNotFoundError): ...
+class TernaryFileExistsError(TernaryOSError, FileExistsError): ...
+class TernaryPermissionError(TernaryOSError, PermissionError): ...
+class TernaryIsADirectoryError(TernaryOSError, IsADirectoryError): ...
+class TernaryNotADirectoryError(TernaryOSError, NotADirectoryError): ...
+
 # ---- thread pool (rust/bindings/src/lib.rs) ---------------------------------------------------------
 def set_num_threads(n: int) -> None:
     """Set the number of threads heavy work uses (0 = all cores)."""

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 from collections import deque
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._core import GROUP_SIZES, TernaryError, __version__
+from ._core import GROUP_SIZES, InvalidArgumentError, TernaryError, TernaryFileExistsError, __version__
 
 MANIFEST_NAME = "ternary_rs.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -52,42 +53,50 @@ class ConversionError(TernaryError):
 
 def describe_error(e: BaseException, path: str | os.PathLike | None = None) -> str:
     """One line for an error, as the command line prints it: a missing file in one wording
-    (``<path>: no such file or directory``), the class name for ternary_rs and OS errors, and ``path``
-    not repeated when the message already starts with it (bulk reports name each input once)."""
+    (``<path>: no such file or directory``), no Python class name or errno, and ``path`` not repeated
+    when the message already starts with it (bulk reports name each input once)."""
     if isinstance(e, FileNotFoundError) and e.filename:
         text = f"{e.filename}: no such file or directory"
-    elif isinstance(e, OSError):  # Rust I/O errors: OSError(errno, "<path>: <io error>")
-        text = (e.strerror if e.strerror and not e.filename else str(e)).replace(
-            "No such file or directory (os error 2)", "no such file or directory")
+    elif isinstance(e, OSError) and e.filename is not None:  # Python's: one "<path>: <reason>" wording
+        text = f"{e.filename}: {_os_reason(e.strerror or str(e))}"
+        if e.filename2 is not None:
+            text += f" ({e.filename2})"
+    elif isinstance(e, OSError) and e.strerror:  # Rust I/O errors: OSError(errno, "<path>: <io error>")
+        text = _os_reason(e.strerror)
     elif isinstance(e, KeyError) and e.args:
         text = str(e.args[0])
     else:
         text = str(e)
     if path is not None and text.startswith(f"{os.fspath(path)}: "):
         text = text[len(f"{os.fspath(path)}: "):]
-    named = isinstance(e, (TernaryError, OSError)) and not isinstance(e, (ConversionError, FileNotFoundError))
-    return f"{type(e).__name__}: {text}" if named else text
+    return text  # no Python class name: the message says what happened
+
+
+def _os_reason(text: str) -> str:
+    """An OS error's reason as the command line words it: ``Permission denied (os error 13)`` (Rust) and
+    ``Permission denied`` (Python) both read ``Permission denied``; a leading path is kept."""
+    return re.sub(r"\s*\(os error \d+\)$", "", text)
 
 
 def parse_size(value: int | str) -> int:
     """``"5GB"`` -> 5·10⁹, ``"2GiB"`` -> 2·2³⁰, ints pass through (Hugging Face's convention)."""
     if isinstance(value, int):
         if value <= 0:
-            raise ValueError(f"size must be positive, got {value}")
+            raise InvalidArgumentError(f"size must be positive, got {value}")
         return value
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
     if not m or m.group(2).upper() not in _SIZE_UNITS:
-        raise ValueError(f"cannot parse size {value!r} (examples: 5GB, 500MB, 2GiB)")
+        raise InvalidArgumentError(f"cannot parse size {value!r} (examples: 5GB, 500MB, 2GiB)")
     size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
     if size <= 0:
-        raise ValueError(f"size must be positive, got {value!r}")
+        raise InvalidArgumentError(f"size must be positive, got {value!r}")
     return size
 
 
 def quantization_config(group_size: int, modules_not_converted: Sequence[str] = ()) -> dict[str, Any]:
     """The ``quantization_config`` block of ``config.json`` (checkpoint contract, format_version 1)."""
     if group_size not in SUPPORTED_GROUP_SIZES:
-        raise ValueError(f"group size {group_size} not in {SUPPORTED_GROUP_SIZES}")
+        raise InvalidArgumentError(f"group size {group_size} not in {SUPPORTED_GROUP_SIZES}")
     return {
         "quant_method": "ternary",
         "format_version": QUANT_FORMAT_VERSION,
@@ -108,30 +117,60 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+# A temporary of any destination: ".<name>.ternary_rs-tmp-<pid>-<8 hex>" (or -old-), optionally with the
+# "-meta-<random>" suffix of a GGUF conversion's scratch folder.
+_TEMPORARY = re.compile(r"^\..+?\.ternary_rs-(?:tmp|old)-(\d+)-[0-9a-f]+(?:-meta-[A-Za-z0-9_]+)?$")
+
+
 def remove_stale_temporaries(dst: Path) -> list[Path]:
-    """Delete temporaries of ``dst`` left by runs whose process is gone (crash, SIGKILL)."""
+    """Delete the temporaries in ``dst``'s folder left by runs whose process is gone (crash, SIGKILL), for
+    any destination in that folder (a killed run to another name leaves its staging folder there too)."""
     removed = []
-    prefixes = (f".{dst.name}{TMP_MARK}", f".{dst.name}{OLD_MARK}")
     if not dst.parent.is_dir():
         return removed
     for p in dst.parent.iterdir():
-        for prefix in prefixes:
-            if p.name.startswith(prefix):
-                pid_text = p.name[len(prefix):].split("-", 1)[0]
-                if pid_text.isdigit() and not _pid_alive(int(pid_text)):
-                    _remove(p)
-                    removed.append(p)
+        m = _TEMPORARY.match(p.name)
+        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            if _remove(p):
+                removed.append(p)
     return removed
 
 
-def _remove(p: Path) -> None:
+def _make_writable(func, path, _exc) -> None:
+    """``shutil.rmtree`` error handler: a read-only folder cannot have entries removed; make it (and the
+    entry) writable by its owner and try once more."""
+    import stat
+
+    for q in (os.path.dirname(path), path):
+        try:
+            os.chmod(q, os.lstat(q).st_mode | stat.S_IRWXU if os.path.isdir(q) and not os.path.islink(q)
+                     else os.lstat(q).st_mode | stat.S_IWUSR)
+        except OSError:
+            pass
+    try:
+        func(path)
+    except FileNotFoundError:
+        pass
+
+
+def _remove(p: Path) -> bool:
+    """Remove a file or folder of ours (read-only entries too); whether it is gone."""
     if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p, ignore_errors=True)
+        try:
+            if sys.version_info >= (3, 12):
+                shutil.rmtree(p, onexc=_make_writable)
+            else:
+                shutil.rmtree(p, onerror=_make_writable)
+        except OSError:
+            pass
     else:
         try:
             p.unlink()
         except FileNotFoundError:
             pass
+        except OSError:
+            return False
+    return not (p.exists() or p.is_symlink())
 
 
 # Metadata key every GGUF written by ternary_rs carries (value: tool version): ``--force`` may replace
@@ -174,11 +213,75 @@ def is_ternary_rs_output(path: str | os.PathLike) -> bool:
     return False
 
 
-def _refuse_foreign(dst: Path, when: str) -> None:
+def _refuse_foreign(dst: Path, when: str, shown: str | os.PathLike | None = None) -> None:
+    shown = dst if shown is None else shown
+    if dst.is_symlink():
+        raise TernaryFileExistsError(
+            f"{shown} {when} and is a symbolic link (to {os.readlink(dst)}); ternary_rs never replaces a link, "
+            "even with --force: remove the link, or name its target as the destination")
     if not is_ternary_rs_output(dst):
-        raise FileExistsError(
-            f"{dst} {when} and was not written by ternary_rs (or holds files its manifest does not list); "
+        raise TernaryFileExistsError(
+            f"{shown} {when} and was not written by ternary_rs (or holds files its manifest does not list); "
             f"refusing to replace it, even with --force: move it away or choose another destination")
+
+
+def enclosing_output(dst: str | os.PathLike) -> Path | None:
+    """The nearest existing folder above ``dst`` that is a ternary_rs output directory (holds a manifest
+    written by ternary_rs), or None. Writing inside one adds files its manifest does not list: the
+    output is damaged for verify and can no longer be replaced with --force."""
+    for parent in Path(dst).absolute().parents:
+        manifest = parent / MANIFEST_NAME
+        if manifest.is_file():
+            try:
+                if json.loads(manifest.read_text()).get("tool") == "ternary_rs":
+                    return parent
+            except (OSError, ValueError, AttributeError):
+                continue
+    return None
+
+
+def check_destination_folder(dst: str | os.PathLike, parents: bool) -> None:
+    """Refuse, before anything is written, a destination whose folder cannot be: a *file* on the way (one
+    message, not "no such folder" then "exists"), a missing folder without ``parents``, or a folder inside
+    an existing ternary_rs output."""
+    shown = Path(dst)
+    absolute = shown.absolute()
+    for parent in reversed(absolute.parents):  # from the root down: the first file on the way
+        if parent.exists() and not parent.is_dir():
+            raise ConversionError(f"{_as_given(parent, shown)} is a file, not a folder, so the destination {shown} "
+                                  "cannot be created inside it; choose another destination")
+        if not parent.exists():
+            break
+    if not absolute.parent.is_dir() and not parents:  # a mistyped folder is not created silently
+        raise ConversionError(f"{_as_given(absolute.parent, shown)}: no such file or directory (the folder of the destination "
+                              f"{shown}; pass --parents to create it)")
+    inside = enclosing_output(absolute)
+    if inside is not None:
+        raise ConversionError(
+            f"{shown} lies inside {_as_given(inside, shown)}, an existing ternary_rs output: its files would be "
+            "mixed with that checkpoint's (which verify then fails and --force can no longer replace); "
+            "choose a destination outside it")
+
+
+def _as_given(path: Path, given: Path) -> str:
+    """``path`` (absolute, an ancestor of ``given``'s absolute form) spelled as the user spelled ``given``."""
+    if given.is_absolute():
+        return str(path)
+    try:
+        rel = path.relative_to(Path.cwd())
+    except ValueError:
+        return str(path)
+    return str(rel) if str(rel) != "." else "."
+
+
+def warn_literal_tilde(dst: str | os.PathLike) -> str | None:
+    """A warning for a destination starting with a literal ``~`` (quoted, so the shell did not expand it):
+    it names a folder called ``~`` in the current folder, not the home folder."""
+    text = os.fspath(dst)
+    if text == "~" or text.startswith("~/") or text.startswith("~" + os.sep):
+        return (f"{text}: the destination starts with a literal '~' (quoted, so the shell did not expand it); "
+                f"it names a folder called '~' in {Path.cwd()}, not your home folder {Path.home()}")
+    return None
 
 
 class EditedFiles:
@@ -218,7 +321,7 @@ class EditedFiles:
 def _refuse_edited(dst: Path, edited: list[str], when: str) -> None:
     if edited:
         shown = ", ".join(edited[:5]) + (f" and {len(edited) - 5} more" if len(edited) > 5 else "")
-        raise FileExistsError(
+        raise TernaryFileExistsError(
             f"{dst} {when}, and {shown} changed since ternary_rs wrote it (its SHA-256 no longer matches "
             f"{MANIFEST_NAME}); refusing to replace it with --force, as that would lose the change: copy "
             f"what you need first, or pass --discard-edits as well to replace it anyway")
@@ -236,7 +339,9 @@ class Staging:
 
     def __init__(self, dst: str | os.PathLike, *, force: bool = False, directory: bool = True,
                  parents: bool = False, discard_edits: bool = False):
+        self.shown = Path(dst)  # messages name the destination as the user gave it
         self.dst = Path(dst).absolute()
+        self.created: list[Path] = []  # folders --parents made, removed again if the run fails
         self.force = force
         self.discard_edits = discard_edits
         self._edited = EditedFiles()
@@ -249,19 +354,21 @@ class Staging:
         """Raise ``FileExistsError`` unless ``dst`` is absent or may be replaced (see the class doc)."""
         if not (self.dst.exists() or self.dst.is_symlink()):
             return
+        if self.dst.is_symlink():  # refused with or without --force, and said so
+            _refuse_foreign(self.dst, when, self.shown)
         if not self.force:
-            raise FileExistsError(f"{self.dst} {when}; pass --force to replace a ternary_rs output")
-        _refuse_foreign(self.dst, when)
+            raise TernaryFileExistsError(f"{self.shown} {when}; pass --force to replace a ternary_rs output")
+        _refuse_foreign(self.dst, when, self.shown)
         if self.dst.is_dir() and not self.discard_edits:
-            _refuse_edited(self.dst, self._edited(self.dst), when)
+            _refuse_edited(self.shown, self._edited(self.dst), when)
 
     def __enter__(self) -> Path:
         self.check_replaceable("already exists")
+        check_destination_folder(self.shown, self.parents)
         if not self.dst.parent.is_dir():
-            if not self.parents:  # a mistyped folder is not created silently
-                raise ConversionError(f"{self.dst.parent}: no such file or directory (the folder of the destination "
-                                      f"{self.dst.name}; pass --parents to create it)")
+            missing = [p for p in reversed(self.dst.parents) if not p.exists()]
             self.dst.parent.mkdir(parents=True, exist_ok=True)
+            self.created = missing
         remove_stale_temporaries(self.dst)
         if self.directory:
             self.tmp.mkdir()
@@ -277,13 +384,21 @@ class Staging:
             os.replace(self.dst, old)
         os.replace(self.tmp, self.dst)  # atomic within one filesystem
         self.committed = True
-        if old is not None:
-            _remove(old)
+        if old is not None and not _remove(old):  # read-only entries are made writable first
+            import logging
+
+            logging.getLogger("ternary_rs").warning(
+                "%s: the replaced output could not be removed completely; what is left is in %s", self.shown, old)
         return self.dst
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.committed:
             _remove(self.tmp)
+            for folder in reversed(self.created):  # innermost first; only while still empty
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
 
 
 def check_disjoint(sources: Iterable[str | os.PathLike], dst: str | os.PathLike) -> None:

@@ -82,6 +82,11 @@ def _count(n: int | None) -> str:
     return str(n)
 
 
+def _num(x: float | None) -> str:
+    """A statistic with 5 significant digits (scales are fp16: 3-4 digits are all there is)."""
+    return "-" if x is None else f"{x:.5g}"
+
+
 def _print_inspect(r: dict, with_table: bool) -> None:
     c = r["config"]
     vocab = c.get("vocab_size")
@@ -106,8 +111,8 @@ def _print_inspect(r: dict, with_table: bool) -> None:
               f"rotated weights{extra}{tied}, version {h.get('version')}")
     if t["scales"]:
         s = t["scales"]
-        print(f"  scales: {s['count']} values, min {s['min']}, max {s['max']}, mean |s| {s['mean_abs']}, "
-              f"NaN {s['nan']}, Inf {s['inf']}, zero {s['zero']}")
+        print(f"  scales: {s['count']} values, min {_num(s['min'])}, max {_num(s['max'])}, mean |s| "
+              f"{_num(s['mean_abs'])}, NaN {s['nan']}, Inf {s['inf']}, zero {s['zero']}")
     dense = [e for e in r.get("tensor_table", []) if e["kind"] == "dense-ternary"]
     if dense:
         sampled = f" (first {t['sampled_rows']} rows checked)" if t.get("sampled_rows") else ""
@@ -118,7 +123,9 @@ def _print_inspect(r: dict, with_table: bool) -> None:
         n = len(t["unchecked_float_linear_weights"])
         print(f"  really ternary: not checked ({n} float linear weights; --scan reads their values)")
     else:
-        print(f"  really ternary: {'yes' if r['is_ternary'] else 'NO'}")
+        n = len(r.get("problems", []))
+        why = f" ({n} problem{'s' if n != 1 else ''} below)" if not r["is_ternary"] and n else ""
+        print(f"  really ternary: {'yes' if r['is_ternary'] else 'NO'}{why}")
     if r.get("level") == "header":
         print("  (headers only; --scan reads every byte for scale statistics and code checks)")
     for p in r.get("problems", []):
@@ -154,8 +161,20 @@ def _print_plan(p: dict) -> None:
     for name, v in rows:
         print(f"  {name:<70} {_bytes(v):>12}")
     print(f"  fits: {'yes' if p['fits'] else 'NO'} (headroom {_bytes(p['headroom'])})")
-    print(f"  largest: {p['max_total_tokens']} tokens in KV cache -> context {p['max_context_at_concurrency']} at "
-          f"concurrency {p['concurrency']}, or concurrency {p['max_concurrency_at_context']} at context {p['context']}")
+    if not p.get("weights_fit", True):
+        if p["weights"] > p["usable_memory"]:
+            print(f"  nothing fits: the weights alone ({_bytes(p['weights'])}) exceed the usable "
+                  f"{_bytes(p['usable_memory'])}, at any context; more --gpu-memory is needed")
+        else:
+            print(f"  nothing fits: the weights ({_bytes(p['weights'])}) with the runtime overhead and one forward "
+                  f"step's activations need {_bytes(p['fixed_memory'])} before any KV cache, more than the usable "
+                  f"{_bytes(p['usable_memory'])}; more --gpu-memory is needed at any context")
+    elif p["max_context_at_concurrency"] == 0 and p["max_concurrency_at_context"] == 0:
+        print(f"  largest: the weights fit, but no KV cache for even one token at concurrency {p['concurrency']}")
+    else:
+        print(f"  largest: {p['max_total_tokens']} tokens in KV cache -> context {p['max_context_at_concurrency']} "
+              f"at concurrency {p['concurrency']}, or concurrency {p['max_concurrency_at_context']} at context "
+              f"{p['context']}")
     for w in p.get("warnings", []):
         print(f"  warning: {cli_wording(w)}")
 
@@ -225,9 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"ternary-rs {__version__}")
     ap.add_argument("-v", "--verbose", action="store_true", help="log timings and details to stderr")
     sub = ap.add_subparsers(dest="command", required=True, metavar="command")
+    # -v also after the command (`ternary-rs convert -v a b`); SUPPRESS keeps one given before it.
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="log timings and details to stderr")
 
     c = sub.add_parser(
-        "convert", formatter_class=_Help, help="convert to a vLLM directory or a ternary GGUF",
+        "convert", formatter_class=_Help, parents=[verbose], help="convert to a vLLM directory or a ternary GGUF",
         description=_para("Convert ternary checkpoints, streaming tensor by tensor. Output goes to a hidden sibling of "
                     "DST and is renamed into place only when complete; an existing DST is replaced only with "
                     "--force and only if ternary_rs wrote it. Several sources (or a glob) make a bulk job: DST is "
@@ -268,29 +291,31 @@ def build_parser() -> argparse.ArgumentParser:
                         "byte-level BPE and Llama SentencePiece) then fail")
 
     i = sub.add_parser(
-        "inspect", formatter_class=_Help, help="describe a checkpoint (headers only unless --scan)",
+        "inspect", formatter_class=_Help, parents=[verbose], help="describe a checkpoint (headers only unless --scan)",
         description=_para("Format, architecture, tensor counts by type, parameters, bits per weight, group sizes, the "
                     "Hadamard rotation and config consistency, from the headers alone (fast on any size). --scan "
                     "also reads every byte: scale statistics, invalid codes, and whether float weights hold "
                     "exactly ternary values."),
         epilog=_examples("ternary-rs inspect model.gguf", "ternary-rs inspect out_dir --scan --tensors",
                          "ternary-rs inspect model.gguf --json | jq .by_type"))
-    i.add_argument("path", help="GGUF, safetensors, *.index.json or model directory")
+    i.add_argument("path", nargs="+", help="GGUF, safetensors, *.index.json or model directory (several: one "
+                                           "report each)")
     i.add_argument("--scan", action="store_true", help="read every byte for the full statistics")
     i.add_argument("--tensors", action="store_true", help="also print the per-tensor table (with --json: include it)")
     i.add_argument("--json", action="store_true", help="machine-readable output")
 
     v = sub.add_parser(
-        "verify", formatter_class=_Help, help="check every byte; exit 1 on any problem",
+        "verify", formatter_class=_Help, parents=[verbose], help="check every byte; exit 1 on any problem",
         description=_para("Read every byte: NaN/Inf, all-zero or implausible scales, code 3, tensor bounds, config "
                     "consistency, the shard index, the tokenizer and (when there is a ternary_rs.json manifest) "
                     "the SHA-256 of every file. Says so when checksums could not be checked."),
         epilog=_examples("ternary-rs verify out_dir", "ternary-rs verify model.gguf --json"))
-    v.add_argument("path", help="GGUF, safetensors, *.index.json or model directory")
+    v.add_argument("path", nargs="+", help="GGUF, safetensors, *.index.json or model directory (several: each is "
+                                           "verified; exit 1 if any fails)")
     v.add_argument("--json", action="store_true", help="machine-readable output")
 
     p = sub.add_parser(
-        "plan", formatter_class=_Help, help="memory budget for serving with vLLM; exit 1 if it does not fit",
+        "plan", formatter_class=_Help, parents=[verbose], help="memory budget for serving with vLLM; exit 1 if it does not fit",
         description=_para("Weights as vLLM holds them, KV cache, recurrent state, activations and runtime overhead "
                     "against the usable GPU memory (90%, vLLM's default), and the largest context x concurrency "
                     "that fits. GPU memory is in binary units as vendors and nvidia-smi count it: 24, 24G, 24GB "
@@ -323,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="remove every cache entry no serve is using (then serve MODEL, if given)")
     s.add_argument("vllm_args", nargs=argparse.REMAINDER, help="options passed to vLLM's server")
 
-    d = sub.add_parser("demo", formatter_class=_Help, help="run the whole pipeline on a small built-in example",
+    d = sub.add_parser("demo", formatter_class=_Help, parents=[verbose], help="run the whole pipeline on a small built-in example",
                        description=_para("Write a small synthetic ternary GGUF, inspect it, convert it and verify the "
                                    "result, in a few seconds; with --serve, then serve it with vLLM and print a "
                                    "completion."),
@@ -333,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --keep: replace demo files an earlier demo wrote there (never a file of yours)")
     d.add_argument("--serve", action="store_true",
                    help="then serve the demo GGUF with `ternary-rs serve` (needs vLLM) and print a completion")
+    ap.subcommands = {"convert": c, "inspect": i, "verify": v, "plan": p, "serve": s, "demo": d}
     return ap
 
 
@@ -351,6 +377,10 @@ def _convert(args, ap: argparse.ArgumentParser) -> int:
     if args.gguf_type and kind != "gguf":
         ap.error(f"--gguf-type {args.gguf_type} applies to GGUF output only; add --to gguf or name the "
                  "destination *.gguf")
+    if args.group_size is not None and kind == "gguf":
+        from .convert import GGUF_GROUP_SIZE_MESSAGE
+
+        ap.error(cli_wording(GGUF_GROUP_SIZE_MESSAGE.format(group_size=args.group_size)))
     src = args.src if len(args.src) > 1 else args.src[0]
     try:
         out = convert(src, args.dst, to=args.to, gguf_type=args.gguf_type, group_size=args.group_size,
@@ -371,26 +401,60 @@ def _convert(args, ap: argparse.ArgumentParser) -> int:
     return EXIT_OK
 
 
+def _inspect_one(args, path: str) -> tuple[int, object]:
+    from .report import inspect
+
+    r = inspect(path, scan=args.scan)
+    if args.json:
+        if not args.tensors:
+            r = {k: v for k, v in r.items() if k != "tensor_table"}
+    else:
+        _print_inspect(r, args.tensors)
+    # inspect describes, and says so when what it found is wrong: a problem (the ones verify fails on)
+    # exits 1, like verify and plan, so a script cannot take a broken file for a good one.
+    return (EXIT_FAIL if r.get("problems") else EXIT_OK), r
+
+
+def _verify_one(args, path: str) -> tuple[int, object]:
+    from .report import verify
+
+    rep = verify(path)
+    if not args.json:
+        print(cli_wording(str(rep)))
+    return (EXIT_OK if rep.ok else EXIT_FAIL), rep.to_dict()
+
+
+def _each_path(args, one) -> int:
+    """inspect / verify of one or several paths: each reported (an unreadable one as an error line, and the
+    others still), exit 1 if any failed. ``--json`` prints one object, or a list of them for several paths."""
+    from .checkpoint import describe_error
+
+    status, results = EXIT_OK, []
+    for n, path in enumerate(args.path):
+        if n and not args.json:
+            print()
+        try:
+            rc, result = one(args, path)
+        except (OSError, ValueError, KeyError, TernaryError) as e:
+            if len(args.path) == 1:
+                raise
+            print(f"ternary-rs: {cli_wording(describe_error(e))}", file=sys.stderr)
+            rc, result = EXIT_FAIL, {"path": path, "error": describe_error(e)}
+        status = max(status, rc)
+        results.append(result)
+    if args.json:
+        print(json.dumps(results[0] if len(results) == 1 else results, indent=2, default=str))
+    return status
+
+
 def _run(args, ap: argparse.ArgumentParser) -> int:
+    ap = getattr(ap, "subcommands", {}).get(args.command, ap)  # usage errors show the command's own usage
     if args.command == "convert":
         return _convert(args, ap)
     if args.command == "inspect":
-        from .report import inspect
-
-        r = inspect(args.path, scan=args.scan)
-        if args.json:
-            if not args.tensors:
-                r = {k: v for k, v in r.items() if k != "tensor_table"}
-            print(json.dumps(r, indent=2, default=str))
-        else:
-            _print_inspect(r, args.tensors)
-        return EXIT_OK
+        return _each_path(args, _inspect_one)
     if args.command == "verify":
-        from .report import verify
-
-        rep = verify(args.path)
-        print(json.dumps(rep.to_dict(), indent=2) if args.json else cli_wording(str(rep)))
-        return EXIT_OK if rep.ok else EXIT_FAIL
+        return _each_path(args, _verify_one)
     if args.command == "plan":
         from .planner import plan
 
@@ -417,8 +481,16 @@ def _run(args, ap: argparse.ArgumentParser) -> int:
     return EXIT_USAGE
 
 
-def _exit_interrupted() -> int:
-    print("ternary-rs: interrupted; no output was left behind", file=sys.stderr)
+def _exit_interrupted(e: BaseException | None = None) -> int:
+    done = list(getattr(e, "results", None) or [])
+    if done:  # a bulk job: the outputs finished before the interrupt are complete and stay
+        for r in done:
+            print(f"wrote {r}")
+        print(f"ternary-rs: interrupted while converting {e.current}; {len(done)} output"
+              f"{'s' if len(done) != 1 else ''} written before it {'were' if len(done) != 1 else 'was'} kept "
+              f"({', '.join(map(str, done))}), nothing of {e.current} was left behind", file=sys.stderr)
+    else:
+        print("ternary-rs: interrupted; no output was left behind", file=sys.stderr)
     if threading.active_count() > 1:
         # The staging output is already removed; a worker still finishing a tensor or a hash would
         # make the interpreter wait for it at exit (it joins such threads). Its work is discarded.
@@ -435,10 +507,13 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="ternary-rs: %(message)s")
     # SIGTERM takes the same clean-up path as Ctrl-C (temporary outputs are removed).
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    stdout, sys.stdout = sys.stdout, _NamedStdout(sys.stdout)
     try:
-        return _run(args, ap)
-    except KeyboardInterrupt:
-        return _exit_interrupted()
+        status = _run(args, ap)
+        sys.stdout.flush()  # a full disk behind `> file` fails here, not unnamed at exit
+        return status
+    except KeyboardInterrupt as e:
+        return _exit_interrupted(e)
     except BrokenPipeError:
         # The reader went away (| head): stop quietly, and keep Python from complaining at exit.
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -449,4 +524,31 @@ def main(argv=None) -> int:
 
         return _fail(describe_error(e))
     finally:
+        sys.stdout = stdout
         signal.signal(signal.SIGTERM, previous)
+
+
+class _NamedStdout:
+    """sys.stdout whose write errors name it: ``standard output: no space left on device`` (``> /dev/full``),
+    not a bare errno. A closed pipe stays a BrokenPipeError (exit 141)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def _named(self, e: OSError) -> OSError:
+        return type(e)(e.errno, e.strerror, "standard output") if e.errno is not None else e
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise self._named(e) from None
+
+    def flush(self):
+        try:
+            return self._stream.flush()
+        except OSError as e:
+            raise self._named(e) from None

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ._core import FormatError, TernaryError, UnsupportedTypeError, ValidationError, __version__
+from ._core import FormatError, InvalidArgumentError, TernaryError, UnsupportedTypeError, ValidationError, __version__
 from .arch import arch_for_config, arch_for_gguf
 from .checkpoint import (
     GGUF_MARK_KEY,
@@ -48,8 +48,10 @@ from .checkpoint import (
     Staging,
     parse_size,
     quantization_config,
+    check_destination_folder,
     check_disjoint,
     describe_error,
+    warn_literal_tilde,
     run_jobs,
     write_manifest,
     write_shards,
@@ -60,10 +62,12 @@ from .storage import (
     GGUF_FLOAT_TYPE_IDS,
     GGUF_TERNARY_GROUPS,
     dense_ternary_group,
+    describe_non_ternary_types,
     float_view,
+    non_ternary_gguf_tensors,
     packed_safetensors,
 )
-from .io import not_found
+from .io import not_found, ternary_errors
 from .hf_gguf import (
     GENERATION_CONFIG,
     SIDE_FILES,
@@ -86,6 +90,10 @@ GGUF_OUTPUT_TYPES = {
 }
 # llama.cpp ``general.file_type`` for the upstream types (LLAMA_FTYPE_MOSTLY_TQ1_0 / TQ2_0).
 GGUF_FILE_TYPES = {"TQ1_0": 36, "TQ2_0": 37}
+# --group-size with GGUF output: the group of a GGUF is its type's block, so the option cannot apply.
+GGUF_GROUP_SIZE_MESSAGE = (
+    "group_size={group_size} applies to vLLM output only: a GGUF's group is fixed by its type (TQ1_0/TQ2_0: 256, "
+    "PQ2_0/PTQ1_0: 128); choose it with gguf_type")
 # A source tensor's scales for a per-tensor format broadcast to this group when nothing else decides.
 DEFAULT_GROUP_SIZE = 128
 
@@ -195,6 +203,15 @@ class Source:
     # -- classification
     def classify(self) -> list[SourceTensor]:
         self.tensors = self._classify_gguf() if self.is_gguf else self._classify_safetensors()
+        candidates = [st for st in self.tensors if st.candidate]
+        if candidates and not any(st.ternary for st in self.tensors):
+            # The rule verify, inspect and plan apply too: nothing ternary = not a ternary model. Writing a
+            # "ternary" checkpoint of float tensors would give an output that verify fails.
+            types = ", ".join(sorted({st.dtype for st in candidates}))
+            raise ConversionError(
+                f"{self.path}: not a ternary checkpoint: all {len(candidates)} linear weights are dense float "
+                f"({types}) with non-ternary values; nothing was written. ternary_rs converts ternary models; "
+                "to ternarize a dense model on purpose use ternary_rs.ternarize (lossy)")
         return self.tensors
 
     def _float_or_copy(self, name, hf, info, shape) -> SourceTensor:
@@ -222,6 +239,9 @@ class Source:
         arch, out = self.arch, []
         self.skipped = []
         n_blocks = arch.n_blocks_from_gguf(self.metadata, arch.gguf_arch)
+        foreign = non_ternary_gguf_tensors(self.file.tensors)
+        if foreign:  # all of them, up front (the rule inspect, verify and plan apply too)
+            raise UnsupportedTypeError(f"{self.path}: {describe_non_ternary_types(foreign)}; nothing was written")
         for name, info in self.file.tensors.items():
             try:
                 hf = arch.hf_name(name, n_blocks)
@@ -289,7 +309,14 @@ class Source:
         elif st.kind == "canonical":
             q = np.asarray(self.file.raw(st.name)).reshape(n, k // 4)
             s = np.asarray(self.file.raw(st.aux[0])).view(np.float16).reshape(n, k // st.group)
-            t = TernaryTensor(q, s, st.group, name=st.name)
+            try:
+                t = TernaryTensor(q, s, st.group, name=st.name)
+            except ValidationError as e:
+                if "scale" not in str(e):
+                    raise
+                # A bad scale lives in the .scales tensor: name that one, not the codes beside it.
+                raise ConversionError(f"{self.path}: tensor {st.aux[0]}: "
+                                      f"{str(e).split(': ', 1)[-1]}") from None
         elif st.kind == "ternarize":
             t = self.arch.ternarize_dense(self.file.raw(st.name), st.dtype, st.shape, group_size, st.name)
         else:
@@ -319,7 +346,7 @@ def choose_group_size(source: Source, requested: int | None) -> int:
     groups = [st.group for st in source.tensors if st.ternary and st.group is not None]
     if requested is not None:
         if requested not in SUPPORTED_GROUP_SIZES:
-            raise ValueError(f"--group-size {requested} not in {SUPPORTED_GROUP_SIZES}")
+            raise InvalidArgumentError(f"--group-size {requested} not in {SUPPORTED_GROUP_SIZES}")
         return requested
     g = min(groups) if groups else DEFAULT_GROUP_SIZE
     if g not in SUPPORTED_GROUP_SIZES:
@@ -391,6 +418,10 @@ def _gguf_side_files(source: Source, dtype: str, options: ConvertOptions, scratc
         source.path, source.metadata, list(source.file.tensors), source.arch, dtype, scratch,
         use_transformers=options.use_transformers)
     (scratch / "tokenizer").mkdir()
+    if "tokenizer.ggml.tokens" not in source.metadata:
+        log.warning("%s: the GGUF has no tokenizer (no tokenizer.ggml.tokens key), so no tokenizer files are "
+                    "written (vLLM then needs --tokenizer)", source.path)
+        return config
     tokenizer_from_gguf(meta_copy, source.metadata, scratch / "tokenizer")
     return config
 
@@ -618,6 +649,16 @@ class BulkConversionError(ConversionError):
         self.failures = failures
 
 
+class BulkInterrupted(KeyboardInterrupt):
+    """A bulk job interrupted (Ctrl-C, SIGTERM): ``results`` are the outputs completed before it (complete
+    and kept), ``current`` the input whose conversion was abandoned (nothing of it is left)."""
+
+    def __init__(self, results: list[Path], current: Path):
+        super().__init__(f"interrupted while converting {current}; {len(results)} outputs were complete")
+        self.results = list(results)
+        self.current = current
+
+
 def _expand_sources(src) -> tuple[list[Path], bool]:
     """Paths from one path, a glob, or a list of them; second item: whether this is a bulk job."""
     items = list(src) if isinstance(src, (list, tuple)) else [src]
@@ -764,17 +805,25 @@ def output_kind(dst, to: str | None, bulk: bool = False) -> str:
     """``"vllm"`` or ``"gguf"``: ``to`` if given, else GGUF for a destination named ``*.gguf`` (a single
     conversion), a vLLM directory otherwise. ``to="vllm"`` with a ``*.gguf`` name is refused: it would
     make a directory that looks like a file."""
-    looks_gguf = os.fspath(dst).lower().endswith(".gguf")
+    text = os.fspath(dst)
+    looks_gguf = text.lower().endswith(".gguf")
+    if text.endswith(("/", os.sep)) and text.rstrip("/" + os.sep).lower().endswith(".gguf") and not bulk \
+            and not (to == "gguf" and Path(text).is_dir()):
+        # "out.gguf/" names a folder (as the shell and every tool read a trailing slash) that looks like a
+        # file: refused rather than silently made (--to gguf into an existing folder of that name is fine).
+        raise ConversionError(f"{text}: a trailing '/' names a folder, but this name ends in .gguf; drop the '/' "
+                              "to write a GGUF file, or choose a folder name")
     if to is None:
         return "gguf" if looks_gguf and not bulk else "vllm"
     if to not in ("vllm", "gguf"):
-        raise ValueError(f"--to {to}: expected vllm or gguf")
+        raise InvalidArgumentError(f"--to {to}: expected vllm or gguf")
     if to == "vllm" and looks_gguf and not bulk:
         raise ConversionError(f"{dst}: --to vllm writes a directory, but this name ends in .gguf; drop --to vllm "
                               "to write a GGUF file, or choose a folder name")
     return to
 
 
+@ternary_errors()
 def convert(src, dst, to: str | None = None, gguf_type: str | None = None, group_size: int | None = None,
             threads: int | None = None, shard_size: int | str = "5GB", force: bool = False,
             progress: bool = True, *, use_transformers: bool = True, requantize: bool = False,
@@ -797,13 +846,18 @@ def convert(src, dst, to: str | None = None, gguf_type: str | None = None, group
     sources, bulk = _expand_sources(src)
     if not bulk:
         check_disjoint(sources, dst)  # first of all: a destination that is or holds the source is refused
+    tilde = warn_literal_tilde(dst)
+    if tilde:
+        log.warning("%s", tilde)
     to = output_kind(dst, to, bulk)
     if gguf_type and to != "gguf":
-        raise ValueError(f"--gguf-type {gguf_type} applies to GGUF output only (--to gguf, or a destination "
+        raise InvalidArgumentError(f"--gguf-type {gguf_type} applies to GGUF output only (--to gguf, or a destination "
                          "ending in .gguf)")
+    if group_size is not None and to == "gguf":
+        raise InvalidArgumentError(GGUF_GROUP_SIZE_MESSAGE.format(group_size=group_size))
     if threads is not None:
         if int(threads) < 1:
-            raise ValueError(f"--threads {threads}: must be at least 1")
+            raise InvalidArgumentError(f"--threads {threads}: must be at least 1")
         from ._core import set_num_threads
 
         set_num_threads(int(threads))
@@ -823,11 +877,13 @@ def convert(src, dst, to: str | None = None, gguf_type: str | None = None, group
         raise ConversionError(f"{out_root}: a bulk job writes one output per input into a folder; name a folder")
     targets = [out_root / default_output_name(s, to, options.gguf_type) for s in sources]
     _refuse_colliding_outputs(sources, targets)
+    created: list[Path] = []
     if not out_root.is_dir():
-        if not out_root.parent.is_dir() and not parents:
-            raise ConversionError(f"{out_root.parent}: no such file or directory (the folder of the destination "
-                                  f"{out_root.name}; pass --parents to create it)")
+        check_destination_folder(out_root, parents)
+        created = [q for q in reversed(out_root.absolute().parents) if not q.exists()] + [out_root.absolute()]
         out_root.mkdir(parents=True, exist_ok=True)
+    else:
+        check_destination_folder(out_root / "x", parents)  # out_root itself inside an output?
     results: list[Path] = []
     failures: list[tuple[Path, BaseException]] = []
     for s, target in zip(sources, targets):
@@ -836,6 +892,14 @@ def convert(src, dst, to: str | None = None, gguf_type: str | None = None, group
                                                                      "digests": {}, "stop": threading.Event()})))
         except (TernaryError, OSError, ValueError, KeyError) as e:
             failures.append((s, e))  # reported once, at the end
+        except KeyboardInterrupt as e:  # the outputs already renamed into place are complete: say which
+            raise BulkInterrupted(results, s) from e
+    if failures and not results:  # nothing was written: the folders this run made go again
+        for folder in reversed(created):
+            try:
+                folder.rmdir()
+            except OSError:
+                break
     if failures:
         lines = "\n".join(f"  {p}: {describe_error(e, p)}" for p, e in failures)
         raise BulkConversionError(f"{len(failures)} of {len(sources)} conversions failed:\n{lines}", results, failures)
@@ -866,7 +930,7 @@ def dequantize_checkpoint(vllm_dir, out_dir, dtype: str = "float32") -> Path:
         rotation = HadamardSpec.from_config(qc["hadamard"])
     np_dtype = {"float32": np.float32, "float16": np.float16}.get(dtype)
     if np_dtype is None:
-        raise ValueError(f"dtype {dtype!r}: expected float32 or float16")
+        raise InvalidArgumentError(f"dtype {dtype!r}: expected float32 or float16")
     try:
         import torch  # noqa: F401
 
@@ -915,5 +979,5 @@ def dequantize_checkpoint(vllm_dir, out_dir, dtype: str = "float32") -> Path:
 
 
 __all__ = [
-    "BulkConversionError", "ConversionError", "ConvertOptions", "convert", "dequantize_checkpoint",
+    "BulkConversionError", "BulkInterrupted", "ConversionError", "ConvertOptions", "convert", "dequantize_checkpoint",
 ]

@@ -31,6 +31,7 @@ import builtins
 import errno
 import json
 import os
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Self
@@ -38,10 +39,16 @@ from typing import Any, NamedTuple, Self
 import numpy as np
 
 from . import _core
-from ._core import FormatError, UnsupportedTypeError
+from ._core import FormatError, InvalidArgumentError, TensorNotFoundError, UnsupportedTypeError
 
 __all__ = ["GGML_TYPE_IDS", "GGUFWriter", "SafetensorsWriter", "TensorInfo", "TernaryFile", "not_found", "open"]
 
+# The core's message for a type id it has no layout for (it lists every id it knows, most not ternary).
+_UNKNOWN_GGML_TYPE = re.compile(r"^(.*?): tensor '(.*?)': unsupported ggml type id (\d+) \(at byte offset \d+\);")
+# Ids outside ggml's own list that ternary GGUFs in the wild use, by their name.
+_FOREIGN_GGML_TYPES = {
+    38: "TL1, bitnet.cpp's per-CPU lookup-table layout: convert its I2_S GGUF or safetensors instead",
+}
 # What ``open`` accepts, for "not a model file" errors.
 MODEL_FILE_KINDS = "a .gguf file, a .safetensors file, a *.safetensors.index.json or a model directory"
 
@@ -118,6 +125,9 @@ _new_tuple = tuple.__new__
 
 def _find_in_directory(d: Path) -> Path:
     """The checkpoint file of a model directory: an index, a single safetensors file, or a single GGUF."""
+    if not any(d.iterdir()):
+        raise FormatError(f"{d}: the folder is empty (a model folder holds a .gguf file, .safetensors files or "
+                          "a *.safetensors.index.json)")
     index = d / "model.safetensors.index.json"
     if index.is_file():
         return index
@@ -140,9 +150,76 @@ def _find_in_directory(d: Path) -> Path:
 
 
 def not_found(path: str | os.PathLike[str]) -> FileNotFoundError:
-    """The one "no such file" error of the package (``str()``: ``[Errno 2] no such file or directory: 'p'``;
+    """The one "no such file" error of the package, a :class:`ternary_rs.TernaryFileNotFoundError` (a
+    ``TernaryError`` and a ``FileNotFoundError``; ``str()``: ``[Errno 2] no such file or directory: 'p'``;
     the command line prints ``p: no such file or directory``)."""
-    return FileNotFoundError(errno.ENOENT, "no such file or directory", str(path))
+    return _core.TernaryFileNotFoundError(errno.ENOENT, "no such file or directory", str(path))
+
+
+# The ternary_rs checkpoint layouts this version reads (docs/checkpoint.md: quantization_config.format_version).
+SUPPORTED_FORMAT_VERSIONS = (1,)
+
+
+def check_format_version(config: Any, where: str | os.PathLike[str]) -> None:
+    """Refuse a ternary_rs checkpoint (``quant_method: "ternary"``) whose ``format_version`` this version does
+    not know: docs/checkpoint.md says a reader must (its layout may differ). A missing key means 1, as the vLLM
+    plugin reads it."""
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(qc, dict) or qc.get("quant_method") != "ternary" or "format_version" not in qc:
+        return
+    v = qc["format_version"]
+    if type(v) is not int or v not in SUPPORTED_FORMAT_VERSIONS:
+        supported = ", ".join(map(str, SUPPORTED_FORMAT_VERSIONS))
+        raise FormatError(
+            f"{where}: quantization_config.format_version is {json.dumps(v)}, but this ternary_rs "
+            f"({_core.__version__}) reads format_version {supported} only; refusing to read the checkpoint "
+            "(a newer ternary_rs may have written it)")
+
+
+_OS_ERROR_CLASSES = {
+    errno.ENOENT: "TernaryFileNotFoundError", errno.EACCES: "TernaryPermissionError",
+    errno.EPERM: "TernaryPermissionError", errno.EEXIST: "TernaryFileExistsError",
+    errno.EISDIR: "TernaryIsADirectoryError", errno.ENOTDIR: "TernaryNotADirectoryError",
+}
+
+
+def as_ternary_error(e: BaseException) -> BaseException:
+    """``e`` if it is a :class:`TernaryError` (or not an ``OSError``), else the same ``OSError`` (errno,
+    message, file names) as ternary_rs's subclass of it, which is also a ``TernaryError``."""
+    if isinstance(e, _core.TernaryError) or not isinstance(e, OSError):
+        return e
+    cls = getattr(_core, _OS_ERROR_CLASSES.get(e.errno or 0, "TernaryOSError"))
+    if e.errno is None:
+        return cls(str(e))
+    args = (e.errno, e.strerror) + ((e.filename,) if e.filename is not None else ())
+    if e.filename2 is not None:
+        args += (None, e.filename2)
+    return cls(*args)
+
+
+class ternary_errors:  # noqa: N801 - used as a decorator and a context manager
+    """Re-raise built-in ``OSError`` s as ternary_rs's subclasses (see :func:`as_ternary_error`), so every
+    error of the public API is a ``TernaryError`` and ``except OSError`` still catches them."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None:
+            fixed = as_ternary_error(exc)
+            if fixed is not exc:
+                raise fixed.with_traceback(tb) from exc.__cause__
+        return False
+
+    def __call__(self, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            with ternary_errors():
+                return fn(*args, **kwargs)
+
+        return wrapped
 
 
 def _sniff_is_gguf(p: Path) -> bool:
@@ -203,6 +280,12 @@ class TernaryFile:
         self._metadata_types: dict[str, str] | None = None
         self._config: Any = ...
         self._closed = False
+        if self._st is not None:  # a checkpoint of an unknown layout is not read at all
+            try:
+                config = self.config
+            except FormatError:
+                config = None  # unreadable config.json: reported when .config is used
+            check_format_version(config, self._config_dir / "config.json")
 
     # ---- header information -------------------------------------------------------------------
     @property
@@ -272,7 +355,7 @@ class TernaryFile:
         try:
             return self.tensors[name]
         except KeyError:
-            raise KeyError(f"{self._target}: no tensor named {name!r}") from None
+            raise TensorNotFoundError(f"{self._target}: no tensor named {name!r}") from None
 
     def _mapping_for(self, name: str):
         return self._mappings[self._shard_of.get(name, 0)]
@@ -335,7 +418,7 @@ class TernaryFile:
     # ---- lifetime ------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError(f"{self._target}: file is closed")
+            raise InvalidArgumentError(f"{self._target}: file is closed")
 
     def close(self) -> None:
         """Release this object's reference to the map(s). Views from :meth:`raw` stay valid."""
@@ -370,10 +453,32 @@ class TernaryFile:
         return f"<{state}TernaryFile {self.format}{extra} {str(self._target)!r}, {n} tensors>"
 
 
+@ternary_errors()
 def open(path: str | os.PathLike[str]) -> TernaryFile:
     """Open a ``.gguf``, a ``.safetensors``, an ``*.index.json`` or a model directory (which must hold
     ``model.safetensors.index.json``, a single ``*.safetensors``, or a single ``*.gguf``)."""
-    return TernaryFile(path)
+    try:
+        return TernaryFile(path)
+    except UnsupportedTypeError as e:
+        m = _UNKNOWN_GGML_TYPE.match(str(e))
+        if m is None:
+            raise
+        from .storage import FLOAT_BYTES, GGUF_TERNARY_GROUPS
+
+        type_id = int(m.group(3))
+        name = _FOREIGN_GGML_TYPES.get(type_id)
+        what = f"ggml type {type_id}" + (f" ({name})" if name else ", which no ggml type list ternary_rs knows has")
+        raise UnsupportedTypeError(
+            f"{m.group(1)}: tensor '{m.group(2)}' has {what}; ternary_rs reads the ternary types "
+            f"{', '.join(t for t in GGUF_TERNARY_GROUPS if t != 'Q2_0_G128')} and the float types "
+            f"{', '.join(FLOAT_BYTES)}") from None
+    except FormatError as e:
+        text = str(e)
+        # The core gives every format error an offset; 0 is a real one only for the file's first bytes
+        # (magic, header length). A shard an index names, a metadata key's value: no offset applies.
+        if text.endswith(" (at byte offset 0)") and not re.search(r"magic|header length|header size", text):
+            raise FormatError(text[: -len(" (at byte offset 0)")]) from None
+        raise
 
 
 # ---- writers ---------------------------------------------------------------------------------------
@@ -402,7 +507,7 @@ def _infer_gguf_type(value: Any) -> str:
         return "f32"
     if isinstance(value, int):
         return "i32"
-    raise TypeError(f"cannot infer a GGUF type for {type(value).__name__} value {value!r}; pass type=")
+    raise InvalidArgumentError(f"cannot infer a GGUF type for {type(value).__name__} value {value!r}; pass type=")
 
 
 def _split_array_type(t: str) -> str | None:
@@ -411,7 +516,7 @@ def _split_array_type(t: str) -> str | None:
         return None
     if t.startswith("array[") and t.endswith("]"):
         return t[len("array["):-1]
-    raise ValueError(f"unknown GGUF value type {t!r}; use one of {', '.join(_GGUF_SCALARS)}, array[<elem>]")
+    raise InvalidArgumentError(f"unknown GGUF value type {t!r}; use one of {', '.join(_GGUF_SCALARS)}, array[<elem>]")
 
 
 def _typed_value(value: Any, t: str | None) -> tuple[str, Any]:
@@ -428,14 +533,14 @@ def _typed_value(value: Any, t: str | None) -> tuple[str, Any]:
     items = list(value.tolist() if isinstance(value, np.ndarray) else value)
     if inner is None:
         if not items:
-            raise ValueError("cannot infer the element type of an empty list; pass type='array[<elem>]'")
+            raise InvalidArgumentError("cannot infer the element type of an empty list; pass type='array[<elem>]'")
         inner = _infer_gguf_type(items[0])
     elem = "array" if inner.startswith("array") else inner
     payload = []
     for it in items:
         it_t, it_v = _typed_value(it, inner if inner != "array" else None)
         if it_t != elem:
-            raise ValueError(f"array element {it!r} is a {it_t}, but the array holds {elem}")
+            raise InvalidArgumentError(f"array element {it!r} is a {it_t}, but the array holds {elem}")
         payload.append(it_v)
     return "array", (elem, payload)
 
@@ -505,7 +610,7 @@ class GGUFWriter(_StreamingWriter):
             try:
                 type_id = GGML_TYPE_IDS[type_id]
             except KeyError:
-                raise ValueError(f"unknown ggml type name {type_id!r}; known: {', '.join(GGML_TYPE_IDS)}") from None
+                raise InvalidArgumentError(f"unknown ggml type name {type_id!r}; known: {', '.join(GGML_TYPE_IDS)}") from None
         ne = [int(d) for d in reversed(tuple(shape))]
         self._w.add_tensor_info(name, ne, int(type_id), int(nbytes))
 
@@ -521,7 +626,7 @@ def _safetensors_dtype(dtype: Any) -> str:
     for name, d in _NUMPY_DTYPES.items():
         if np.dtype(d) == dt:
             return name
-    raise TypeError(f"no safetensors dtype for {dt}")
+    raise InvalidArgumentError(f"no safetensors dtype for {dt}")
 
 
 class SafetensorsWriter(_StreamingWriter):

@@ -28,6 +28,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ._core import InvalidArgumentError, UnsupportedTypeError
+from .io import ternary_errors
 from .report import _build_report
 
 GPU_MEMORY_UTILIZATION = 0.9
@@ -48,14 +50,14 @@ GPU_MEMORY_UNITS = {
 def parse_gpu_memory(value: int | float | str) -> int:
     """GPU memory in bytes: ``24``, ``24G``, ``24GB`` and ``24GiB`` are all 24·2³⁰; ``80000MiB``, ``512B``."""
     if isinstance(value, bool):
-        raise ValueError(f"GPU memory {value!r}: expected a size such as 24, 24G or 80GiB")
+        raise InvalidArgumentError(f"GPU memory {value!r}: expected a size such as 24, 24G or 80GiB")
     text = str(value)
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).upper() not in GPU_MEMORY_UNITS:
-        raise ValueError(f"GPU memory {value!r}: expected a size such as 24 (GiB), 24G, 80GiB or 16000MiB")
+        raise InvalidArgumentError(f"GPU memory {value!r}: expected a size such as 24 (GiB), 24G, 80GiB or 16000MiB")
     size = int(float(m.group(1)) * GPU_MEMORY_UNITS[m.group(2).upper()])
     if size <= 0:
-        raise ValueError(f"GPU memory {value!r} must be positive")
+        raise InvalidArgumentError(f"GPU memory {value!r} must be positive")
     return size
 
 
@@ -96,20 +98,24 @@ def served_weight_bytes(report: dict[str, Any]) -> tuple[int, int]:
     return total, g
 
 
+@ternary_errors()
 def plan(path, context: int = 8192, concurrency: int = 8, gpu_memory: int | float | str = 24,
          kv_dtype: str = "fp16", gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION) -> dict[str, Any]:
     """Memory budget for serving ``path`` (see the module doc for every formula and the units of
     ``gpu_memory``; ``gpu_memory_utilization`` is vLLM's option of that name). ``warnings`` lists what
     makes the numbers doubtful (a context above the model's)."""
     if context <= 0 or concurrency <= 0:
-        raise ValueError("context and concurrency must be positive")
+        raise InvalidArgumentError("context and concurrency must be positive")
     if kv_dtype not in KV_DTYPE_BYTES:
-        raise ValueError(f"kv_dtype {kv_dtype!r}: expected one of {sorted(KV_DTYPE_BYTES)}")
+        raise InvalidArgumentError(f"kv_dtype {kv_dtype!r}: expected one of {sorted(KV_DTYPE_BYTES)}")
     report, _, _ = _build_report(Path(path), "sample")  # float weights: would convert store them ternary?
+    if report.get("not_ternary"):  # convert refuses it and ternary_rs cannot serve it: no plan to make
+        raise UnsupportedTypeError(f"{path}: {report['not_ternary']}; ternary_rs serves ternary models only, so "
+                                   "there is nothing to plan")
     cfg = report["config"]
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads"):
         if not cfg.get(key):
-            raise ValueError(f"{path}: cannot plan without {key} in the config/metadata")
+            raise InvalidArgumentError(f"{path}: cannot plan without {key} in the config/metadata")
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
@@ -120,7 +126,7 @@ def plan(path, context: int = 8192, concurrency: int = 8, gpu_memory: int | floa
     kv_bytes = KV_DTYPE_BYTES[kv_dtype]
     gpu = parse_gpu_memory(gpu_memory)
     if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization}: expected a fraction in (0, 1]")
+        raise InvalidArgumentError(f"gpu_memory_utilization {gpu_memory_utilization}: expected a fraction in (0, 1]")
     usable = int(gpu * gpu_memory_utilization)
 
     weights, group = served_weight_bytes(report)
@@ -162,6 +168,10 @@ def plan(path, context: int = 8192, concurrency: int = 8, gpu_memory: int | floa
         "concurrency": concurrency,
         "total": needed,
         "fits": needed <= usable,
+        # False when the weights, runtime and one forward step alone exceed the usable memory: then no
+        # context or concurrency fits at all.
+        "weights_fit": free_for_seqs > 0,
+        "fixed_memory": weights + RUNTIME_OVERHEAD + act_fixed,  # needed before any sequence
         "headroom": usable - needed,
         "max_total_tokens": max(0, int(max_tokens)),
         "max_context_at_concurrency": int(max_context),

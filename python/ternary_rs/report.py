@@ -23,10 +23,18 @@ from typing import Any
 
 import numpy as np
 
-from ._core import TernaryError, ValidationError
+from ._core import InvalidArgumentError, TernaryError, ValidationError
 from .checkpoint import INDEX_NAME, MANIFEST_NAME, sha256_file
-from .io import not_found
-from .storage import FLOAT_BYTES, GGUF_TERNARY_GROUPS, dense_ternary_group, float_view, packed_safetensors
+from .io import not_found, ternary_errors
+from .storage import (
+    FLOAT_BYTES,
+    GGUF_TERNARY_GROUPS,
+    dense_ternary_group,
+    describe_non_ternary_types,
+    float_view,
+    non_ternary_gguf_tensors,
+    packed_safetensors,
+)
 
 INSPECT_SAMPLE_ROWS = 256
 SCAN_CHUNK_BYTES = 64 << 20
@@ -249,6 +257,7 @@ def _scan_tensors(f, level: str, problems: list[str], warnings: list[str], path:
                 if not full:
                     raise _Skip
                 scales = np.asarray(f.raw(f"{base}.scales")).view(np.float16)
+                e["scales_tensor"] = f"{base}.scales"
                 codes = f.raw(name)
             elif packs.get(name, ("",))[0] == "MLX":
                 sc, bi = tensors[f"{base}.scales"], tensors[f"{base}.biases"]
@@ -259,6 +268,7 @@ def _scan_tensors(f, level: str, problems: list[str], warnings: list[str], path:
                 if not full:
                     raise _Skip
                 scales = float_of(f, f"{base}.scales", sc.type)
+                e["scales_tensor"] = f"{base}.scales"
                 biases = float_of(f, f"{base}.biases", bi.type)
                 if not np.array_equal(scales + biases, np.zeros_like(scales)):
                     bad = int(np.count_nonzero(scales + biases))
@@ -271,6 +281,7 @@ def _scan_tensors(f, level: str, problems: list[str], warnings: list[str], path:
                 if not full:
                     raise _Skip
                 scales = float_of(f, f"{name}_scale", sc.type)
+                e["scales_tensor"] = f"{name}_scale"
                 codes = f.raw(name)
             elif typ in FLOAT_BYTES and _linear_candidate(name, shape) and shape[1] % 32 == 0:
                 e["checked_rows"] = 0
@@ -398,7 +409,7 @@ def _build_report(path, level: str) -> tuple[dict[str, Any], list[str], list[str
     from .io import open as open_checkpoint
 
     if level not in LEVELS:
-        raise ValueError(f"level {level!r}: expected one of {LEVELS}")
+        raise InvalidArgumentError(f"level {level!r}: expected one of {LEVELS}")
     path = Path(path)
     f = open_checkpoint(path)
     problems: list[str] = []
@@ -426,22 +437,32 @@ def _build_report(path, level: str) -> tuple[dict[str, Any], list[str], list[str
     unchecked = [e["name"] for e in linear if e["kind"] == "float" and not e.get("checked_rows")]
     groups = sorted({e["group_size"] for e in ternary if e["group_size"]})
     stats = None
+    # The rule convert, verify, inspect and plan share (storage.non_ternary_gguf_tensors): a GGUF tensor of a
+    # type that is neither ternary nor float makes the file not a ternary model.
+    foreign = non_ternary_gguf_tensors(f.tensors) if f.format == "gguf" else []
+    not_ternary = describe_non_ternary_types(foreign) if foreign else None
+    if not_ternary:
+        problems.append(not_ternary)
+    invalid = set()  # ternary tensors whose bytes are not a valid ternary weight (code 3, NaN/Inf scales)
     for e in ternary:
         if "scales" in e:
             sc = e["scales"]
             stats = _merge_stats(stats, sc)
+            where = e.get("scales_tensor", e["name"])  # a bad scale is blamed on the tensor that holds it
             if sc["nan"] or sc["inf"]:  # the index ternary_rs.decode's validation reports for a bad scale
-                problems.append(f"{e['name']}: {sc['nan']} NaN and {sc['inf']} Inf scales "
+                invalid.add(e["name"])
+                problems.append(f"{where}: {sc['nan']} NaN and {sc['inf']} Inf scales "
                                 f"(first at scale index {sc['first_nonfinite']})")
             if sc["count"] and sc["zero"] == sc["count"]:
-                problems.append(f"{e['name']}: all {sc['count']} scales are 0: the weight is all zeros")
+                problems.append(f"{where}: all {sc['count']} scales are 0: the weight is all zeros")
             if sc["implausible"]:
-                problems.append(f"{e['name']}: {sc['implausible']} scales have |s| > {MAX_PLAUSIBLE_SCALE:g} "
+                problems.append(f"{where}: {sc['implausible']} scales have |s| > {MAX_PLAUSIBLE_SCALE:g} "
                                 f"(first at scale index {sc['first_implausible']}): not a trained layer's scale")
             if sc["negative"]:
-                warnings.append(f"{e['name']}: {sc['negative']} negative scales (first at scale index "
+                warnings.append(f"{where}: {sc['negative']} negative scales (first at scale index "
                                 f"{sc['first_negative']}); converters keep the sign in the codes")
         if e.get("code3"):
+            invalid.add(e["name"])
             api = e.get("api_error") or {}
             at = f" (first at index {api['first_index']}, as ternary_rs.decode reports it)" \
                 if api.get("first_index") is not None else ""
@@ -479,12 +500,17 @@ def _build_report(path, level: str) -> tuple[dict[str, Any], list[str], list[str
                         f"({', '.join(sorted({e['type'] for e in linear}))}); their values were not read "
                         "(inspect --scan tells whether they hold exactly ternary values)")
     elif linear and len(float_linear) == len(linear):
+        # convert refuses it too (it holds nothing ternary): a problem whatever the file claims to be.
         msg = (f"not a ternary checkpoint: all {len(linear)} linear weights are dense float "
-               f"({', '.join(sorted({by for by in (e['type'] for e in linear)}))}) with non-ternary values")
-        (problems if claims else warnings).append(("fake ternary: " if claims else "") + msg)
+               f"({', '.join(sorted({by for by in (e['type'] for e in linear)}))}) with non-ternary values"
+               + (f" (first {INSPECT_SAMPLE_ROWS} rows of each checked)" if level == "sample" else ""))
+        not_ternary = not_ternary or msg
+        problems.append(("fake ternary: " if claims else "") + msg)
     elif float_linear:
         warnings.append(f"{len(float_linear)} of {len(linear)} linear weights are float, not ternary: "
                         + ", ".join(float_linear[:8]) + (" …" if len(float_linear) > 8 else ""))
+    if foreign or invalid:
+        is_ternary = False
     if len(groups) > 1:
         warnings.append(f"mixed group sizes {groups}: conversion uses the smallest")
     report = {
@@ -513,12 +539,17 @@ def _build_report(path, level: str) -> tuple[dict[str, Any], list[str], list[str
             "sampled_rows": INSPECT_SAMPLE_ROWS if level == "sample" else None,
         },
         "is_ternary": is_ternary,
+        # Why this is not a ternary model at all (non-ternary GGUF types, or only dense non-ternary linear
+        # weights): convert refuses it, verify fails, plan refuses. None otherwise.
+        "not_ternary": not_ternary,
+        "invalid_ternary_tensors": sorted(invalid),
         "claims_ternary": claims,
         "tensor_table": entries,
     }
     return report, problems, warnings
 
 
+@ternary_errors()
 def inspect(path, scan: bool = False) -> dict[str, Any]:
     """A summary of a checkpoint (see module doc): headers only, or with ``scan`` every byte (scale
     statistics, code 3, exactly-ternary float weights). ``problems`` / ``warnings`` list what looks wrong."""
@@ -551,6 +582,8 @@ class VerifyReport:
             status = "FAILED"
         elif self.checksums_not_checked:
             status = f"OK, but SHA-256 not checked ({self.checksums_not_checked})"
+        elif self.checked_files == 1:
+            status = f"OK (its SHA-256 matches {MANIFEST_NAME})"
         else:
             status = f"OK ({self.checked_files} files match the SHA-256 sums of {MANIFEST_NAME})"
         head = f"{self.path}: {status}"
@@ -558,7 +591,7 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _check_manifest(root: Path, problems: list[str], warnings: list[str]) -> int:
+def _check_manifest(root: Path, problems: list[str], warnings: list[str], missing: set[str] | None = None) -> int:
     manifest_path = root / MANIFEST_NAME
     if not manifest_path.is_file():
         return 0
@@ -573,6 +606,8 @@ def _check_manifest(root: Path, problems: list[str], warnings: list[str]) -> int
         p = root / rel
         if not p.is_file():
             problems.append(f"{rel}: listed in {MANIFEST_NAME} but missing")
+            if missing is not None:
+                missing.add(rel)
             continue
         size = p.stat().st_size
         if size != want.get("size"):
@@ -589,7 +624,31 @@ def _check_manifest(root: Path, problems: list[str], warnings: list[str]) -> int
     return checked
 
 
-def _check_index(root: Path, problems: list[str]) -> None:
+def _check_one_listed(path: Path, problems: list[str]) -> tuple[int, str | None]:
+    """A single file next to a manifest: its own size and SHA-256 against its entry there. Returns (files
+    checked, why not checked)."""
+    manifest_path = path.parent / MANIFEST_NAME
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problems.append(f"{manifest_path}: unreadable manifest ({e})")
+        return 0, None
+    want = files.get(path.name) if isinstance(files, dict) else None
+    if not isinstance(want, dict):
+        return 0, f"{MANIFEST_NAME} next to it does not list {path.name}"
+    size = path.stat().st_size
+    if size != want.get("size"):
+        problems.append(f"{path}: size {size}, {MANIFEST_NAME} says {want.get('size')} (truncated or replaced)")
+        return 0, None
+    digest = sha256_file(path)
+    if digest != want.get("sha256"):
+        problems.append(f"{path}: SHA-256 {digest[:16]}… does not match {MANIFEST_NAME} "
+                        f"({str(want.get('sha256'))[:16]}…)")
+    return 1, None
+
+
+def _check_index(root: Path, problems: list[str], missing: set[str] | None = None) -> None:
+    missing = set() if missing is None else missing
     index_path = root / INDEX_NAME
     if not index_path.is_file():
         return
@@ -599,8 +658,13 @@ def _check_index(root: Path, problems: list[str]) -> None:
         problems.append(f"{index_path}: unreadable index ({e})")
         return
     for shard in sorted(set(weight_map.values())):
-        if not (root / shard).is_file():
+        if not (root / shard).is_file() and shard not in missing:
             problems.append(f"{INDEX_NAME}: shard {shard} is missing")
+            missing.add(shard)
+        elif not (root / shard).is_file():  # the manifest check reported it: one line naming both lists
+            idx = next((i for i, p in enumerate(problems) if p.startswith(f"{shard}: listed in")), None)
+            if idx is not None:
+                problems[idx] = f"{shard}: missing (listed in {MANIFEST_NAME} and {INDEX_NAME})"
 
 
 def _check_vllm_contract(root: Path, report: dict[str, Any], problems: list[str]) -> None:
@@ -634,6 +698,7 @@ def _gguf_keys(path: Path) -> list[str]:
         return list(f.metadata)
 
 
+@ternary_errors()
 def verify(path) -> VerifyReport:
     """Full check (see module doc); ``bool(report)`` is True only when nothing is wrong. A missing path
     raises ``FileNotFoundError`` (like ``inspect``), a damaged file is a problem in the report."""
@@ -646,22 +711,27 @@ def verify(path) -> VerifyReport:
     root = path if path.is_dir() else path.parent
     checked = 0
     not_checked = None
+    missing: set[str] = set()  # files reported missing once (manifest or index), not again by the reader
     if path.is_dir():
         if (path / MANIFEST_NAME).is_file():
-            checked = _check_manifest(path, problems, warnings)
+            checked = _check_manifest(path, problems, warnings, missing)
         else:
             not_checked = f"no {MANIFEST_NAME} manifest"
-        _check_index(path, problems)
+        _check_index(path, problems, missing)
+    elif (path.parent / MANIFEST_NAME).is_file():  # a file of a ternary_rs output (one shard, say)
+        checked, not_checked = _check_one_listed(path, problems)
     else:
-        not_checked = "a single file carries no manifest"
+        not_checked = f"a single file carries no manifest, and there is no {MANIFEST_NAME} next to it"
     try:
         details, p2, w2 = _build_report(path, "full")
         problems += p2
         warnings += w2
         _check_vllm_contract(root, details, problems)
         _check_tokenizer(path, details, warnings)
-    except TernaryError as e:
-        problems.append(f"{type(e).__name__}: {e}")
-    except (OSError, ValueError) as e:
-        problems.append(f"{type(e).__name__}: {e}")
+    except (TernaryError, OSError, ValueError) as e:
+        from .checkpoint import describe_error
+
+        text = describe_error(e)
+        if not any(f"'{name}'" in text or f" {name} " in text for name in missing):  # said once already
+            problems.append(text)
     return VerifyReport(str(path), not problems, problems, warnings, checked, details, not_checked)

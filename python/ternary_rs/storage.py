@@ -21,9 +21,35 @@ GGUF_TERNARY_GROUPS = {
     "TQ1_0": 256, "TQ2_0": 256, "PQ2_0": 128, "PTQ1_0": 128,
     "Q2_0": 64, "Q2_0_G128": 128, "Q1_0": 128, "I2_S": None,
 }
+# What ``convert`` reads from a GGUF: these ternary types and the float types; nothing else.
+GGUF_READABLE_TYPES = tuple(GGUF_TERNARY_GROUPS) + tuple(FLOAT_BYTES)
 # Dense detection works on groups of this many values, then merges them into larger groups.
 DETECT_GROUP = 32
 DETECT_CHUNK_BYTES = 64 << 20
+
+
+def non_ternary_gguf_tensors(tensors) -> list[tuple[str, str]]:
+    """``(name, type)`` of the GGUF tensors whose type is neither ternary nor float (Q8_0, Q4_0, Q6_K …).
+
+    The one rule ``convert``, ``verify``, ``inspect`` and ``plan`` share: such a tensor makes the file not a
+    ternary model (``convert`` refuses it, ``verify`` fails, ``inspect`` says "really ternary: NO", ``plan``
+    refuses)."""
+    return [(name, info.type) for name, info in tensors.items() if info.type not in GGUF_READABLE_TYPES]
+
+
+def describe_non_ternary_types(bad: Sequence[tuple[str, str]], shown: int = 3) -> str:
+    """One sentence for :func:`non_ternary_gguf_tensors`' result: the types, and the first tensors of each."""
+    by_type: dict[str, list[str]] = {}
+    for name, typ in bad:
+        by_type.setdefault(typ, []).append(name)
+    parts = []
+    for typ, names in sorted(by_type.items(), key=lambda kv: -len(kv[1])):
+        more = f" and {len(names) - shown} more" if len(names) > shown else ""
+        parts.append(f"{typ}: {', '.join(names[:shown])}{more}")
+    return (f"not a ternary model: {len(bad)} tensor{'s' if len(bad) != 1 else ''} of non-ternary GGUF "
+            f"type{'s' if len(by_type) > 1 else ''} ({'; '.join(parts)}); ternary_rs reads the ternary types "
+            f"{', '.join(t for t in GGUF_TERNARY_GROUPS if t != 'Q2_0_G128')} and the float types "
+            f"{', '.join(FLOAT_BYTES)}")
 
 
 def float_view(raw: np.ndarray, dtype: str) -> np.ndarray:

@@ -24,6 +24,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import _core
+from ._core import InvalidArgumentError, TensorNotFoundError
 
 __all__ = [
     "TernaryTensor",
@@ -69,7 +70,7 @@ def _dtype_name(dtype: Any) -> str:
         "bfloat16": "bfloat16", "bf16": "bfloat16",
     }
     if key not in aliases:
-        raise ValueError(f"dequantize dtype must be float32, float16 or bfloat16, not {dtype!r}")
+        raise InvalidArgumentError(f"dequantize dtype must be float32, float16 or bfloat16, not {dtype!r}")
     return aliases[key]
 
 
@@ -87,7 +88,7 @@ def _as_u8(data: Any) -> np.ndarray:
 def _scale_bits(scales: np.ndarray) -> np.ndarray:
     scales = np.asarray(scales)
     if scales.dtype != np.float16:
-        raise TypeError(f"scales must be float16, got {scales.dtype}")
+        raise InvalidArgumentError(f"scales must be float16, got {scales.dtype}")
     return np.ascontiguousarray(scales).view(np.uint16)
 
 
@@ -112,17 +113,17 @@ class TernaryTensor:
         qweight = np.asarray(qweight)
         scales = np.asarray(scales)
         if qweight.dtype != np.uint8 or qweight.ndim != 2:
-            raise TypeError(f"qweight must be a 2-D uint8 array [N, K/4], got {qweight.dtype} {qweight.shape}")
+            raise InvalidArgumentError(f"qweight must be a 2-D uint8 array [N, K/4], got {qweight.dtype} {qweight.shape}")
         if scales.dtype != np.float16 or scales.ndim != 2:
-            raise TypeError(f"scales must be a 2-D float16 array [N, K/g], got {scales.dtype} {scales.shape}")
+            raise InvalidArgumentError(f"scales must be a 2-D float16 array [N, K/g], got {scales.dtype} {scales.shape}")
         rows, cols = qweight.shape[0], qweight.shape[1] * 4
         if scales.shape[0] != rows or scales.shape[1] == 0 or cols % scales.shape[1]:
-            raise ValueError(f"scales {scales.shape} do not fit qweight {qweight.shape} (K = {cols})")
+            raise InvalidArgumentError(f"scales {scales.shape} do not fit qweight {qweight.shape} (K = {cols})")
         inferred = cols // scales.shape[1]
         if group_size is not None and group_size != inferred:
-            raise ValueError(f"group_size {group_size} does not match scales {scales.shape} for K = {cols}")
+            raise InvalidArgumentError(f"group_size {group_size} does not match scales {scales.shape} for K = {cols}")
         if inferred not in _core.GROUP_SIZES:
-            raise ValueError(f"group size {inferred} is not one of {', '.join(map(str, _core.GROUP_SIZES))}")
+            raise InvalidArgumentError(f"group size {inferred} is not one of {', '.join(map(str, _core.GROUP_SIZES))}")
         self.qweight = qweight
         self.scales = scales
         self.group_size = inferred
@@ -181,10 +182,10 @@ class TernaryTensor:
             import torch
 
             if out.dtype != getattr(torch, name) or out.device.type != "cpu":
-                raise TypeError(f"out must be a CPU torch.{name} tensor, got {out.dtype} on {out.device}")
+                raise InvalidArgumentError(f"out must be a CPU torch.{name} tensor, got {out.dtype} on {out.device}")
             target = out.numpy() if name == "float32" else out.view(torch.int16).numpy().view(np.uint16)
         if target.shape != self.shape:
-            raise ValueError(f"out has shape {target.shape}, expected {self.shape}")
+            raise InvalidArgumentError(f"out has shape {target.shape}, expected {self.shape}")
         _core.dequantize_into(*self._args(), target, dtype=name)
         if want_torch or not isinstance(out, np.ndarray):
             return out
@@ -218,14 +219,14 @@ def pack_codes(trits: np.ndarray) -> np.ndarray:
     trits = np.asarray(trits)
     if trits.dtype != np.int8:
         if not np.issubdtype(trits.dtype, np.integer):
-            raise TypeError(f"trits must be an integer array, got {trits.dtype}")
+            raise InvalidArgumentError(f"trits must be an integer array, got {trits.dtype}")
         bad = np.flatnonzero((trits < -1) | (trits > 1))
         if bad.size:
             raise _core.ValidationError(
                 f"tensor '<trits>': trit outside {{-1, 0, 1}} (first at index {bad[0]}, {bad.size} in total)")
         trits = trits.astype(np.int8)
     if trits.ndim == 0 or trits.shape[-1] % 4:
-        raise ValueError(f"the last dimension of trits must be a multiple of 4, got shape {trits.shape}")
+        raise InvalidArgumentError(f"the last dimension of trits must be a multiple of 4, got shape {trits.shape}")
     return _core.pack_codes(np.ascontiguousarray(trits))
 
 
@@ -233,7 +234,7 @@ def unpack_codes(qweight: np.ndarray) -> np.ndarray:
     """Canonical code bytes uint8 ``[..., K/4]`` → int8 trits ``[..., K]`` (code 3 reads as +2)."""
     qweight = np.asarray(qweight)
     if qweight.dtype != np.uint8:
-        raise TypeError(f"qweight must be uint8, got {qweight.dtype}")
+        raise InvalidArgumentError(f"qweight must be uint8, got {qweight.dtype}")
     return _core.unpack_codes(np.ascontiguousarray(qweight))
 
 
@@ -251,7 +252,7 @@ def _default_group(cols: int, preferred: int = 128) -> int:
     for g in (256, 128, 64, 32):
         if cols % g == 0:
             return g
-    raise ValueError(f"K = {cols} is not a multiple of any group size {_core.GROUP_SIZES}")
+    raise InvalidArgumentError(f"K = {cols} is not a multiple of any group size {_core.GROUP_SIZES}")
 
 
 def _float_array(w: Any) -> np.ndarray:
@@ -267,7 +268,7 @@ def _dense_bytes(data: Any, dtype: str | None) -> tuple[np.ndarray, str]:
 
         names = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}
         if data.dtype not in names:
-            raise TypeError(f"dense ternary tensors must be float16, bfloat16 or float32, not {data.dtype}")
+            raise InvalidArgumentError(f"dense ternary tensors must be float16, bfloat16 or float32, not {data.dtype}")
         t = data.detach().to("cpu").contiguous()
         return t.view(torch.uint8).numpy().reshape(-1), names[data.dtype]
     if isinstance(data, np.ndarray) and data.dtype != np.uint8:
@@ -276,10 +277,10 @@ def _dense_bytes(data: Any, dtype: str | None) -> tuple[np.ndarray, str]:
         if bf16 is not None:
             names[bf16] = "BF16"
         if data.dtype not in names:
-            raise TypeError(f"dense ternary tensors must be float16, bfloat16 or float32, not {data.dtype}")
+            raise InvalidArgumentError(f"dense ternary tensors must be float16, bfloat16 or float32, not {data.dtype}")
         return _as_u8(data), names[data.dtype]
     if dtype is None:
-        raise ValueError("raw dense bytes need dtype='F16', 'BF16' or 'F32'")
+        raise InvalidArgumentError("raw dense bytes need dtype='F16', 'BF16' or 'F32'")
     return _as_u8(data), dtype.upper()
 
 
@@ -363,7 +364,7 @@ def decode_bytes(format: str, data: Any, shape, *, group_size: int | None = None
         return _from_core(out, name)
     if fmt == "BITNET":
         if weight_scale is None:
-            raise ValueError(f"tensor '{name}': BitNet decoding needs the companion weight_scale")
+            raise InvalidArgumentError(f"tensor '{name}': BitNet decoding needs the companion weight_scale")
         ws = _float_array(weight_scale).reshape(-1)
         if ws.size != 1:
             raise _core.ValidationError(
@@ -373,11 +374,11 @@ def decode_bytes(format: str, data: Any, shape, *, group_size: int | None = None
         return _from_core(out, name)
     if fmt == "MLX":
         if scales is None or biases is None:
-            raise ValueError(f"tensor '{name}': MLX decoding needs the companion scales and biases")
+            raise InvalidArgumentError(f"tensor '{name}': MLX decoding needs the companion scales and biases")
         weight = np.asarray(data)
         if weight.dtype not in (np.dtype("<u4"), np.dtype(np.uint8)):
             if weight.dtype.kind != "u" or weight.dtype.itemsize != 4:
-                raise TypeError(f"tensor '{name}': MLX 2-bit weight must be uint32, got {weight.dtype}")
+                raise InvalidArgumentError(f"tensor '{name}': MLX 2-bit weight must be uint32, got {weight.dtype}")
             weight = weight.astype("<u4")  # big-endian words: the one case that needs a copy
         w8 = np.ascontiguousarray(weight).reshape(-1).view(np.uint8)
         s = np.asarray(scales)
@@ -475,7 +476,7 @@ def _decode_open(f: Any, name: str, *, group_size: int | None, format: str | Non
     try:
         info = f.tensors[name]
     except KeyError:
-        raise KeyError(f"no tensor named {name!r} in {getattr(f, 'path', f)!r}") from None
+        raise TensorNotFoundError(f"no tensor named {name!r} in {getattr(f, 'path', f)!r}") from None
     kind = (format or info.type).upper()
     shape = tuple(info.shape)
     big_endian = getattr(f, "byte_order", "little") == "big"

@@ -10,7 +10,6 @@ use half::vec::HalfFloatVecExt;
 use numpy::{
     PyArray1, PyArray2, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods,
 };
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use ternary_core::canonical::{self, CanonicalRef, CanonicalTernary, HalfKind};
 use ternary_core::formats::bitnet::{self, ScaleConvention};
@@ -23,8 +22,9 @@ use crate::errors::to_py;
 type Canon<'py> = (Bound<'py, PyArray2<u8>>, Bound<'py, PyArray2<u16>>, usize);
 
 fn slice<'a, T: numpy::Element>(a: &'a PyReadonlyArrayDyn<'_, T>, what: &str) -> PyResult<&'a [T]> {
-    a.as_slice()
-        .map_err(|_| PyValueError::new_err(format!("{what} must be a C-contiguous array")))
+    a.as_slice().map_err(|_| {
+        crate::errors::invalid_argument(format!("{what} must be a C-contiguous array"))
+    })
 }
 
 fn to_canon<'py>(py: Python<'py>, t: CanonicalTernary) -> PyResult<Canon<'py>> {
@@ -241,11 +241,12 @@ fn dequantize_into<'py>(
     dtype: &str,
 ) -> PyResult<()> {
     let c = canon_ref(&qweight, &scales, rows, cols, group_size)?;
-    let not_contiguous = || PyValueError::new_err("out must be a writable C-contiguous array");
+    let not_contiguous =
+        || crate::errors::invalid_argument("out must be a writable C-contiguous array");
     match dtype {
         "float32" => {
             let arr = out.cast::<PyArrayDyn<f32>>().map_err(|_| {
-                PyValueError::new_err("out must be a float32 array for dtype float32")
+                crate::errors::invalid_argument("out must be a float32 array for dtype float32")
             })?;
             let mut rw = arr.try_readwrite().map_err(|_| not_contiguous())?;
             let o = rw.as_slice_mut().map_err(|_| not_contiguous())?;
@@ -258,13 +259,15 @@ fn dequantize_into<'py>(
                 HalfKind::BF16
             };
             let arr = out.cast::<PyArrayDyn<u16>>().map_err(|_| {
-                PyValueError::new_err("out must be a uint16 array (raw bits) for float16/bfloat16")
+                crate::errors::invalid_argument(
+                    "out must be a uint16 array (raw bits) for float16/bfloat16",
+                )
             })?;
             let mut rw = arr.try_readwrite().map_err(|_| not_contiguous())?;
             let o = rw.as_slice_mut().map_err(|_| not_contiguous())?;
             py.detach(|| c.dequantize_bits_into(kind, o)).map_err(to_py)
         }
-        d => Err(PyValueError::new_err(format!(
+        d => Err(crate::errors::invalid_argument(format!(
             "dequantize dtype must be float32, float16 or bfloat16, not {d}"
         ))),
     }

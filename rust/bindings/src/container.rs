@@ -10,7 +10,7 @@ use std::ffi::{c_int, c_void};
 use std::path::PathBuf;
 
 use pyo3::buffer::PyUntypedBuffer;
-use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
+use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyTuple};
@@ -126,7 +126,7 @@ fn scalar_to_py<'py>(py: Python<'py>, v: &GgufValue) -> PyResult<Bound<'py, PyAn
         GgufValue::F64(x) => x.into_pyobject(py)?.into_any(),
         GgufValue::Bool(x) => PyBool::new(py, x).to_owned().into_any(),
         GgufValue::String(_) | GgufValue::Array(_) => {
-            return Err(PyValueError::new_err("internal: not a scalar"));
+            return Err(crate::errors::invalid_argument("internal: not a scalar"));
         }
     })
 }
@@ -154,9 +154,9 @@ fn array_to_py<'py>(py: Python<'py>, f: &GgufFile, a: &GgufArray) -> PyResult<Bo
         }
         ArrayItems::Scalars(_) => {
             for i in 0..a.len {
-                let v = f
-                    .array_scalar(a, i)
-                    .ok_or_else(|| PyValueError::new_err("internal: array element out of range"))?;
+                let v = f.array_scalar(a, i).ok_or_else(|| {
+                    crate::errors::invalid_argument("internal: array element out of range")
+                })?;
                 list.append(scalar_to_py(py, &v)?)?;
             }
         }
@@ -325,7 +325,7 @@ impl PySafetensors {
         for (s, t) in self.inner.tensors() {
             let shape = PyTuple::new(py, &t.shape)?;
             let file = files.get(s).ok_or_else(|| {
-                PyValueError::new_err(format!("tensor_infos: shard {s} has no file name"))
+                crate::errors::invalid_argument(format!("tensor_infos: shard {s} has no file name"))
             })?;
             list.append((
                 t.name.as_str(),
@@ -358,7 +358,7 @@ impl PySafetensors {
 /// A contiguous Python buffer as bytes; the owner must stay alive while the slice is used.
 fn contiguous_bytes(buf: &PyUntypedBuffer) -> PyResult<&[u8]> {
     if !buf.is_c_contiguous() {
-        return Err(PyValueError::new_err(
+        return Err(crate::errors::invalid_argument(
             "tensor data must be a C-contiguous buffer",
         ));
     }
@@ -374,7 +374,7 @@ unsafe impl Sync for SendSlice {}
 
 fn meta_from_py(key: &str, ty: &str, value: &Bound<'_, PyAny>) -> PyResult<MetaValue> {
     let bad = |e: PyErr| {
-        PyValueError::new_err(format!(
+        crate::errors::invalid_argument(format!(
             "metadata '{key}': value does not fit type {ty}: {e}"
         ))
     };
@@ -395,7 +395,9 @@ fn meta_from_py(key: &str, ty: &str, value: &Bound<'_, PyAny>) -> PyResult<MetaV
         "array" => {
             let (elem, items): (String, Vec<Bound<'_, PyAny>>) = value.extract().map_err(bad)?;
             let elem_ty = GgufValueType::from_name(&elem).ok_or_else(|| {
-                PyValueError::new_err(format!("metadata '{key}': unknown element type '{elem}'"))
+                crate::errors::invalid_argument(format!(
+                    "metadata '{key}': unknown element type '{elem}'"
+                ))
             })?;
             let items = items
                 .iter()
@@ -404,7 +406,7 @@ fn meta_from_py(key: &str, ty: &str, value: &Bound<'_, PyAny>) -> PyResult<MetaV
             MetaValue::Array(elem_ty, items)
         }
         other => {
-            return Err(PyValueError::new_err(format!(
+            return Err(crate::errors::invalid_argument(format!(
                 "metadata '{key}': unknown GGUF value type '{other}'"
             )))
         }
@@ -427,7 +429,7 @@ impl<W: Send> OpenWriter<W> {
 
     fn get(&mut self) -> PyResult<&mut W> {
         self.inner.as_mut().ok_or_else(|| {
-            PyValueError::new_err(format!("{}: writer is closed", self.path.display()))
+            crate::errors::invalid_argument(format!("{}: writer is closed", self.path.display()))
         })
     }
 
@@ -540,7 +542,7 @@ impl PySafetensorsWriter {
         let mut spec = Vec::with_capacity(tensors.len());
         for (name, dtype, shape) in tensors {
             let d = Dtype::from_name(&dtype).ok_or_else(|| {
-                PyTypeError::new_err(format!(
+                crate::errors::invalid_argument(format!(
                     "tensor '{name}': unknown safetensors dtype '{dtype}'"
                 ))
             })?;

@@ -33,10 +33,24 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
+/// Most worker threads one pool may have (more is a typo, and starting 10⁶ threads hangs the process).
+const MAX_THREADS: i64 = 4096;
+
 /// Set the number of threads heavy work uses (0 = all cores).
 #[pyfunction]
-fn set_num_threads(n: usize) -> PyResult<()> {
-    ternary_core::threads::set_num_threads(n).map_err(errors::to_py)
+fn set_num_threads(n: &Bound<'_, PyAny>) -> PyResult<()> {
+    let n: i64 = n.extract().map_err(|_| {
+        errors::invalid_argument(format!(
+            "set_num_threads: expected a whole number of threads, got {}",
+            n.repr().map(|r| r.to_string()).unwrap_or_default()
+        ))
+    })?;
+    if !(0..=MAX_THREADS).contains(&n) {
+        return Err(errors::invalid_argument(format!(
+            "set_num_threads({n}): expected 0 (all cores) up to {MAX_THREADS} threads"
+        )));
+    }
+    ternary_core::threads::set_num_threads(n as usize).map_err(errors::to_py)
 }
 
 /// The number of threads heavy work uses.
