@@ -25,6 +25,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -387,6 +388,10 @@ def _in_use_path(entry: Path) -> Path:
     return entry.with_name(entry.name + ".inuse")
 
 
+def _lock_path(entry: Path) -> Path:
+    return entry.with_name(entry.name + ".lock")
+
+
 @contextlib.contextmanager
 def _held(path: Path, exclusive: bool, wait: bool = True):
     """A ``flock`` on ``path`` (created if needed); yields False when ``wait`` is off and it is taken."""
@@ -415,7 +420,7 @@ def _entry_sources(entry: Path) -> list[str] | None:
 
 def _remove_entry(entry: Path) -> bool:
     """Remove a cache entry and its lock files unless a serve converts or serves it right now."""
-    with _held(entry.with_name(entry.name + ".lock"), True, wait=False) as free:
+    with _held(_lock_path(entry), True, wait=False) as free:
         if not free:
             return False
         with _held(_in_use_path(entry), True, wait=False) as unused:
@@ -481,7 +486,7 @@ def prepared_checkpoint(opts: ServeOptions, scratch: list[Path]):
     entry = root / _entry_name(src, cache_key(identity))
     root.mkdir(parents=True, exist_ok=True)
     with _held(_in_use_path(entry), False):
-        with entry_lock(entry.with_name(entry.name + ".lock"), str(src)):
+        with entry_lock(_lock_path(entry), str(src)):
             if entry.exists() and cached_checkpoint_ok(entry, identity):
                 print(f"ternary-rs: reusing the cached conversion {entry}", file=sys.stderr, flush=True)
             else:
@@ -631,8 +636,6 @@ def run_server(cmd: list[str], name: str, vllm_args: list[str], env: dict[str, s
 
 
 def _env_prefix(env: dict[str, str]) -> str:
-    import shlex
-
     return "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())
 
 
@@ -663,8 +666,6 @@ def serve(opts: ServeOptions) -> int:
         with prepared_checkpoint(opts, scratch) as ckpt:
             cmd, name = server_command(ckpt, opts)
             if opts.dry_run:
-                import shlex
-
                 print(_env_prefix(env) + " ".join(shlex.quote(c) for c in cmd), flush=True)
                 return 0
             return run_server(cmd, name, opts.vllm_args, env)
