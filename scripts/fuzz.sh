@@ -36,7 +36,7 @@ TRIPLE="$(rustc -vV | sed -n 's/^host: //p')"
 export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 
 RUST_TARGETS=(gguf_open safetensors_open safetensors_index decode_tq1_0 decode_tq2_0 decode_q2_0
-  decode_pq2_0 decode_ptq1_0 decode_q1_0 decode_i2_s decode_bitnet decode_mlx decode_dense)
+  decode_pq2_0 decode_ptq1_0 decode_q1_0 decode_stq1_0 decode_i2_s decode_bitnet decode_mlx decode_dense)
 ALL_TARGETS=("${RUST_TARGETS[@]}" prism_hadamard)
 SELECTED=("$@")
 [ ${#SELECTED[@]} -eq 0 ] && SELECTED=("${ALL_TARGETS[@]}")

@@ -2,8 +2,26 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+
+# Variables that change how vLLM or the kernels run in every later subprocess of the session.
+_ISOLATED_ENV_PREFIXES = ("VLLM_", "TERNARY_RS_", "OMP_")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_settings():
+    """Undo whatever a test (or the in-process vLLM engine and plugin it started) wrote into the
+    environment's vLLM / ternary_rs / OpenMP settings: a leaked ``VLLM_CPU_OMP_THREADS_BIND`` once made
+    every later TP=2 run fail, a leaked ``VLLM_CPU_KVCACHE_SPACE`` hid a serve refusal."""
+    before = {k: v for k, v in os.environ.items() if k.startswith(_ISOLATED_ENV_PREFIXES)}
+    yield
+    for k in [k for k in os.environ if k.startswith(_ISOLATED_ENV_PREFIXES)]:
+        if k not in before:
+            del os.environ[k]
+    os.environ.update(before)
 
 
 @pytest.fixture

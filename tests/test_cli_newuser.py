@@ -514,7 +514,7 @@ def test_messages_name_the_right_tensor_and_file_once(demo, tmp_path):
     for cmd in ("inspect", "convert"):
         r = run(cmd, "tl1.gguf", *(["tl1-out"] if cmd == "convert" else []), cwd=tmp_path)
         line = r.stderr.strip()
-        assert r.returncode == 1 and "ggml type 38 (TL1" in line and len(line.splitlines()) == 1, line
+        assert r.returncode == 1 and "ggml type id 38 (TL1" in line and len(line.splitlines()) == 1, line
         assert "Q8_0" not in line and "IQ2_XXS" not in line and len(line) < 300, line
     # A GGUF without a tokenizer: the warning names the file.
     bare = tmp_path / "no-tokenizer.gguf"

@@ -57,20 +57,27 @@ def served(tmp_path_factory):
     src = write_prism_gguf(tiny, root / "tiny-PQ2_0.gguf", "PQ2_0")
     ckpt = ternary_rs.convert(src, root / "vllm", progress=False)
 
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in-process: one start, plugin loaded
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
+    # The engine runs in this process (one start, plugin loaded): what it and the plugin write into the
+    # environment is undone afterwards, so later tests' subprocesses do not inherit it.
+    saved = dict(os.environ)
+    try:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm import LLM, SamplingParams
 
-    from ternary_rs.vllm.plugin import register
+        from ternary_rs.vllm.plugin import register
 
-    register()
-    llm = LLM(model=str(ckpt), dtype="bfloat16", max_model_len=256, enforce_eager=True, max_num_seqs=4,
-              seed=0)
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-    got = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
-    prompt_lens = [len(o.prompt_token_ids) for o in outs]
-    served_layers = llm.apply_model(_embedding_layers)[0]
-    del llm
+        register()
+        llm = LLM(model=str(ckpt), dtype="bfloat16", max_model_len=256, enforce_eager=True, max_num_seqs=4,
+                  seed=0)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+        got = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+        prompt_lens = [len(o.prompt_token_ids) for o in outs]
+        served_layers = llm.apply_model(_embedding_layers)[0]
+        del llm
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     import gc
 
     gc.collect()

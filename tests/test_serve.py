@@ -114,10 +114,14 @@ def test_model_without_ternary_weights_is_refused(tmp_path):
 def test_model_that_does_not_fit_is_refused_with_the_plan(demo):
     _, src, cache = demo
     # (past the model's own context, which alone is refused: test_refuses_what_vllm_would_refuse)
-    r = run(src, "--cache-dir", cache, "--max-model-len", str(10**9), env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})
-    assert r.returncode == 1
-    assert "does not fit" in r.stderr and "--max-model-len" in r.stderr and "ternary-rs plan" in r.stderr
-    assert not cache.exists()
+    long = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
+    # KV space sized by serve, and the user's own VLLM_CPU_KVCACHE_SPACE (too small for one sequence)
+    for env in (long, {**long, "VLLM_CPU_KVCACHE_SPACE": "1"}):
+        r = run(src, "--cache-dir", cache, "--max-model-len", str(10**9), env=env)
+        assert r.returncode == 1
+        assert "does not fit" in r.stderr and "--max-model-len" in r.stderr and "ternary-rs plan" in r.stderr
+        assert not cache.exists()
+    assert "the 1 GiB VLLM_CPU_KVCACHE_SPACE you set" in r.stderr
 
 
 def test_cache_is_reused_and_checked_against_the_manifest(demo):
@@ -266,6 +270,16 @@ def test_kv_space_rule():
         assert cs.reserved_cpus_choice({cs.RESERVED_ENV: "3"}, 2).by_user
         s = cs.choose(demo, env={}, kv_bytes_given=True, cores=2, available=20 * gib)
         assert s.kv_bytes is None and cs.KV_ENV not in s.env
+        assert cs.BIND_ENV not in s.env and "VLLM_CPU_OMP_THREADS_BIND=auto" in s.summary()
+        # tensor parallel on fewer NUMA nodes than ranks: one contiguous CPU range per rank
+        assert cs.split_binding([0, 1], 2) == "0|1" and cs.split_binding(list(range(16)), 2) == "0-7|8-15"
+        assert cs.split_binding([0, 1, 2, 4, 5], 2) == "0-2|4-5" and cs.split_binding([0, 2, 3], 1) == "0,2,3"
+        tp2 = cs.bind_choice({}, 2, cpus=list(range(8)), nodes=1)
+        assert tp2.value == "0-3|4-7" and not tp2.vllm_default and "NUMA" in tp2.why
+        assert cs.bind_choice({}, 2, cpus=list(range(8)), nodes=2).vllm_default
+        assert cs.bind_choice({cs.BIND_ENV: "0|1"}, 2).by_user
+        s = cs.choose(demo, env={}, cores=2, available=20 * gib, tensor_parallel=2)
+        assert s.env[cs.BIND_ENV] == cs.split_binding(cs._usable_cpu_ids(), 2) or cs._numa_nodes(cs._usable_cpu_ids()) > 1
     finally:
         demo.unlink()
 
@@ -515,7 +529,10 @@ def test_plugin_cpu_defaults_respect_the_users_settings(demo, monkeypatch):
 
     _, src, _ = demo
     for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND"):
-        monkeypatch.delenv(k, raising=False)
+        # setenv first so monkeypatch restores the variable's absence too: what apply_cpu_defaults writes
+        # must not leak into later tests' vLLM subprocesses (a leaked bind once broke every TP=2 test)
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
 
     def config(quant="ternary", kv_bytes=None, model=src):
         return SimpleNamespace(
@@ -530,6 +547,8 @@ def test_plugin_cpu_defaults_respect_the_users_settings(demo, monkeypatch):
     assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ  # set on the config, so a later variable still wins
     if (os.cpu_count() or 1) <= 4:
         assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    # vLLM's own default binding is reported, never written: a written "auto" would contradict a TP run
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
     c = config(kv_bytes=123)
     apply_cpu_defaults(c)
     assert c.cache_config.kv_cache_memory_bytes == 123

@@ -22,18 +22,14 @@ import time
 
 
 def cpu_env(tp: int) -> None:
-    """vLLM CPU settings for a small shared machine (one OMP thread group per TP rank)."""
+    """vLLM CPU settings for a small shared machine. For TP > 1 the reserved cores and the per-rank
+    thread binding are left to the plugin's defaults (``ternary_rs.cpu_serving``), as a user gets them:
+    vLLM's own ``auto`` binding refuses two ranks on this one-NUMA-node machine."""
     ncpu = os.cpu_count() or 1
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     if tp == 1:
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}" if ncpu > 1 else "0")
-    else:
-        per = max(1, ncpu // tp)
-        os.environ.setdefault(
-            "VLLM_CPU_OMP_THREADS_BIND",
-            "|".join(f"{(r * per) % ncpu}-{(r * per + per - 1) % ncpu}" if per > 1 else str(r % ncpu) for r in range(tp)),
-        )
     # One process fewer to start (~20 s on 2 cores) when there is a single worker.
     if tp == 1:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -10,7 +10,9 @@ vLLM CPU's defaults are made for large servers and fail or idle on small machine
   preemptions, so vLLM's default stays.
 * ``VLLM_CPU_OMP_THREADS_BIND``: vLLM's ``auto`` (one OpenMP thread per physical core, on the worker's
   NUMA node) is already the fastest binding for a bandwidth-bound ternary decode (a second hyperthread
-  adds no memory bandwidth); it is kept and reported.
+  adds no memory bandwidth); it is kept and reported. But ``auto`` gives each tensor-parallel rank a NUMA
+  node of its own and refuses to start when there are fewer nodes than ranks (every desktop and most
+  cloud VMs have one): there the usable CPUs are split into one contiguous range per rank instead.
 * The KV cache space: without ``VLLM_CPU_KVCACHE_SPACE`` or ``--kv-cache-memory-bytes`` vLLM CPU asks for
   ``--gpu-memory-utilization`` (0.9) of the *total* RAM to be *available* at start-up, which no
   machine running anything else has, and dies after loading the model. :func:`kv_cache_space` sizes
@@ -54,6 +56,7 @@ class Choice:
     value: str
     why: str
     by_user: bool = False
+    vllm_default: bool = False  # reported only: vLLM already does this when the variable is unset
 
     def line(self) -> str:
         who = "yours" if self.by_user else self.why
@@ -67,8 +70,9 @@ class CpuSettings:
 
     @property
     def env(self) -> dict[str, str]:
-        """The variables ternary_rs chose (the user's are already in the environment)."""
-        return {c.name: c.value for c in self.choices if not c.by_user}
+        """The variables ternary_rs chose (the user's are already in the environment; vLLM's own
+        defaults are left unset, so nothing is written that a later TP size could contradict)."""
+        return {c.name: c.value for c in self.choices if not c.by_user and not c.vllm_default}
 
     def summary(self) -> str:
         return ", ".join(c.line() for c in self.choices)
@@ -124,12 +128,80 @@ def available_ram() -> int | None:
     return min(node, cgroup) if node is not None and cgroup is not None else node
 
 
+def _usable_cpu_ids() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def _numa_nodes(cpus: list[int]) -> int:
+    """How many NUMA nodes the usable CPUs span (1 where sysfs does not say)."""
+    nodes = set()
+    for cpu in cpus:
+        nodes.update(p.name for p in Path(f"/sys/devices/system/cpu/cpu{cpu}").glob("node[0-9]*"))
+    return max(1, len(nodes))
+
+
+def split_binding(cpus: list[int], parts: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``parts`` ranks a contiguous share of ``cpus``
+    (``"0-7|8-15"``; ids that are not contiguous are listed)."""
+    per, extra = divmod(len(cpus), parts)
+    out, start = [], 0
+    for r in range(parts):
+        ids = cpus[start:start + per + (r < extra)]
+        start += len(ids)
+        contiguous = ids == list(range(ids[0], ids[-1] + 1))
+        out.append(f"{ids[0]}-{ids[-1]}" if contiguous and len(ids) > 1 else ",".join(map(str, ids)))
+    return "|".join(out)
+
+
+def bind_choice(env: dict[str, str], tensor_parallel: int, cpus: list[int] | None = None,
+                nodes: int | None = None) -> Choice:
+    bind = env.get(BIND_ENV, "")
+    if bind != "":
+        return Choice(BIND_ENV, bind, "", by_user=True)
+    cpus = _usable_cpu_ids() if cpus is None else cpus
+    nodes = _numa_nodes(cpus) if nodes is None else nodes
+    if tensor_parallel > 1 and nodes < tensor_parallel and len(cpus) >= tensor_parallel:
+        return Choice(BIND_ENV, split_binding(cpus, tensor_parallel),
+                      f"{tensor_parallel} ranks on {nodes} NUMA node(s): vLLM's auto binding needs a node per rank")
+    return Choice(BIND_ENV, "auto", "vLLM's: one thread per physical core", vllm_default=True)
+
+
 def reserved_cpus_choice(env: dict[str, str], cores: int) -> Choice | None:
     if env.get(RESERVED_ENV, "") != "":
         return Choice(RESERVED_ENV, env[RESERVED_ENV], "", by_user=True)
     if cores <= RESERVE_NONE_MAX_CORES:
         return Choice(RESERVED_ENV, "0", f"{cores} cores: none kept idle for vLLM's front end")
     return None
+
+
+def _sizes(model: str | os.PathLike, max_model_len: int | None, kv_dtype: str,
+           available: int) -> tuple[int, int, int, int]:
+    """``(context, KV bytes per token, recurrent state per sequence, everything else)`` from ``plan``."""
+    from .planner import plan
+
+    p = plan(model, context=max_model_len or 2048, concurrency=1, gpu_memory=f"{available}B", kv_dtype=kv_dtype,
+             gpu_memory_utilization=1.0)
+    state = int(p["state_per_sequence"])
+    return int(p["context"]), int(p["kv_cache_per_token"]), state, int(p["total"]) - int(p["kv_cache"]) - state
+
+
+def check_users_kv_space(model: str | os.PathLike, gib_text: str, *, max_model_len: int | None,
+                         kv_dtype: str = "fp16") -> None:
+    """Raise :class:`DoesNotFit` when the user's ``VLLM_CPU_KVCACHE_SPACE`` cannot hold one
+    ``max_model_len`` sequence (vLLM would refuse it after loading the model). A value that is not a
+    number is left for vLLM to refuse in its own words."""
+    try:
+        space = float(gib_text) * GIB
+    except ValueError:
+        return
+    context, per_token, state, _ = _sizes(model, max_model_len, kv_dtype, available_ram() or GIB)
+    one = per_token * context + state
+    if one > space:
+        raise DoesNotFit(f"one {context}-token sequence needs {one / GIB:.1f} GiB of KV cache and recurrent state, "
+                         f"more than the {gib_text} GiB {KV_ENV} you set")
 
 
 def kv_cache_space(model: str | os.PathLike, *, max_model_len: int | None, max_num_seqs: int | None,
@@ -143,17 +215,10 @@ def kv_cache_space(model: str | os.PathLike, *, max_model_len: int | None, max_n
     (KV + recurrent state each), at least :data:`MIN_TARGET_BYTES` and one full ``max_model_len``
     sequence; it gets ``min(aim, budget)`` rounded down to whole GiB, never less than one full sequence
     (raises :class:`DoesNotFit` when the budget cannot hold that)."""
-    from .planner import plan
-
     available = available_ram() if available is None else available
     if available is None:
         raise DoesNotFit("the available RAM is unknown (no /proc/meminfo)")
-    p = plan(model, context=max_model_len or 2048, concurrency=1, gpu_memory=f"{available}B", kv_dtype=kv_dtype,
-             gpu_memory_utilization=1.0)
-    context = int(p["context"])
-    per_token = int(p["kv_cache_per_token"])
-    state = int(p["state_per_sequence"])
-    fixed = int(p["total"]) - int(p["kv_cache"]) - state
+    context, per_token, state, fixed = _sizes(model, max_model_len, kv_dtype, available)
     safety = max(SAFETY_MIN_BYTES, int(available * SAFETY_FRACTION))
     budget = available - fixed - safety
     one = per_token * context + state
@@ -174,7 +239,7 @@ def kv_cache_space(model: str | os.PathLike, *, max_model_len: int | None, max_n
 
 def choose(model: str | os.PathLike, *, env: dict[str, str] | None = None, max_model_len: int | None = None,
            max_num_seqs: int | None = None, kv_dtype: str = "fp16", kv_bytes_given: bool = False,
-           cores: int | None = None, available: int | None = None) -> CpuSettings:
+           cores: int | None = None, available: int | None = None, tensor_parallel: int = 1) -> CpuSettings:
     """The settings for serving ``model`` with vLLM CPU, the user's own ones (``env``,
     ``kv_bytes_given``: ``--kv-cache-memory-bytes``) kept and reported as theirs."""
     env = dict(os.environ if env is None else env)
@@ -182,9 +247,9 @@ def choose(model: str | os.PathLike, *, env: dict[str, str] | None = None, max_m
     reserved = reserved_cpus_choice(env, usable_cores() if cores is None else cores)
     if reserved is not None:
         out.choices.append(reserved)
-    bind = env.get(BIND_ENV, "")
-    out.choices.append(Choice(BIND_ENV, bind or "auto", "vLLM's: one thread per physical core", by_user=bind != ""))
+    out.choices.append(bind_choice(env, tensor_parallel))
     if env.get(KV_ENV, "") != "":
+        check_users_kv_space(model, env[KV_ENV], max_model_len=max_model_len, kv_dtype=kv_dtype)
         out.choices.append(Choice(KV_ENV, env[KV_ENV], "", by_user=True))
     elif not kv_bytes_given:
         space, why = kv_cache_space(model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,

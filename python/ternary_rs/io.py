@@ -467,7 +467,7 @@ def open(path: str | os.PathLike[str]) -> TernaryFile:
 
         type_id = int(m.group(3))
         name = _FOREIGN_GGML_TYPES.get(type_id)
-        what = f"ggml type {type_id}" + (f" ({name})" if name else ", which no ggml type list ternary_rs knows has")
+        what = f"ggml type id {type_id}" + (f" ({name})" if name else ", which ternary_rs does not know")
         raise UnsupportedTypeError(
             f"{m.group(1)}: tensor '{m.group(2)}' has {what}; ternary_rs reads the ternary types "
             f"{', '.join(t for t in GGUF_TERNARY_GROUPS if t != 'Q2_0_G128')} and the float types "

@@ -291,7 +291,8 @@ def _check_cpu(path: Path, vllm_args: list[str], context: int, kv_dtype: str) ->
     max_seqs = _parse_count(option_value(vllm_args, "--max-num-seqs"), "--max-num-seqs")
     try:
         settings = cpu_serving.choose(path, max_model_len=context, max_num_seqs=max_seqs, kv_dtype=kv_dtype,
-                                      kv_bytes_given=option_value(vllm_args, "--kv-cache-memory-bytes") is not None)
+                                      kv_bytes_given=option_value(vllm_args, "--kv-cache-memory-bytes") is not None,
+                                      tensor_parallel=_tensor_parallel(vllm_args))
     except cpu_serving.DoesNotFit as e:
         raise ServeError(f"{path} does not fit in this machine's RAM: {e}. Lower --max-model-len, use "
                          f"--kv-cache-dtype fp8, or free memory (details: `ternary-rs plan {path}`).") from None

@@ -61,7 +61,8 @@ def _install_cpu_defaults() -> None:
 
 
 def apply_cpu_defaults(vllm_config) -> None:
-    """Reserved cores (environment, read later by vLLM's worker binding) and the KV cache space
+    """Reserved cores and, for tensor parallel on fewer NUMA nodes than ranks, the thread binding
+    (environment, read later by vLLM's worker binding) and the KV cache space
     (``cache_config.kv_cache_memory_bytes``) for a ternary model, unless the user set them."""
     import logging
     import os
@@ -80,7 +81,8 @@ def apply_cpu_defaults(vllm_config) -> None:
             model_config.model, max_model_len=model_config.max_model_len,
             max_num_seqs=getattr(vllm_config.scheduler_config, "max_num_seqs", None),
             kv_dtype="fp8" if kv.startswith("fp8") else "fp16",
-            kv_bytes_given=cache.kv_cache_memory_bytes is not None)
+            kv_bytes_given=cache.kv_cache_memory_bytes is not None,
+            tensor_parallel=int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1))
     except Exception as e:  # noqa: BLE001 - choosing defaults must never stop vLLM from starting
         # (a damaged checkpoint is refused by the loader, with its own message naming file and tensor)
         log.warning("ternary_rs: vLLM CPU settings left as vLLM's: %s", e)
