@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-# Ternary-Bonsai-2-27B geometry (FORMATS.md §1.1, read from the GGUF by a third party).
+# Ternary-Bonsai-2-27B geometry (docs/formats.md#model-inventory, read from the GGUF by a third party).
 HIDDEN = 5120
 LAYERS = 64
 FFN = 17408

@@ -105,13 +105,13 @@ def load_reference(model_dir: Path, dtype: str = "float32"):
 
 
 # ------------------------------------------------------------------------------------------ bitnet.cpp GGUF
-# bitnet.cpp's I2_S (FORMATS.md §3.2, x86 ACT_PARALLEL layout): GGUF type id 36, one f32 scale per tensor.
+# bitnet.cpp's I2_S (docs/formats.md#i2_s, x86 ACT_PARALLEL layout): GGUF type id 36, one f32 scale per tensor.
 I2_S_TYPE_ID = 36
 I2_S_BLOCK = 128
 
 
 def encode_i2_s(trits, scale: float):
-    """FORMATS.md §3.2, written here from the spec: codes ``t + 1``; per 128-value block 32 bytes with
+    """docs/formats.md#i2_s, written here from the spec: codes ``t + 1``; per 128-value block 32 bytes with
     value ``j`` in byte ``j % 32`` at bits ``6 - 2·(j // 32)``; then a 32-byte tail holding the f32 scale
     (bitnet.cpp's converter writes it 8 times: ``np.tile(i2_scale, 8)``)."""
     import numpy as np

@@ -1,8 +1,8 @@
 """A tiny "Bonsai 2" (Qwen3.5 text, Hadamard-rotated ternary) built locally, plus an independent reference
 writer of PrismML's file layouts: the ``qwen35`` GGUF (PQ2_0 / PTQ1_0 + ``prism.hadamard.*``) and the MLX
-Bonsai 2 pack (FORMATS.md §1.3.2, §1.3.4–1.3.6, §1.4(c)).
+Bonsai 2 pack (docs/formats.md#pq2_0, docs/formats.md#ptq1_0, docs/formats.md#bonsai2-rotation, docs/formats.md#prism-qwen35-conventions, docs/formats.md#bonsai2-mlx-pack).
 
-Everything here is written from FORMATS.md with NumPy and the PyPI ``gguf`` writer — never with ternary_rs —
+Everything here is written from docs/formats.md (docs/formats.md#bonsai2-rotation, docs/formats.md#prism-qwen35-conventions) with NumPy and the PyPI ``gguf`` writer — never with ternary_rs —
 so the tests compare ternary_rs against an independent reference.
 
 How the rotated weights stay exactly ternary: the *stored* weight ``W'`` (ternary codes × fp16 group scale)
@@ -122,7 +122,7 @@ def _pack_base3(codes: np.ndarray) -> np.ndarray:
 
 
 def encode_ptq1_0(t: np.ndarray, d: np.ndarray) -> bytes:
-    """PTQ1_0 (id 143): qs[24] (stages 16 and 8) + qh[2] + d f16 LAST, FORMATS.md §1.3.4."""
+    """PTQ1_0 (id 143): qs[24] (stages 16 and 8) + qh[2] + d f16 LAST, docs/formats.md#ptq1_0."""
     n, k = t.shape
     c = (t.astype(np.int64) + 1).reshape(n, k // QK, QK)
     # values 0..79: value n*16 + m is trit n of qs[m]
@@ -138,7 +138,7 @@ def encode_ptq1_0(t: np.ndarray, d: np.ndarray) -> bytes:
 
 
 def vperm(nv: int, nk: int, unit: int) -> np.ndarray:
-    """FORMATS.md §1.3.6: grouped = tiled[vperm]; tiled = grouped[argsort(vperm)]."""
+    """docs/formats.md#gdn-head-order: grouped = tiled[vperm]; tiled = grouped[argsort(vperm)]."""
     return np.arange(nv * unit).reshape(nv // nk, nk, unit).transpose(1, 0, 2).ravel()
 
 
@@ -400,7 +400,7 @@ def expected_mtp_acceptance(draft_tokens: list[int], sequence: list[int], prompt
 # PrismML qwen35 GGUF writer (reference)
 # ------------------------------------------------------------------------------------------------------
 
-# Ternary GGUF types: (encoder, ggml type id, values per block). Id 42 is two formats (FORMATS.md §1.3):
+# Ternary GGUF types: (encoder, ggml type id, values per block). Id 42 is two formats (docs/formats.md#prism-gguf-types):
 # the first-generation fork "Q2_0" (128-value, 34-byte blocks; what ternary_rs reports as Q2_0_G128) and
 # upstream Q2_0 / PrismML's ``*-Q2_g64.gguf`` (64-value, 18-byte blocks).
 GGUF_QTYPES = {

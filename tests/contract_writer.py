@@ -1,4 +1,4 @@
-"""Independent writer of the ternary checkpoint contract (DESIGN.md, "Checkpoint contract").
+"""Independent writer of the ternary checkpoint contract (docs/checkpoint.md#checkpoint-contract).
 
 Plain NumPy + ``safetensors.numpy``; shares no code with ``ternary_rs``. Used by the vLLM tests to build
 checkpoints, and to cross-check ``ternary_rs.convert``'s output.

@@ -3,7 +3,7 @@
 References (none of them ternary_rs code): transformers' own BitNet — ``pack_weights`` / ``unpack_weights``,
 ``BitLinear``, ``AutoBitLinear``, ``WeightQuant`` (``transformers/integrations/bitnet.py``) and the model
 loaded by ``from_pretrained``; gguf-py (writer, quantizers, reader); bitnet.cpp's I2_S layout written from
-FORMATS.md §3.2 in ``tests/bitnet_model.py``; ``tests/contract_writer.py``'s NumPy unpacking. The vLLM
+docs/formats.md#i2_s in ``tests/bitnet_model.py``; ``tests/contract_writer.py``'s NumPy unpacking. The vLLM
 engines serving these checkpoints are in ``tests/test_bitnet_vllm.py``.
 """
 

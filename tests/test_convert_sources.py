@@ -1,5 +1,5 @@
 """Other safetensors sources -> vLLM: MLX 2-bit packs and transformers BitNet packs, written here with
-plain NumPy from FORMATS.md §1.4(b) / §3.1; the expected output is ``tests/contract_writer.py``'s."""
+plain NumPy from docs/formats.md#mlx-2bit, docs/formats.md#bitnet-packing; the expected output is ``tests/contract_writer.py``'s."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A corpus of malformed GGUF / safetensors / index files. Each must raise a TernaryError subclass (never
 crash the interpreter, never hang), with a message that says what is wrong and where.
 
-The GGUF files are built byte by byte here from the GGUF spec (FORMATS.md §2.1), independent of the
+The GGUF files are built byte by byte here from the GGUF spec (docs/formats.md#gguf-container), independent of the
 code under test; the valid starting points come from gguf-py and safetensors."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every path (decode GEMV for M <= 8, the four mma GEMM tile shapes, split-K and not) is checked against a
 float64 reference ``x @ W.T + bias`` with W dequantized here from the canonical tensors by plain torch
-ops (codes from FORMATS.md's bit order), in bf16 and fp16, with and without bias, under CUDA-graph capture
+ops (codes in the canonical bit order, docs/checkpoint.md#canonical-layout), in bf16 and fp16, with and without bias, under CUDA-graph capture
 and replay, on a side stream, and with ``torch.library.opcheck``. Only torch, numpy and pytest are used so
 this runs on the bare GPU machine (benches/gpu_check.sh).
 """

@@ -1,8 +1,8 @@
 """Bit-exact codecs: every format against an independent reference.
 
 * TQ1_0 / TQ2_0: the PyPI ``gguf`` package's ``gguf.quants.quantize/dequantize`` (both directions).
-* Every format: the plain NumPy codecs of ``tests/format_reference.py`` (written from FORMATS.md).
-* FORMATS.md's worked byte examples (running trits [+1,0,−1,−1,0,+1,+1,0], d = 0.5) as fixed vectors.
+* Every format: the plain NumPy codecs of ``tests/format_reference.py`` (written from docs/formats.md#summary).
+* The worked byte examples of docs/formats.md#worked-examples (running trits [+1,0,−1,−1,0,+1,+1,0], d = 0.5) as fixed vectors.
 * Round trips canonical → format → canonical and format → canonical → other format.
 """
 
@@ -282,7 +282,7 @@ def test_every_format_to_every_format(data):
     assert decode_bytes("MLX", mx["weight"], trits.shape, scales=mx["scales"], biases=mx["biases"]).equal(base)
 
 
-# -- FORMATS.md worked examples ---------------------------------------------------------------------
+# -- worked examples (docs/formats.md#worked-examples) ----------------------------------------------
 
 def _example(block: int, rows: int = 1) -> tuple[np.ndarray, np.ndarray]:
     trits = np.zeros((rows, block), np.int8)

@@ -231,7 +231,7 @@ def test_open_reads_only_the_header(tmp_path):
 
 def test_id_42_variants_and_prism_types_are_named(tmp_path):
     """Type 42 at g64/18 B (upstream Q2_0) vs g128/34 B (first-gen Prism "Q2_0" → Q2_0_G128), told
-    apart by byte span; 142/143/36/41 by id. Sizes from FORMATS.md §0."""
+    apart by byte span; 142/143/36/41 by id. Sizes from docs/formats.md#ggml-type-ids."""
     from ternary_rs.io import GGUFWriter
 
     path = tmp_path / "prism.gguf"

@@ -1,6 +1,6 @@
 """torch.ops.ternary_rs.ternary_linear on the CPU (Rust SIMD kernel) against an independent float64
 reference: the weight is dequantized here with NumPy straight from the canonical bytes of
-FORMATS.md (codes t+1, four per byte LSB-first along K; W = t · scale[n, k // g]) — never from the
+docs/checkpoint.md#canonical-layout (codes t+1, four per byte LSB-first along K; W = t · scale[n, k // g]) — never from the
 kernel's own layout code.
 
 Documented tolerance (see ``_ops_cpu``): exact mode accumulates in f32, so
@@ -35,7 +35,7 @@ def make_weight(rng, n, k, g):
 
 
 def dequantize64(qweight: torch.Tensor, scales: torch.Tensor, g: int) -> np.ndarray:
-    """float64 W[N, K] from canonical bytes (FORMATS.md), independent of the kernel."""
+    """float64 W[N, K] from canonical bytes (docs/checkpoint.md#canonical-layout), independent of the kernel."""
     q = qweight.numpy()
     n = q.shape[0]
     codes = (q[:, :, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & 3

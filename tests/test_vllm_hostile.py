@@ -2,7 +2,7 @@
 config.json field), before anything is served — never a crash, never silent garbage.
 
 Checkpoints are written by the independent contract writer (tests/contract_writer.py, plain NumPy from
-DESIGN.md) from a tiny ternarized Qwen3 (tests/models.py) and then damaged with ``safetensors.numpy``
+docs/checkpoint.md#checkpoint-contract) from a tiny ternarized Qwen3 (tests/models.py) and then damaged with ``safetensors.numpy``
 and plain JSON edits. vLLM (CPU) loads them in a subprocess (tests/vllm_load_probe.py: one process for
 all cases, engine in-process); the undamaged checkpoint is loaded last as the control. One case also
 runs the OpenAI server, which must exit without ever answering /health.

@@ -133,7 +133,7 @@ def test_prism_and_unknown_type_ids_are_written_raw(tmp_path):
     """Types 142 (PQ2_0), 143 (PTQ1_0), 42 (either Q2_0) and 36 (I2_S): gguf-py cannot name them, so
     compare the tensor infos it parses and the raw bytes at its offsets."""
     rng = np.random.default_rng(1)
-    specs = [  # name, torch shape, type id, nbytes from FORMATS.md §0
+    specs = [  # name, torch shape, type id, nbytes from docs/formats.md#ggml-type-ids
         ("pq2", (3, 256), 142, 3 * 2 * 34),
         ("ptq1", (3, 256), 143, 3 * 2 * 28),
         ("q2_g128", (16, 2048), 42, 16 * 16 * 34),

@@ -1,6 +1,6 @@
 """Writing a vLLM checkpoint directory safely: staging, shards, index, manifest.
 
-Contract (DESIGN.md): ``config.json`` with ``quantization_config``, ``model-0000i-of-0000n.safetensors``
+Contract (docs/checkpoint.md#checkpoint-contract): ``config.json`` with ``quantization_config``, ``model-0000i-of-0000n.safetensors``
 + ``model.safetensors.index.json``, tokenizer files, ``generation_config.json`` and the
 ``ternary_rs.json`` manifest. Everything is written into a temporary sibling of the destination and
 renamed into place only when complete, so an interrupted run never leaves a destination that looks valid.

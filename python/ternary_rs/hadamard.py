@@ -1,6 +1,6 @@
 """Bonsai 2's Hadamard activation rotation: the ``ternary_rs::fwht`` torch op and the rotation description.
 
-PrismML folds a rotation into Bonsai 2's ternary weights (FORMATS.md §1.3.5): ``W' = W·D·H`` with
+PrismML folds a rotation into Bonsai 2's ternary weights (docs/formats.md#bonsai2-rotation): ``W' = W·D·H`` with
 ``D = diag(s)`` (one ±1 sign vector per input width) and ``H`` block-diagonal normalized Sylvester–Hadamard
 (block 1024 in the real model). ``W'`` stays exactly ternary, so instead of un-rotating it the activation is
 rotated before the ternary GEMM: ``y = W'·(H·D·x)`` — optionally after a gather (the GDN head permutation).

@@ -6,7 +6,7 @@ A Llama-shaped decoder with ReLU² gated MLP and two extra RMSNorms per block �
 ``embed_tokens`` / ``lm_head`` stay dense. The serving side (activations quantized to int8 per token in
 every linear) is ``ternary_rs.vllm.bitnet``.
 
-Sources (FORMATS.md §3):
+Sources (docs/formats.md#bitnet-packing, docs/formats.md#i2_s):
 
 * transformers' packed checkpoints (``quantization_config.quant_method = "bitnet"``, ``quantization_mode``
   offline): uint8 ``[N/4, K]`` + ``weight_scale``, either ``linear_class`` convention (decoded by the BitNet

@@ -689,7 +689,7 @@ mod tests {
 
     #[test]
     fn code_layout_is_lsb_first_along_k() {
-        // Running example of FORMATS.md: trits [+1, 0, -1, -1, 0, +1, +1, 0] → bytes 0x06 0x69.
+        // Running example of docs/formats.md#worked-examples: trits [+1, 0, -1, -1, 0, +1, +1, 0] → bytes 0x06 0x69.
         let q = [0x06u8, 0x69];
         let s = [f16::from_f32(0.5); 1];
         let mut qw = vec![0x55u8; 32];

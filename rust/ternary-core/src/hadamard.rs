@@ -3,7 +3,7 @@
 //! PrismML stores Bonsai 2 weights folded with a rotation: `W' = W·D·H`, where `D = diag(s)` is a ±1 sign
 //! vector per input width and `H` is block-diagonal with normalized Sylvester–Hadamard blocks
 //! (`H_b / sqrt(b)`, natural order; `H = H⁻¹ = Hᵀ`). A ternary kernel keeps `W'` ternary and rotates the
-//! activation instead: `y = W'·(H·D·x)` (FORMATS.md §1.3.5). Two directions are needed:
+//! activation instead: `y = W'·(H·D·x)` (docs/formats.md#bonsai2-rotation). Two directions are needed:
 //!
 //! * [`Direction::Forward`] (linear-layer input): optional gather `x[gather[i]]`, times `s`, then `H`.
 //! * [`Direction::Inverse`] (embedding rows stored inverse-rotated): `H` first, then times `s`.
@@ -348,7 +348,7 @@ pub fn fwht_rows<T: Element>(
 
 /// The GDN value-head permutation of Prism `qwen35` files: a row laid out "tiled" as `[rep, nk, unit]`
 /// becomes "grouped" `[nk, rep, unit]`. Returned as a gather: `grouped[i] = tiled[perm[i]]`
-/// (= `arange(nv·unit).reshape(rep, nk, unit).transpose(1, 0, 2).ravel()`, FORMATS.md §1.3.6).
+/// (= `arange(nv·unit).reshape(rep, nk, unit).transpose(1, 0, 2).ravel()`, docs/formats.md#gdn-head-order).
 pub fn gdn_tiled_to_grouped(
     num_v_heads: usize,
     num_k_heads: usize,

@@ -223,7 +223,7 @@ mod tests {
 
     #[test]
     fn table_matches_formats_md() {
-        // Sizes from FORMATS.md §0 / §2.2 and gguf-py 0.19 GGML_QUANT_SIZES.
+        // Sizes from docs/formats.md#ggml-type-ids and gguf-py 0.19 GGML_QUANT_SIZES.
         let expect = [
             (GgmlType::F32, 0, 1, 4),
             (GgmlType::F16, 1, 1, 2),

@@ -1,4 +1,4 @@
-//! The base-3 ("5 trits per byte") packing shared by TQ1_0 and PTQ1_0 (FORMATS.md §1.3.4, §2.4).
+//! The base-3 ("5 trits per byte") packing shared by TQ1_0 and PTQ1_0 (docs/formats.md#base3).
 //!
 //! A block is `qs` (5 trits per byte) in *stages*, then `qh` (4 trits per byte), then `d: f16`. In a
 //! stage of `c` bytes starting at `qs[o]`, value `5·o + n·c + m` is digit `n` of `qs[o + m]`; in `qh`

@@ -1,4 +1,4 @@
-//! transformers BitNet packing (safetensors; FORMATS.md §3.1): `weight` uint8 `[N/4, K]` packed along
+//! transformers BitNet packing (safetensors; docs/formats.md#bitnet-packing): `weight` uint8 `[N/4, K]` packed along
 //! the OUTPUT dim, plus one `weight_scale`.
 //!
 //! With `R = N/4`, `packed[r, k]` holds `W[i·R + r, k]` as code `t + 1` at bits `2i`. Four consecutive

@@ -1,7 +1,7 @@
 //! Dense float tensors ↔ ternary.
 //!
-//! * [`recover`]: "unpacked" ternary checkpoints (PrismML `*-unpacked`, ternary-qat output; FORMATS.md
-//!   §1.4 a) store `t·a` densely in fp16/bf16/fp32. Every group must hold only {−a, 0, +a} with
+//! * [`recover`]: "unpacked" ternary checkpoints (PrismML `*-unpacked`, ternary-qat output; docs/formats.md#dense-ternary)
+//!   store `t·a` densely in fp16/bf16/fp32. Every group must hold only {−a, 0, +a} with
 //!   `a = max|w|`; codes and scales are recovered exactly (refused, naming the first offending element,
 //!   if a value is anything else or `a` is not exactly representable in fp16).
 //! * [`ternarize`]: post-training ternarization of arbitrary weights, by group **absmax** (Bonsai /

@@ -1,4 +1,4 @@
-//! bitnet.cpp I2_S (GGUF type 36), x86 layout (`QK_I2_S = 128`, ACT_PARALLEL; FORMATS.md §3.2).
+//! bitnet.cpp I2_S (GGUF type 36), x86 layout (`QK_I2_S = 128`, ACT_PARALLEL; docs/formats.md#i2_s).
 //!
 //! The tensor is `n/4` packed bytes followed by a 32-byte tail whose first 4 bytes are the one f32
 //! scale of the whole tensor. Blocks of 128 values run over the row-major `[N, K]` tensor; value `j`

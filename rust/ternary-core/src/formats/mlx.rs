@@ -1,4 +1,4 @@
-//! MLX affine 2-bit packs (PrismML `*-mlx-2bit`; FORMATS.md §1.4 b/c): `weight` uint32 `[N, K/16]`
+//! MLX affine 2-bit packs (PrismML `*-mlx-2bit`; docs/formats.md#mlx-2bit, docs/formats.md#bonsai2-mlx-pack): `weight` uint32 `[N, K/16]`
 //! (16 codes per word, code `k` at bits `2k`, little-endian), `scales` and `biases` fp16 `[N, K/g]`,
 //! `w = scale·q + bias`.
 //!

@@ -2,7 +2,7 @@
 //! can hold it, encoding from) the [canonical](crate::canonical) form.
 //!
 //! Every GGUF block format implements [`BlockCodec`]: a `#[repr(C)]` block struct with a compile-time
-//! size assertion, a plain scalar reference written straight from FORMATS.md (`decode_block_ref` /
+//! size assertion, a plain scalar reference written straight from its docs/formats.md section (`decode_block_ref` /
 //! `encode_block_ref`, one value at a time) and a fast path (`unpack_block` / `pack_block`, lookup
 //! tables and 2-bit transposes on whole words) that the tests hold to the reference bit for bit.
 //! The tensor-level drivers (row-parallel, validating) live in [`crate::repack`].

@@ -1,5 +1,5 @@
 //! Upstream GGUF Q1_0 (type 41, 1-bit Bonsai): `{ d: f16, qs: [u8; 16] }`, 18 bytes, 128 values
-//! (FORMATS.md §1.3.1): bit `j` of `qs[j/8]` (LSB first) set → `+d`, clear → `−d`.
+//! (docs/formats.md#q1_0): bit `j` of `qs[j/8]` (LSB first) set → `+d`, clear → `−d`.
 //!
 //! A binary tensor is a ternary tensor without zeros: it decodes to codes 2 / 0. Encoding back is
 //! only possible when the canonical tensor has no zero (code 1); the driver refuses otherwise.

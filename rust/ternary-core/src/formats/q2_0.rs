@@ -1,6 +1,6 @@
 //! Upstream GGUF Q2_0 (type 42, group 64): `{ d: f16, qs: [u8; 16] }`, 18 bytes.
 //!
-//! FORMATS.md §1.3.2: value `j` is code `q = (qs[j/4] >> 2·(j%4)) & 3`, `y = (q − 1)·d`. That is the
+//! docs/formats.md#q2_0: value `j` is code `q = (qs[j/4] >> 2·(j%4)) & 3`, `y = (q − 1)·d`. That is the
 //! canonical byte order, so decoding is a copy of `qs` plus the scale. The shared consecutive-2-bit
 //! helpers here also serve [`super::pq2_0`] (same codec, 128-value blocks).
 

@@ -1,5 +1,5 @@
 //! Upstream GGUF TQ1_0 (type 34): `{ qs: [u8; 48], qh: [u8; 4], d: f16 }`, 54 bytes, 256 values
-//! (FORMATS.md §2.4): base-3 stages of 32 and 16 bytes, then 4 `qh` bytes; see [`super::base3`].
+//! (docs/formats.md#tq1_0): base-3 stages of 32 and 16 bytes, then 4 `qh` bytes; see [`super::base3`].
 
 use super::base3::base3_block;
 use super::Format;

@@ -1,4 +1,4 @@
-//! Upstream GGUF TQ2_0 (type 35): `{ qs: [u8; 64], d: f16 }`, 66 bytes, 256 values (FORMATS.md §2.3).
+//! Upstream GGUF TQ2_0 (type 35): `{ qs: [u8; 64], d: f16 }`, 66 bytes, 256 values (docs/formats.md#tq2_0).
 //!
 //! In each 32-byte chunk (128 values) byte `m` holds values `m, m+32, m+64, m+96` at bits 0, 2, 4, 6.
 //! The fast path turns 4 source bytes into 4 canonical bytes with one 2-bit 4×4 transpose.

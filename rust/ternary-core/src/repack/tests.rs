@@ -1,4 +1,4 @@
-//! Fast paths against the scalar references, round trips, FORMATS.md byte examples, error cases.
+//! Fast paths against the scalar references, round trips, the byte examples of docs/formats.md#worked-examples, error cases.
 
 use half::f16;
 use proptest::prelude::*;
@@ -8,7 +8,7 @@ use crate::formats::bitnet::{self, ScaleConvention};
 use crate::formats::dense::{self, DenseDtype, Method};
 use crate::formats::{i2_s, mlx};
 
-/// Running example of FORMATS.md: trits [+1, 0, −1, −1, 0, +1, +1, 0] → codes.
+/// Running example of docs/formats.md#worked-examples: trits [+1, 0, −1, −1, 0, +1, +1, 0] → codes.
 const EXAMPLE_CODES: [u8; 8] = [2, 1, 0, 0, 1, 2, 2, 1];
 
 fn xorshift(seed: &mut u64) -> u64 {

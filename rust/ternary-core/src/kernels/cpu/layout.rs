@@ -221,7 +221,7 @@ mod tests {
 
     #[test]
     fn running_example() {
-        // FORMATS.md running example: trits [+1, 0, -1, -1, 0, +1, +1, 0] → canonical bytes 0x06 0x69.
+        // Running example of docs/formats.md#worked-examples: trits [+1, 0, -1, -1, 0, +1, +1, 0] → canonical bytes 0x06 0x69.
         let mut q = vec![0x55u8; 8];
         q[0] = 0x06;
         q[1] = 0x69;
