@@ -478,7 +478,7 @@ pub fn gemm<T: Activation>(
             }
             #[cfg(target_arch = "x86_64")]
             if kernels.amx_int8 && m >= AMX_MIN_M {
-                s.tiles.fill(q, xs4, m, kp, gp);
+                s.tiles.fill(q, xs4, qsum4, m, kp, gp);
                 job.int8_amx(&s.tiles, par);
                 return;
             }
@@ -710,8 +710,9 @@ impl<T: Activation> Job<'_, T> {
                     let mut worker = unsafe { amx::Worker::new(g, width) };
                     let mut fbuf = [0f32; amx::GROUP_ROWS * amx::TILE_T];
                     let mut tbuf = [T::default(); amx::GROUP_ROWS * amx::TILE_T];
-                    for grp in range {
-                        let out = worker.group(&self.w, grp, tt, tiles.clone());
+                    for grp in range.clone() {
+                        let next = (grp + 1 < range.end).then_some(grp + 1);
+                        let out = worker.group(&self.w, grp, tt, tiles.clone(), next);
                         let n0 = grp * amx::GROUP_ROWS;
                         let rows = amx::GROUP_ROWS.min(self.w.rows - n0);
                         for (o, j) in tiles.clone().enumerate() {

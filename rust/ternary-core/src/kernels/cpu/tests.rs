@@ -719,9 +719,10 @@ fn wide_model(c: &Case, m: usize, precision: Precision, bias: bool) -> Vec<f32> 
     y
 }
 
-/// The rows-in-lanes AVX-512 kernel (forced at every M = 1..20) equals its scalar model bit for bit:
-/// partial 16-row groups, odd N, partial 512-column chunks, every group size, both int8 modes, token
-/// counts that split into several passes of up to 8, with and without bias, single- and multi-threaded.
+/// The rows-in-lanes AVX-512 kernel (forced at every M = 1..20) and the AMX tiles (from
+/// `AMX_MIN_M` tokens; the rows-in-lanes kernel below) equal their one scalar model bit for bit:
+/// partial 16- and 32-row groups, odd N, partial chunks, every group size, both int8 modes, token
+/// counts that split into several passes or tiles, with and without bias, single- and multi-threaded.
 #[test]
 fn wide_int8_matches_its_scalar_model_bit_for_bit() {
     if !Variant::Avx512.is_supported() {
@@ -750,13 +751,18 @@ fn wide_int8_matches_its_scalar_model_bit_for_bit() {
                 for bias in [false, true] {
                     let want = wide_model(&c, m, precision, bias);
                     let b = bias.then_some(&c.bias[..]);
-                    let got = c.run(&c.x, b, Variant::Avx512, precision, &planes);
-                    for (i, (a, w)) in got.iter().zip(&want).enumerate() {
-                        assert_eq!(
-                            a.to_bits(),
-                            w.to_bits(),
-                            "{precision:?} m{m} n{n} k{k} g{g} bias {bias} [{i}]: {a} vs {w}"
-                        );
+                    for v in [Variant::Avx512, Variant::Amx] {
+                        if !v.is_supported() {
+                            continue;
+                        }
+                        let got = c.run(&c.x, b, v, precision, &planes);
+                        for (i, (a, w)) in got.iter().zip(&want).enumerate() {
+                            assert_eq!(
+                                a.to_bits(),
+                                w.to_bits(),
+                                "{v:?} {precision:?} m{m} n{n} k{k} g{g} bias {bias} [{i}]: {a} vs {w}"
+                            );
+                        }
                     }
                 }
             }
@@ -779,16 +785,19 @@ fn wide_int8_matches_its_scalar_model_bit_for_bit() {
         .map(|&v| bf16::from_f32(v))
         .collect();
     let bias_b: Vec<bf16> = cq.bias.iter().map(|&v| bf16::from_f32(v)).collect();
-    let got = cq.run(
-        &xb,
-        Some(&bias_b[..]),
-        Variant::Avx512,
-        Precision::Int8Group,
-        &planes,
-    );
-    assert_eq!(want_b.len(), got.len());
-    for (i, (a, w)) in got.iter().zip(&want_b).enumerate() {
-        assert_eq!(a.to_bits(), w.to_bits(), "parallel bf16 [{i}]: {a} vs {w}");
+    for v in [Variant::Avx512, Variant::Amx] {
+        if !v.is_supported() {
+            continue;
+        }
+        let got = cq.run(&xb, Some(&bias_b[..]), v, Precision::Int8Group, &planes);
+        assert_eq!(want_b.len(), got.len());
+        for (i, (a, w)) in got.iter().zip(&want_b).enumerate() {
+            assert_eq!(
+                a.to_bits(),
+                w.to_bits(),
+                "{v:?} parallel bf16 [{i}]: {a} vs {w}"
+            );
+        }
     }
     WIDE_MIN_M_OVERRIDE.with(|o| o.set(None));
 }
