@@ -33,6 +33,7 @@ INDEX_SHARDS = {"a": "model-00001-of-00002.safetensors", "b": "model-00001-of-00
 BLOCK_TARGETS = {
     "decode_tq1_0": ("TQ1_0", 256), "decode_tq2_0": ("TQ2_0", 256), "decode_q2_0": ("Q2_0", 64),
     "decode_pq2_0": ("PQ2_0", 128), "decode_ptq1_0": ("PTQ1_0", 128), "decode_q1_0": ("Q1_0", 128),
+    "decode_stq1_0": ("STQ1_0", 256),
 }
 
 
@@ -51,6 +52,20 @@ def _ternary(rng, rows: int, cols: int, group: int, binary: bool = False):
     q = (codes[..., 0] | codes[..., 1] << 2 | codes[..., 2] << 4 | codes[..., 3] << 6).astype(np.uint8)
     s = rng.uniform(0.01, 2.0, size=(rows, cols // group)).astype(np.float16)
     return ternary_rs.TernaryTensor(q, s, group)
+
+
+def _stq1_0_ternary(rng, rows: int, cols: int):
+    """A tensor STQ1_0 can hold (random trits mostly cannot): every group of 4 lanes 16 apart in a 64-value
+    chunk is one of its 32 codebook patterns, i.e. one zero and three ±1."""
+    import ternary_rs
+
+    t = rng.choice(np.array([-1, 1], np.int8), size=(rows, cols))
+    r, c, g = np.indices((rows, cols // 64, 16))
+    t[r, 64 * c + g + 16 * rng.integers(0, 4, size=(rows, cols // 64, 16))] = 0
+    codes = (t + 1).astype(np.uint8).reshape(rows, cols // 4, 4)
+    q = (codes[..., 0] | codes[..., 1] << 2 | codes[..., 2] << 4 | codes[..., 3] << 6).astype(np.uint8)
+    s = rng.uniform(0.01, 2.0, size=(rows, cols // 256)).astype(np.float16)
+    return ternary_rs.TernaryTensor(q, s, 256)
 
 
 def container_seeds(out: Path, tmp: Path) -> None:
@@ -94,7 +109,8 @@ def container_seeds(out: Path, tmp: Path) -> None:
     w.add_metadata("general.architecture", "qwen3", "string")
     tensors = [(fmt, ternary_rs.encode(_ternary(rng, 2, 256, 128 if fmt in ("PQ2_0", "PTQ1_0") else 256), fmt))
                for fmt in ("PQ2_0", "PTQ1_0", "TQ2_0")]
-    type_ids = {"PQ2_0": 142, "PTQ1_0": 143, "TQ2_0": 35}
+    tensors.append(("STQ1_0", ternary_rs.encode(_stq1_0_ternary(rng, 2, 256), "STQ1_0")))
+    type_ids = {"PQ2_0": 142, "PTQ1_0": 143, "TQ2_0": 35, "STQ1_0": 43}
     for fmt, data in tensors:
         w.add_tensor_info(f"t.{fmt}", (2, 256), type_ids[fmt], len(bytes(memoryview(data))))
     for fmt, data in tensors:
@@ -134,7 +150,8 @@ def decoder_seeds(out: Path) -> None:
     for target, (fmt, block) in BLOCK_TARGETS.items():
         for sel in (0x00, 0x05, 0x0F, 0x3A, 0x4F):
             rows, bpr = 1 + (sel & 1), 1 + ((sel >> 1) & 1)
-            t = _ternary(rng, rows, bpr * block, block, binary=fmt == "Q1_0")
+            t = (_stq1_0_ternary(rng, rows, bpr * block) if fmt == "STQ1_0"
+                 else _ternary(rng, rows, bpr * block, block, binary=fmt == "Q1_0"))
             _put(out, target, f"valid-{sel:02x}", bytes([sel]) + bytes(memoryview(ternary_rs.encode(t, fmt))))
         for fill in (0x00, 0xFF, 0x55):
             _put(out, target, f"fill-{fill:02x}", bytes([0x03]) + bytes([fill]) * 600)

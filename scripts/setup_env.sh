@@ -7,11 +7,21 @@
 #     then vLLM's other requirements read from its METADATA minus torch/torchvision/torchaudio/torchcodec,
 #     and torchvision 0.28.0 (--no-deps; vLLM's Qwen3.5 module imports it),
 #   * the test/bench tools (gguf, safetensors, hypothesis, transformers, accelerate …),
-#   * a CUDA 13.0 toolkit from PyPI (nvcc, cudart, crt, cccl, nvvm) so cuda/ compiles without a GPU.
-# Set TERNARY_SKIP_VLLM=1 or TERNARY_SKIP_NVCC=1 to leave those parts out.
+#   * a CUDA 13.0 toolkit from PyPI (nvcc, cudart, crt, cccl, nvvm) so cuda/ compiles without a GPU,
+# and llama.cpp's reference converter (plain Python, no build) into .cache/llama_cpp_converter, where the
+# tests look for it (scripts/fetch_llama_cpp_converter.sh; fetched alongside the installs).
+# Set TERNARY_SKIP_VLLM=1, TERNARY_SKIP_NVCC=1 or TERNARY_SKIP_LLAMA_CONVERTER=1 to leave those parts out.
 set -euo pipefail
 PY=${PYTHON:-python3}
 PIP="$PY -m pip install --disable-pip-version-check -q"
+HERE=$(cd "$(dirname "$0")" && pwd)
+
+# Only downloads and unpacks (nothing is installed here), so it runs while the installs below do.
+converter_pid=
+if [ "${TERNARY_SKIP_LLAMA_CONVERTER:-0}" != 1 ]; then
+  PYTHON="$PY" bash "$HERE/fetch_llama_cpp_converter.sh" &
+  converter_pid=$!
+fi
 
 have() { $PY - "$@" <<'PYEOF'
 import importlib.metadata as md, sys
@@ -59,5 +69,8 @@ if [ "${TERNARY_SKIP_NVCC:-0}" != 1 ]; then
   echo "[setup] CUDA 13.0 toolkit from PyPI (nvcc for compile-only builds)"
   $PIP nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88 \
        nvidia-cuda-cccl==13.0.85 nvidia-nvvm==13.0.88
+fi
+if [ -n "$converter_pid" ]; then
+  wait "$converter_pid" || { echo "[setup] fetching llama.cpp's converter failed" >&2; exit 1; }
 fi
 echo "[setup] done"

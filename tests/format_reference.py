@@ -1,4 +1,4 @@
-"""Plain NumPy reference codecs, written straight from FORMATS.md — the tests' oracle (not shipped in the wheel).
+"""Plain NumPy reference codecs, written straight from docs/formats.md (docs/formats.md#summary) — the tests' oracle (not shipped in the wheel).
 
 Nothing here calls into the Rust extension: these functions are the independent oracle the Rust
 codecs are checked against. They favour the spec's literal formulas (value index → byte, bits) over
@@ -38,7 +38,7 @@ def dequantize(trits: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return trits.astype(np.float32) * s
 
 
-# -- consecutive 2-bit: Q2_0 (g64, 18 B) and PQ2_0 / fork Q2_0 (g128, 34 B) — FORMATS.md §1.3.2 -----
+# -- consecutive 2-bit: Q2_0 (g64, 18 B) and PQ2_0 / fork Q2_0 (g128, 34 B) — docs/formats.md#q2_0 -----
 
 def encode_consecutive(trits: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
     """Block = d (f16 LE) + qs[block/4]; value j → qs[j/4] bits 2·(j%4)."""
@@ -63,7 +63,7 @@ def decode_consecutive(data: np.ndarray, shape, block: int):
     return codes.reshape(n, k), d
 
 
-# -- TQ2_0 (66 B / 256) — FORMATS.md §2.3 ----------------------------------------------------------
+# -- TQ2_0 (66 B / 256) — docs/formats.md#tq2_0 ----------------------------------------------------------
 
 def encode_tq2_0(trits: np.ndarray, scales: np.ndarray) -> np.ndarray:
     n, k = trits.shape
@@ -89,7 +89,7 @@ def decode_tq2_0(data: np.ndarray, shape):
     return codes.reshape(n, k), d
 
 
-# -- base-3: TQ1_0 (54 B / 256) and PTQ1_0 (28 B / 128) — FORMATS.md §1.3.4, §2.4 -------------------
+# -- base-3: TQ1_0 (54 B / 256) and PTQ1_0 (28 B / 128) — docs/formats.md#base3 -------------------
 
 _POW3 = np.array([1, 3, 9, 27, 81], np.uint32)
 
@@ -166,7 +166,7 @@ def decode_ptq1_0(data, shape):
     return _decode_base3(data, shape, _PTQ1)
 
 
-# -- Q1_0 (18 B / 128, binary) — FORMATS.md §1.3.1 -------------------------------------------------
+# -- Q1_0 (18 B / 128, binary) — docs/formats.md#q1_0 -------------------------------------------------
 
 def encode_q1_0(signs: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """signs in {-1, +1}; bit j of qs[j/8] set ⇔ +d."""
@@ -188,7 +188,7 @@ def decode_q1_0(data, shape):
     return codes.reshape(n, k), d
 
 
-# -- I2_S (x86, QK 128, f32 scale in a 32-byte tail) — FORMATS.md §3.2 ------------------------------
+# -- I2_S (x86, QK 128, f32 scale in a 32-byte tail) — docs/formats.md#i2_s ------------------------------
 
 def encode_i2_s(trits: np.ndarray, scale: float) -> np.ndarray:
     """out[i·32 + j%32] |= code[i·128+j] << (6 − 2·(j/32)); then f32 scale, 28 zero bytes."""
@@ -213,7 +213,7 @@ def decode_i2_s(data, shape):
     return codes.reshape(n, k), scale
 
 
-# -- transformers BitNet — FORMATS.md §3.1 --------------------------------------------------------
+# -- transformers BitNet — docs/formats.md#bitnet-packing --------------------------------------------------------
 
 def pack_bitnet(trits: np.ndarray) -> np.ndarray:
     """packed[r, k] = Σ_i (W[i·R + r, k] + 1) << 2i, R = N/4."""
@@ -237,7 +237,7 @@ def bitnet_scale(weight_scale: float, linear_class: str = "bitlinear") -> np.flo
     return np.float16(1.0 / ws) if linear_class == "bitlinear" else np.float16(ws)
 
 
-# -- MLX affine 2-bit — FORMATS.md §1.4 b ---------------------------------------------------------
+# -- MLX affine 2-bit — docs/formats.md#mlx-2bit ---------------------------------------------------------
 
 def pack_mlx(trits: np.ndarray) -> np.ndarray:
     """uint32 [N, K/16]: code k at bits 2k (q = t + 1), LSB first."""
@@ -355,3 +355,17 @@ def encode_stq1_0(trits: np.ndarray, scales: np.ndarray) -> np.ndarray:
                 out[r, b, 32 + g // 8] |= (idx >> 4) << (g % 8)
     out[:, :, 40:42] = scales.astype("<f2").reshape(n, k // 256, 1).view(np.uint8)
     return out.reshape(-1)
+
+
+def quantize_stq1_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's float quantizer ``quantize_row_stq1_0_ref`` (ggml-quants.c of the PR branch, sjl623/llama.cpp
+    commit 9b898c1f19b2b0da6db28c99ecea74017892c013) with the lanes at the shipped stride-16 places:
+    d = fp16(max |x|) per 256-value block; in each group the zero lane is the first lane of smallest |x|,
+    every other lane is x < 0 ? −1 : +1. → (trits int8 [N, K], scales float16 [N, K/256]) for encode_stq1_0."""
+    n, k = x.shape
+    xb = np.asarray(x, np.float32).reshape(n, k // 256, 4, 4, 16)  # [row, block, chunk, lane p, group in chunk]
+    zero = np.argmin(np.abs(xb), axis=3)  # the first minimum on ties, as upstream's strict <
+    t = np.where(xb < 0, -1, 1).astype(np.int8)
+    np.put_along_axis(t, zero[:, :, :, None, :], 0, axis=3)
+    d = np.abs(xb).reshape(n, k // 256, 256).max(axis=-1).astype(np.float16)
+    return t.reshape(n, k), d

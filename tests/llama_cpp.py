@@ -2,12 +2,15 @@
 
 ``LLAMA_CPP_BIN`` names the folder of binaries (``DEST/build/bin``); the reference converter
 ``convert_hf_to_gguf.py`` (with its ``conversion/`` package and ``gguf-py``) is looked for in
-``LLAMA_CPP_CONVERT_DIR``, by default ``DEST`` (two levels above the binaries), where the script puts it.
+``LLAMA_CPP_CONVERT_DIR``, else ``DEST`` (two levels above the binaries), where the script puts it, else
+``.cache/llama_cpp_converter`` in the repository, where ``scripts/fetch_llama_cpp_converter.sh`` puts the
+converter alone (plain Python, no build; ``scripts/setup_env.sh`` runs it, so CI has it).
 Tests that need either skip when it is absent.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,31 +21,34 @@ import pytest
 
 COMPLETION_TIMEOUT_S = 300
 CONVERT_TIMEOUT_S = 600
+# Where scripts/fetch_llama_cpp_converter.sh puts the converter by default.
+FETCHED_CONVERTER = Path(__file__).resolve().parent.parent / ".cache" / "llama_cpp_converter"
 
-# Runs llama.cpp's converter with its own gguf-py; optionally pins tokenizer.ggml.pre. The converter picks
-# the pre-tokenizer by hashing the tokenization of a test string against published models: a tokenizer
-# trained on a few test sentences matches none of them, so the test says which regex family it built.
-# Optionally (third argument "1") token_embd / output are quantized like every other weight instead of the
-# F16 the converter writes for them in a TQ1_0 / TQ2_0 file (ModelBase.prepare_tensors): its
-# ``tensor_force_quant`` hook answering True means "quantize with the file type".
+# Runs llama.cpp's converter with its own gguf-py, once per job of a JSON list (one process, so torch and
+# the converter are imported once); a job may pin tokenizer.ggml.pre. The converter picks the pre-tokenizer
+# by hashing the tokenization of a test string against published models: a tokenizer trained on a few test
+# sentences matches none of them, so the test says which regex family it built. Optionally
+# (``quantize_embeddings``) token_embd / output are quantized like every other weight instead of the F16 the
+# converter writes for them in a TQ1_0 / TQ2_0 file (ModelBase.prepare_tensors): its ``tensor_force_quant``
+# hook answering True means "quantize with the file type".
 _CONVERT_WRAPPER = r"""
-import runpy, sys
+import json, runpy, sys
 from pathlib import Path
-root, pre, quantize_embeddings = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+root, jobs = Path(sys.argv[1]), json.loads(sys.argv[2])
 sys.path.insert(0, str(root))
 sys.path.insert(1, str(root / "gguf-py"))
 from conversion import base
-if pre:
-    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
-if quantize_embeddings:
-    default_force_quant = base.ModelBase.tensor_force_quant
-    def tensor_force_quant(self, name, new_name, bid, n_dims):
-        if new_name in ("token_embd.weight", "output.weight"):
-            return True
-        return default_force_quant(self, name, new_name, bid, n_dims)
-    base.ModelBase.tensor_force_quant = tensor_force_quant
-sys.argv = [str(root / "convert_hf_to_gguf.py")] + sys.argv[4:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+default_pre, default_force_quant = base.TextModel.get_vocab_base_pre, base.ModelBase.tensor_force_quant
+def tensor_force_quant(self, name, new_name, bid, n_dims):
+    if new_name in ("token_embd.weight", "output.weight"):
+        return True
+    return default_force_quant(self, name, new_name, bid, n_dims)
+for job in jobs:
+    pre = job["pre"]
+    base.TextModel.get_vocab_base_pre = (lambda self, tokenizer: pre) if pre else default_pre
+    base.ModelBase.tensor_force_quant = tensor_force_quant if job["quantize_embeddings"] else default_force_quant
+    sys.argv = [str(root / "convert_hf_to_gguf.py")] + job["argv"]
+    runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
@@ -56,7 +62,9 @@ def convert_dir() -> Path | None:
     if value:
         return Path(value)
     b = bin_dir()
-    return b.parent.parent if b is not None else None
+    if b is not None:
+        return b.parent.parent
+    return FETCHED_CONVERTER if (FETCHED_CONVERTER / "convert_hf_to_gguf.py").is_file() else None
 
 
 def require_binary(name: str = "llama-completion") -> Path:
@@ -73,27 +81,47 @@ def require_binary(name: str = "llama-completion") -> Path:
 def require_converter() -> Path:
     d = convert_dir()
     if d is None:
-        pytest.skip("LLAMA_CPP_BIN / LLAMA_CPP_CONVERT_DIR is not set (scripts/build_llama_cpp.sh puts "
-                    "convert_hf_to_gguf.py next to the build folder)")
+        pytest.skip("no llama.cpp converter: run scripts/fetch_llama_cpp_converter.sh (or set LLAMA_CPP_BIN / "
+                    "LLAMA_CPP_CONVERT_DIR; scripts/build_llama_cpp.sh puts convert_hf_to_gguf.py next to the "
+                    "build folder)")
     if not (d / "convert_hf_to_gguf.py").is_file():
         pytest.fail(f"{d} has no convert_hf_to_gguf.py")
     return d
+
+
+@dataclass
+class ConvertJob:
+    """One ``convert_hf_to_gguf.py hf_dir --outtype outtype --outfile out [extra…]`` run (see ``_CONVERT_WRAPPER``
+    for ``tokenizer_pre`` and ``quantize_embeddings``)."""
+
+    hf_dir: Path
+    out: Path
+    outtype: str
+    tokenizer_pre: str = ""
+    extra: tuple[str, ...] = ()
+    quantize_embeddings: bool = False
+
+
+def reference_convert_many(jobs: list[ConvertJob]) -> list[Path]:
+    """Run llama.cpp's own writer for every job, in one process; returns the output paths."""
+    root = require_converter()
+    env = dict(os.environ)
+    env.pop("NO_LOCAL_GGUF", None)  # the converter must use its own gguf-py, not the installed one
+    spec = [{"pre": j.tokenizer_pre, "quantize_embeddings": j.quantize_embeddings,
+             "argv": [str(j.hf_dir), "--outtype", j.outtype, "--outfile", str(j.out), *j.extra]} for j in jobs]
+    proc = subprocess.run([sys.executable, "-c", _CONVERT_WRAPPER, str(root), json.dumps(spec)],
+                          capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S, env=env, check=False)
+    if proc.returncode != 0:
+        raise AssertionError(f"convert_hf_to_gguf.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return [j.out for j in jobs]
 
 
 def reference_convert(hf_dir: Path, out: Path, outtype: str, tokenizer_pre: str = "", extra: tuple[str, ...] = (),
                       quantize_embeddings: bool = False) -> Path:
     """``convert_hf_to_gguf.py hf_dir --outtype outtype --outfile out [extra…]`` (llama.cpp's own writer);
     ``quantize_embeddings``: token_embd / output in ``outtype`` too (see ``_CONVERT_WRAPPER``)."""
-    root = require_converter()
-    env = dict(os.environ)
-    env.pop("NO_LOCAL_GGUF", None)  # the converter must use its own gguf-py, not the installed one
-    proc = subprocess.run(
-        [sys.executable, "-c", _CONVERT_WRAPPER, str(root), tokenizer_pre, "1" if quantize_embeddings else "0",
-         str(hf_dir), "--outtype", outtype, "--outfile", str(out), *extra],
-        capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S, env=env, check=False)
-    if proc.returncode != 0:
-        raise AssertionError(f"convert_hf_to_gguf.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return out
+    return reference_convert_many([ConvertJob(hf_dir, out, outtype, tokenizer_pre, tuple(extra),
+                                              quantize_embeddings)])[0]
 
 
 # llama-completion's logger (which also prints the generated text) is an async queue that is never flushed

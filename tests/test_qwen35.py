@@ -1,7 +1,7 @@
 """Bonsai 2 (``qwen35``) conversion: PrismML GGUF (PQ2_0 / PTQ1_0 + ``prism.hadamard.*``) and the MLX
 Bonsai 2 pack → vLLM checkpoint.
 
-The inputs are written by ``tests/bonsai2_model.py`` (NumPy codecs from FORMATS.md + the PyPI ``gguf``
+The inputs are written by ``tests/bonsai2_model.py`` (NumPy codecs from docs/formats.md#summary + the PyPI ``gguf``
 writer); expected values come from the tiny model itself (its stored ternary ``W'`` in Hugging Face order and
 its dense Hugging Face tensors), read back with ``safetensors`` — never from ternary_rs.
 """
@@ -57,7 +57,7 @@ def read_all(d: Path) -> dict[str, np.ndarray]:
 
 
 def pack_codes(t: np.ndarray) -> np.ndarray:
-    """Canonical qweight (DESIGN.md): code t+1 of W[n, k] at bits 2·(k%4) of byte k/4."""
+    """Canonical qweight (docs/checkpoint.md#canonical-layout): code t+1 of W[n, k] at bits 2·(k%4) of byte k/4."""
     c = (t.astype(np.int16) + 1).astype(np.uint8).reshape(t.shape[0], -1, 4)
     return c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
 
@@ -141,14 +141,14 @@ def test_plain_qwen35_without_rotation(tiny, tmp_path):
 
 
 def test_plain_qwen35_to_upstream_tq2_0(tiny, converted, tmp_path):
-    """Upstream llama.cpp runs qwen35 in TQ2_0 / TQ1_0 (no PrismML types): a checkpoint without rotation is
-    written so (group 256: --requantize from group 128); a rotated one is refused (upstream would drop
-    the rotation)."""
+    """Upstream llama.cpp runs qwen35 in TQ2_0 / TQ1_0 (no PrismML types), as llama.cpp PR #22836 in STQ1_0: a
+    checkpoint without rotation is written so (group 256: --requantize from group 128; STQ1_0 requantizes onto
+    its codebook); a rotated one is refused (upstream would drop the rotation)."""
     src = write_prism_gguf(tiny, tmp_path / "plain.gguf", "PQ2_0", hadamard=False)
     plain = ternary_rs.convert(src, tmp_path / "plain", progress=False)
     with pytest.raises(ternary_rs.TernaryError):  # g128 -> g256 is lossy here
         ternary_rs.convert(plain, tmp_path / "strict.gguf", to="gguf", gguf_type="TQ2_0", progress=False)
-    for qtype in ("TQ2_0", "TQ1_0"):
+    for qtype in ("TQ2_0", "TQ1_0", "STQ1_0"):
         g = ternary_rs.convert(plain, tmp_path / f"plain-{qtype}.gguf", to="gguf", gguf_type=qtype,
                                requantize=True, progress=False)
         with ternary_rs.open(g) as f:
@@ -157,9 +157,10 @@ def test_plain_qwen35_to_upstream_tq2_0(tiny, converted, tmp_path):
             assert not [k for k in f.metadata if k.startswith("prism.")]
         back = read_all(ternary_rs.convert(g, tmp_path / f"back-{qtype}", progress=False))
         assert set(back) == set(read_all(plain))
-    with pytest.raises(ternary_rs.TernaryError, match="Hadamard rotation"):
-        ternary_rs.convert(converted["PQ2_0"], tmp_path / "rot.gguf", to="gguf", gguf_type="TQ2_0",
-                           requantize=True, progress=False)
+    for qtype in ("TQ2_0", "STQ1_0"):
+        with pytest.raises(ternary_rs.TernaryError, match="Hadamard rotation"):
+            ternary_rs.convert(converted["PQ2_0"], tmp_path / "rot.gguf", to="gguf", gguf_type=qtype,
+                               requantize=True, progress=False)
 
 
 def test_gdn_tiled_basis_gets_a_permutation(tiny, tmp_path):
@@ -220,7 +221,7 @@ def test_mlx_pack_sign_mismatch_refused(tiny, tmp_path):
 
 
 def test_prism_metadata_shape(tiny):
-    """The reference writer's keys are the ones FORMATS.md §1.3.5 lists (guards the test inputs)."""
+    """The reference writer's keys are the ones docs/formats.md#bonsai2-rotation lists (guards the test inputs)."""
     kv = prism_metadata(tiny)
     assert {k.rsplit(".", 1)[-1] for k in kv} == {
         "version", "transform", "axis", "sign_mode", "block_size", "sign_widths", "sign_values",
@@ -284,7 +285,7 @@ def test_mlx_pack_module_list_must_match_hadamard_json(tiny, tmp_path):
 
 # ------------------------------------------------------------------------------------------------------
 # Bonsai files as they ship: first-generation id-42 Q2_0, g64 Q2_0, rotation version 2, identity signs,
-# sign arrays of any int width, a missing gdn_v_grouped (FORMATS.md §1.3, §1.3.5)
+# sign arrays of any int width, a missing gdn_v_grouped (docs/formats.md#prism-gguf-types, docs/formats.md#bonsai2-rotation)
 # ------------------------------------------------------------------------------------------------------
 
 

@@ -1,14 +1,17 @@
 """Runs vLLM (CPU build) in its own process for tests/test_vllm.py and benches/bench_vllm.py.
 
-    python tests/vllm_runner.py --model DIR --out OUT.json [--tp 2] [--eager] [--dtype float32]
+    python tests/vllm_runner.py --model DIR [DIR …] --out OUT.json [--tp 2] [--eager] [--dtype float32]
         [--prompts-json FILE] [--max-tokens 12] [--dump-weights DIR] [--quantization ternary]
         [--speculative-config JSON]
 
-Writes OUT.json: greedy generations (token ids + top logprobs) of the prompts, the quant method of every
-module, load time, and with --speculative-config vLLM's speculative-decoding counters (``spec_decode``: drafts,
+Several models are served one after another in this one process (each engine shut down before the next
+starts: the imports and process start, ~30 s on 2 cores, are paid once); OUT.json then holds
+``{"runs": [one result per model, in order]}``. For one model OUT.json is its result: greedy generations
+(token ids + top logprobs) of the prompts, the quant method of every module, load time, and with --speculative-config vLLM's speculative-decoding counters (``spec_decode``: drafts,
 draft tokens, accepted tokens); with --dump-weights, every ternary layer's weights as seen *through vLLM* (linear /
 lm_head: ``quant_method.apply(layer, I_K)`` = W_shard.T through the real op; embeddings: the lookup of
-every row of the shard) to ``DIR/rank<r>.npz``. The ``__main__`` guard is required: vLLM starts worker
+every row of the shard; MoE experts: ``<layer>.w13`` ``[E, 2I, H]`` and ``<layer>.w2`` ``[E, H, I]``, each
+expert through the op's exact mode on the identity) to ``DIR/rank<r>.npz``. The ``__main__`` guard is required: vLLM starts worker
 processes with ``spawn``.
 """
 
@@ -64,9 +67,28 @@ def dump_weights(model, out_dir: str):
             elif isinstance(qm, TernaryEmbeddingMethod):
                 ids = torch.arange(module.ternary_out_features)
                 arrays[name] = qm.embedding(module, ids).float().numpy()
+            elif type(qm).__name__ == "TernaryMoEMethod":
+                arrays[name + ".w13"], arrays[name + ".w2"] = moe_expert_weights(module)
     os.makedirs(out_dir, exist_ok=True)
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **arrays)
     return {"rank": rank, "methods": methods, "activations": activations}
+
+
+def moe_expert_weights(layer):
+    """A ternary MoE layer's expert shards as the op serves them: ``[E, 2I, H]`` (gate rows, then up) and
+    ``[E, H, I]``, each expert's prepared weight applied to the identity in the op's exact mode."""
+    import numpy as np
+    import torch
+    from ternary_rs import ops
+
+    hidden, inter = layer.ternary_hidden_size, layer.ternary_intermediate_size
+
+    def dense(q, s, n, k, g):
+        eye = torch.eye(k, dtype=torch.float32)
+        return np.stack([ops.ternary_linear(eye, q[e], s[e], n, k, g, None, ops.EXACT).T.numpy() for e in range(len(q))])
+
+    return (dense(layer.w13_qweight, layer.w13_scales, 2 * inter, hidden, layer.ternary_w13_group_size),
+            dense(layer.w2_qweight, layer.w2_scales, hidden, inter, layer.ternary_w2_group_size))
 
 
 def spec_decode_counters(llm) -> dict:
@@ -82,7 +104,7 @@ def spec_decode_counters(llm) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", required=True, nargs="+")
     ap.add_argument("--out", required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--eager", action="store_true")
@@ -100,13 +122,37 @@ def main() -> None:
     ap.add_argument("--bench-batch", default="", help="comma-separated batch sizes, e.g. 1,16")
     ap.add_argument("--bench-tokens", type=int, default=64)
     args = ap.parse_args()
+    if args.dump_weights and len(args.model) > 1:
+        ap.error("--dump-weights takes one --model")
     cpu_env(args.tp)
+    runs = []
+    for i, model in enumerate(args.model):
+        runs.append(serve_model(args, model, last=i == len(args.model) - 1))
+        if i < len(args.model) - 1:
+            free_process_state()
+    with open(args.out, "w") as f:
+        json.dump(runs[0] if len(runs) == 1 else {"runs": runs}, f)
 
+
+def free_process_state() -> None:
+    """After an engine was shut down and dropped: free what vLLM keeps per process (distributed groups,
+    cached memory), so that another ``LLM`` can start in this process."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def serve_model(args, model: str, last: bool = True) -> dict:
+    """Start an engine for ``model`` and run what ``args`` ask for; the result dict. Unless ``last``, the
+    engine is shut down before returning (the last one ends with the process, as it always did)."""
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(
-        model=args.model,
+        model=model,
         tensor_parallel_size=args.tp,
         enforce_eager=args.eager,
         dtype=args.dtype,
@@ -163,8 +209,11 @@ def main() -> None:
             generated = sum(len(o.outputs[0].token_ids) for o in outs)
             result["bench"].append({"batch": batch, "tokens": generated, "seconds": dt, "tok_per_s": generated / dt})
 
-    with open(args.out, "w") as f:
-        json.dump(result, f)
+    if not last:
+        engine_core = getattr(llm.llm_engine, "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+    return result
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ exit status:
   130  interrupted (Ctrl-C or SIGTERM); nothing half-written is left behind
   141  the output pipe was closed (for example `ternary-rs inspect x | head`)"""
 
-GGUF_TYPES = ("TQ2_0", "TQ1_0", "PQ2_0", "PTQ1_0")
+GGUF_TYPES = ("TQ2_0", "TQ1_0", "PQ2_0", "PTQ1_0", "STQ1_0")
 
 # Library messages name Python keywords; the command line names its flags instead.
 _PYTHON_TO_FLAGS = (
@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="ternary-rs", formatter_class=_Help,
         description=_para("Load, convert and check ternary LLM checkpoints (GGUF TQ1_0/TQ2_0/Q2_0/PQ2_0/PTQ1_0/Q1_0/"
-                    "I2_S, BitNet and MLX safetensors, unpacked dense ternary) for vLLM and llama.cpp."),
+                    "STQ1_0/I2_S, BitNet and MLX safetensors, unpacked dense ternary) for vLLM and llama.cpp."),
         epilog=_examples("ternary-rs convert model.gguf out_dir",
                          "ternary-rs inspect model.gguf",
                          "ternary-rs verify out_dir",
@@ -271,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scale group of the vLLM checkpoint (default: the smallest group of the source)")
     c.add_argument("--requantize", action="store_true",
                    help="allow a lossy regroup (re-ternarize with absmax) when a larger group or a GGUF type "
-                        "cannot hold the weights exactly; the output then differs from the source")
+                        "cannot hold the weights exactly (STQ1_0: llama.cpp's STQ1_0 quantizer); the output then "
+                        "differs from the source")
     c.add_argument("--threads", type=_positive_int, default=None, help="worker threads (default: all cores)")
     c.add_argument("--shard-size", type=_size, default="5GB", help="largest safetensors shard (5GB = 5*10^9 bytes, "
                                                                   "2GiB = 2*2^30)")

@@ -5,7 +5,7 @@ Flow for one source (``convert``):
 1. ``ternary_rs.open`` maps the source (GGUF, safetensors file, sharded index or HF directory) —
    headers only.
 2. The architecture (``ternary_rs.arch``) gives Hugging Face <-> llama.cpp names and layout permutations.
-3. Every tensor is classified: *packed ternary* (GGUF TQ1_0/TQ2_0/PQ2_0/PTQ1_0/Q2_0/Q1_0/I2_S, BitNet,
+3. Every tensor is classified: *packed ternary* (GGUF TQ1_0/TQ2_0/PQ2_0/PTQ1_0/Q2_0/Q1_0/STQ1_0/I2_S, BitNet,
    MLX 2-bit, already-canonical ``qweight``/``scales``), *dense ternary* (a float linear weight whose every
    group is exactly ``{-a, 0, +a}`` — unpacked Bonsai checkpoints; found by a full scan) or *copied*
    (norms, and float weights that are not ternary). One group size is chosen for the checkpoint: the
@@ -87,13 +87,15 @@ GGUF_OUTPUT_TYPES = {
     "TQ2_0": (35, 256, 66, 256),
     "PQ2_0": (142, 128, 34, 128),
     "PTQ1_0": (143, 128, 28, 128),
+    "STQ1_0": (43, 256, 42, 256),
 }
-# llama.cpp ``general.file_type`` for the upstream types (LLAMA_FTYPE_MOSTLY_TQ1_0 / TQ2_0).
-GGUF_FILE_TYPES = {"TQ1_0": 36, "TQ2_0": 37}
+# llama.cpp ``general.file_type`` for the upstream types (LLAMA_FTYPE_MOSTLY_TQ1_0 / TQ2_0, and
+# LLAMA_FTYPE_MOSTLY_STQ1_0 = 42 as PR #22836 numbers it since its rebase past Q1_0/Q2_0).
+GGUF_FILE_TYPES = {"TQ1_0": 36, "TQ2_0": 37, "STQ1_0": 42}
 # --group-size with GGUF output: the group of a GGUF is its type's block, so the option cannot apply.
 GGUF_GROUP_SIZE_MESSAGE = (
-    "group_size={group_size} applies to vLLM output only: a GGUF's group is fixed by its type (TQ1_0/TQ2_0: 256, "
-    "PQ2_0/PTQ1_0: 128); choose it with gguf_type")
+    "group_size={group_size} applies to vLLM output only: a GGUF's group is fixed by its type (TQ1_0/TQ2_0/STQ1_0: "
+    "256, PQ2_0/PTQ1_0: 128); choose it with gguf_type")
 # A source tensor's scales for a per-tensor format broadcast to this group when nothing else decides.
 DEFAULT_GROUP_SIZE = 128
 
@@ -113,6 +115,7 @@ class SourceTensor:
     aux: tuple[str, ...] = ()      # further source tensors this one consumes (scales, biases…)
     candidate: bool = False        # a linear/embedding weight that could be ternary
     gguf_name: str | None = None
+    expert: int | None = None      # slice e of a stacked [n_expert, N, K] tensor (MoE; nbytes per expert)
 
     @property
     def ternary(self) -> bool:
@@ -158,7 +161,10 @@ class Source:
             arch_name = self.metadata.get("general.architecture")
             if not isinstance(arch_name, str):
                 raise FormatError(f"{path}: GGUF metadata has no general.architecture")
-            self.arch = arch_for_gguf(arch_name)
+            try:
+                self.arch = arch_for_gguf(arch_name, self.metadata, list(self.file.tensors))
+            except UnsupportedTypeError as e:
+                raise UnsupportedTypeError(f"{path}: {e}") from None
             md = self.metadata
             heads = int(md.get(f"{arch_name}.attention.head_count", 0) or 0)
             self.shape_config = {
@@ -214,12 +220,20 @@ class Source:
                 "to ternarize a dense model on purpose use ternary_rs.ternarize (lossy)")
         return self.tensors
 
-    def _float_or_copy(self, name, hf, info, shape) -> SourceTensor:
+    def raw(self, st: SourceTensor):
+        """The source bytes of ``st``: the whole tensor, or its expert's slice of a stacked tensor."""
+        data = self.file.raw(st.name)
+        if st.expert is None:
+            return data
+        return np.asarray(data).reshape(-1)[st.expert * st.nbytes:(st.expert + 1) * st.nbytes]
+
+    def _float_or_copy(self, name, hf, info, shape, expert: int | None = None) -> SourceTensor:
         typ = info.type
         cand = self.arch.ternary_candidate(hf, shape)
-        st = SourceTensor(name, hf, "copy", typ, shape, int(info.nbytes), candidate=cand)
+        nbytes = int(info.nbytes) if expert is None else int(info.nbytes) // int(info.shape[0])
+        st = SourceTensor(name, hf, "copy", typ, shape, nbytes, candidate=cand, expert=expert)
         if cand and typ in FLOAT_BYTES:
-            g = dense_ternary_group(self.file.raw(name), typ, shape)
+            g = dense_ternary_group(self.raw(st), typ, shape)
             if g is not None:
                 st.kind, st.group = "dense", g
             elif self.options.ternarize:
@@ -251,7 +265,9 @@ class Source:
                 self.skipped.append(name)
                 continue
             shape, typ = tuple(int(d) for d in info.shape), info.type
-            if typ in GGUF_TERNARY_GROUPS:
+            if len(shape) == 3:
+                out += self._expert_tensors(name, hf, info, shape)
+            elif typ in GGUF_TERNARY_GROUPS:
                 out.append(SourceTensor(name, hf, "packed", typ, shape, int(info.nbytes),
                                         group=GGUF_TERNARY_GROUPS[typ], candidate=True, gguf_name=name))
             elif typ in FLOAT_BYTES:
@@ -262,6 +278,25 @@ class Source:
                 raise UnsupportedTypeError(
                     f"{self.path}: tensor {name} has GGUF type {typ}; convertible types are the ternary "
                     f"{sorted(GGUF_TERNARY_GROUPS)} and the float {sorted(FLOAT_BYTES)}")
+        return out
+
+    def _expert_tensors(self, name, hf, info, shape) -> list[SourceTensor]:
+        """A stacked Mixture-of-Experts tensor (llama.cpp's ``ffn_*_exps``, ``[n_expert, N, K]``) as one 2-D
+        weight per expert, named by the architecture: expert e is the e-th contiguous slice of its bytes."""
+        split = getattr(self.arch, "expert_hf_names", None)
+        if split is None:
+            raise ConversionError(f"{self.path}: tensor {name} is 3-D {list(shape)}, but architecture "
+                                  f"{self.arch.gguf_arch!r} has no stacked experts")
+        n_expert, rows, cols = shape
+        typ, out = info.type, []
+        for e, expert_hf in enumerate(split(hf, n_expert)):
+            if typ in GGUF_TERNARY_GROUPS:
+                out.append(SourceTensor(name, expert_hf, "packed", typ, (rows, cols), int(info.nbytes) // n_expert,
+                                        group=GGUF_TERNARY_GROUPS[typ], candidate=True, gguf_name=name, expert=e))
+            else:  # F16/BF16/F32 (anything else was refused up front)
+                st = self._float_or_copy(name, expert_hf, info, (rows, cols), expert=e)
+                st.gguf_name = name
+                out.append(st)
         return out
 
     def _classify_safetensors(self) -> list[SourceTensor]:
@@ -293,7 +328,7 @@ class Source:
     # -- decoding to canonical form
     def canonical(self, st: SourceTensor, group_size: int):
         """``TernaryTensor`` of ``st`` at ``group_size`` in Hugging Face row order."""
-        from .tensor import TernaryTensor, decode, recover_dense, repack
+        from .tensor import TernaryTensor, decode, decode_bytes, recover_dense, repack
 
         n, k = st.shape
         if k % group_size:
@@ -304,7 +339,7 @@ class Source:
                 raise ValidationError(
                     f"{self.path}: tensor {st.name} is exactly ternary only for groups <= {st.group}; "
                     f"group size {group_size} would requantize it (pass --requantize to allow that)")
-            t = recover_dense(self.file.raw(st.name), st.dtype, n, k, exact or st.group, name=st.name,
+            t = recover_dense(self.raw(st), st.dtype, n, k, exact or st.group, name=st.name,
                               stop=self.options.stop)
         elif st.kind == "canonical":
             q = np.asarray(self.file.raw(st.name)).reshape(n, k // 4)
@@ -318,7 +353,9 @@ class Source:
                 raise ConversionError(f"{self.path}: tensor {st.aux[0]}: "
                                       f"{str(e).split(': ', 1)[-1]}") from None
         elif st.kind == "ternarize":
-            t = self.arch.ternarize_dense(self.file.raw(st.name), st.dtype, st.shape, group_size, st.name)
+            t = self.arch.ternarize_dense(self.raw(st), st.dtype, st.shape, group_size, st.name)
+        elif st.expert is not None:  # one expert of a stacked tensor
+            t = decode_bytes(st.dtype, self.raw(st), (n, k), name=f"{st.name}[{st.expert}]")
         else:
             t = decode(self.file, st.name)
         if t.shape != (n, k):
@@ -332,8 +369,13 @@ class Source:
         return t
 
     def raw_hf_order(self, st: SourceTensor) -> np.ndarray:
-        """Raw bytes of a copied tensor, rows in Hugging Face order."""
-        raw = self.file.raw(st.name)
+        """Raw bytes of a copied tensor, rows in Hugging Face order (and values, where the arch undoes
+        llama.cpp's changes to them: ``values_from_gguf``)."""
+        raw = self.raw(st)
+        values = getattr(self.arch, "values_from_gguf", None) if self.is_gguf and st.shape else None
+        if values is not None:
+            changed = values(st.hf_name, raw, st.dtype, st.shape)
+            return raw if changed is None else changed
         perm = (self.arch.rows_from_gguf(st.hf_name, self.shape_config, st.shape[0])
                 if self.is_gguf and st.shape else None)
         if perm is None:
@@ -534,6 +576,10 @@ def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> 
     from .tensor import encode, repack
 
     source.classify()
+    if any(st.expert is not None for st in source.tensors):  # llama.cpp wants the experts stacked again
+        from .arch.moe import gguf_output_refused
+
+        raise UnsupportedTypeError(gguf_output_refused(source.path, source.arch.gguf_arch))
     gtype = (options.gguf_type or _default_gguf_type(source)).upper()
     if gtype not in GGUF_OUTPUT_TYPES:
         raise UnsupportedTypeError(f"--gguf-type {gtype}: supported {sorted(GGUF_OUTPUT_TYPES)}")
@@ -554,21 +600,26 @@ def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> 
         # Ternary tensors are decoded in Hugging Face row order (``Source.canonical`` undoes llama.cpp's q/k
         # permutation of a GGUF source), so they get llama.cpp's row order back whatever the source; float
         # tensors of a GGUF source are already in it.
-        perm = source.arch.rows_to_gguf(st.hf_name, source.shape_config, n)
+        # Float tensors of an arch that changes values on the way (generic: Gemma's norm offset) take
+        # ``values_to_gguf`` instead of a row permutation.
+        values = None if st.ternary else getattr(source.arch, "values_to_gguf", None)
+        perm = None if values is not None else source.arch.rows_to_gguf(st.hf_name, source.shape_config, n)
         if st.ternary and st.shape[1] % block_values == 0:
             n, k = st.shape
             nbytes = n * (k // block_values) * block_bytes
 
             def produce(st=st, perm=perm):
                 t = source.canonical(st, min(target_group, st.group or target_group))
-                if t.group_size != target_group:
+                # STQ1_0 regroups inside encode: its --requantize maps onto its codebook, not absmax.
+                if t.group_size != target_group and gtype != "STQ1_0":
                     t = repack(t, target_group, requantize=source.options.requantize)
                 if perm is not None:  # HF rows -> llama.cpp rows
                     from .tensor import TernaryTensor
 
                     t = TernaryTensor(np.ascontiguousarray(t.qweight[perm]), np.ascontiguousarray(t.scales[perm]),
                                       t.group_size, name=st.name, validate=False)
-                return (np.ascontiguousarray(np.frombuffer(memoryview(encode(t, gtype)), dtype=np.uint8)),)
+                data = encode(t, gtype, requantize=source.options.requantize and gtype == "STQ1_0")
+                return (np.ascontiguousarray(np.frombuffer(memoryview(data), dtype=np.uint8)),)
 
             jobs.append(Job([OutTensor(gname, gtype, (n, k), nbytes)], produce, src_label, st.nbytes,
                             meta={"type_id": type_id}))
@@ -595,8 +646,12 @@ def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> 
             # llama.cpp wants norms (1-D tensors) in F32, as convert_hf_to_gguf.py writes them.
             out_dtype = "F32" if len(st.shape) <= 1 or gname.endswith("_norm.weight") else st.dtype
 
-            def produce(st=st, perm=None if source.is_gguf else perm, out_dtype=out_dtype):
+            def produce(st=st, perm=None if source.is_gguf else perm, out_dtype=out_dtype,
+                        values=None if source.is_gguf else values):
                 raw = source.file.raw(st.name)
+                if values is not None and st.shape:  # HF values -> llama.cpp's
+                    changed = values(st.hf_name, raw, st.dtype, st.shape)
+                    raw = raw if changed is None else changed
                 if perm is not None:  # HF rows -> llama.cpp rows
                     raw = np.asarray(raw).reshape(st.shape[0], -1)[perm]
                 if out_dtype != st.dtype:

@@ -119,7 +119,12 @@ def write_demo_gguf(path: Path, gguf_type: str = "PQ2_0", seed: int = 0, mark: b
             writer.add_metadata(key, value, vtype)
         blobs = {}
         for name, (n, k) in linear.items():
-            trits = rng.integers(0, 3, size=(n, k), dtype=np.uint8).astype(np.int8) - 1
+            if gguf_type == "STQ1_0":  # its codebook: one zero per group of 4 lanes 16 apart in 64 values
+                trits = rng.choice(np.array([-1, 1], np.int8), size=(n, k))
+                r, c, g = np.indices((n, k // 64, 16))
+                trits[r, 64 * c + g + 16 * rng.integers(0, 4, size=(n, k // 64, 16))] = 0
+            else:
+                trits = rng.integers(0, 3, size=(n, k), dtype=np.uint8).astype(np.int8) - 1
             scales = (rng.uniform(0.01, 0.05, size=(n, k // group))).astype(np.float16)
             t = TernaryTensor(pack_codes(trits), scales, group, name=name)
             blobs[name] = np.frombuffer(memoryview(encode(t, gguf_type)), dtype=np.uint8)

@@ -179,10 +179,10 @@ def config_from_gguf(gguf_path: Path, metadata: dict[str, Any], tensor_names, ar
                      workdir: Path, use_transformers: bool = True) -> tuple[dict[str, Any], Path | None]:
     """``(config dict, metadata-only GGUF copy for transformers' tokenizer rebuild, or None)``.
 
-    The config always comes from :func:`builtin_config_from_gguf` (the same keys transformers maps, for
-    the architectures this writer handles). The tokenizer is rebuilt without transformers whenever
-    :func:`builtin_tokenizer_supported`; only other tokenizers need transformers (a few seconds of
-    imports), and then only with ``use_transformers``.
+    The config comes from :func:`builtin_config_from_gguf` (the same keys transformers maps, for the
+    hand-written architectures) or from the arch's own ``config_from_gguf_metadata`` (the generic one).
+    The tokenizer is rebuilt without transformers whenever :func:`builtin_tokenizer_supported`; only other
+    tokenizers need transformers (a few seconds of imports), and then only with ``use_transformers``.
     """
     meta_copy = None
     if ("tokenizer.ggml.tokens" in metadata and not builtin_tokenizer_supported(metadata)
@@ -193,7 +193,9 @@ def config_from_gguf(gguf_path: Path, metadata: dict[str, Any], tensor_names, ar
         alias = getattr(arch, "transformers_gguf_alias", None)
         write_metadata_only_gguf(gguf_path, meta_copy,
                                  rename_arch=None if alias is None else (arch.gguf_arch, alias))
-    config = builtin_config_from_gguf(metadata, arch)
+    # An architecture mapped through transformers' tables brings its whole config (ternary_rs.arch.generic).
+    own = getattr(arch, "config_from_gguf_metadata", None)
+    config = own(metadata, tensor_names) if own is not None else builtin_config_from_gguf(metadata, arch)
     arch.config_fixups_from_gguf(config, metadata)
     _shortest_f32_floats(config)
     config["architectures"] = [arch.hf_architectures[0]]

@@ -59,7 +59,7 @@ GGML_TYPE_IDS: dict[str, int] = {
     "IQ2_XS": 17, "IQ3_XXS": 18, "IQ1_S": 19, "IQ4_NL": 20, "IQ3_S": 21, "IQ2_S": 22, "IQ4_XS": 23,
     "I8": 24, "I16": 25, "I32": 26, "I64": 27, "F64": 28, "IQ1_M": 29, "BF16": 30, "TQ1_0": 34,
     "TQ2_0": 35, "I2_S": 36, "MXFP4": 39, "NVFP4": 40, "Q1_0": 41, "Q2_0": 42, "Q2_0_G128": 42,
-    "PQ2_0": 142, "PTQ1_0": 143,
+    "STQ1_0": 43, "PQ2_0": 142, "PTQ1_0": 143,
 }
 
 
@@ -94,7 +94,7 @@ class TensorInfo(NamedTuple):
 
     ``shape`` is in PyTorch order (GGUF ``ne`` reversed); ``ggml_ne`` is GGUF's own order (None for
     safetensors). ``type`` is the GGUF type name ("F16", "TQ2_0", "Q2_0", "Q2_0_G128", "PQ2_0",
-    "PTQ1_0", "Q1_0", "I2_S", "Q8_0", …) or the safetensors dtype ("F16", "BF16", "U8", …).
+    "PTQ1_0", "Q1_0", "STQ1_0", "I2_S", "Q8_0", …) or the safetensors dtype ("F16", "BF16", "U8", …).
     ``offset`` is the absolute byte offset in ``file`` (the file or shard holding the bytes).
 
     A NamedTuple, not a dataclass: the Rust core hands over rows in this field order and each becomes a

@@ -11,7 +11,31 @@ Contract (stable; the vLLM backend codes against it):
   (f32 sums), 2 int8 per token and weight group, 3 int8 per token (BitNet b1.58's ``activation_quant``);
   see ``_ops_cpu`` for the error bounds.
 
-The schema and the fake implementation (for ``torch.compile(fullgraph=True)``) are defined here. Both
+* ``torch.ops.ternary_rs.ternary_moe(x, topk_weights, topk_ids, w13_qweight, w13_scales, w2_qweight, w2_scales,
+  intermediate_size, w13_group_size, w2_group_size, activations=0, apply_router_weight_on_input=False)`` —
+  routed ternary experts (Mixture-of-Experts): ``x [M, H]``, the router's ``topk_weights`` / ``topk_ids``
+  ``[M, k]``, every expert's fused gate/up ``[2I, H]`` and down ``[H, I]`` weight prepared by
+  ``prepare_weight`` and stacked along a leading expert dimension (``w13_qweight[e]``); returns ``[M, H]``
+  in ``x.dtype``: ``Σ_j w[t, j] · down_e(silu(gate_e(x_t)) · up_e(x_t))``. One opaque op, because which
+  experts run depends on the data (``torch.compile`` sees its fake implementation). CPU:
+  :mod:`ternary_rs._ops_moe` (the (token, expert) pairs sorted by expert, two ``ternary_linear`` calls per
+  active expert).
+
+  CUDA is **designed, not built** (the vLLM method refuses a CUDA device, naming the layer): the same
+  schema, so the vLLM side does not change, with ``prepare_weight``'s CUDA layout per expert stacked the
+  same way (expert e at a fixed stride). A CUDA-graph-safe implementation needs no host sync: (1) an
+  align kernel sorts the ``M·k`` (token, slot) pairs by expert into tiles of ``BLOCK_M`` rows, padded per
+  expert, and writes a tile -> expert map and the pair order on the device (vLLM's
+  ``moe_align_block_size`` does exactly this); (2) a grouped GEMM over those tiles — each CTA takes one
+  tile, reads its expert id, streams that expert's 2-bit ``w13`` and runs the ``mma.sync`` main loop of
+  ``cuda/`` on the gathered rows, with SiLU-and-mul fused into the epilogue (gate and up rows of a block
+  interleaved at prepare time so one CTA holds both); (3) the same grouped GEMM for ``w2``, whose epilogue
+  multiplies by the pair's router weight and adds into ``y[token]`` (fp32 atomics, or a per-pair buffer
+  reduced by a last small kernel when determinism is wanted). Decode (``M·k`` ≤ 8 pairs) would use the
+  GEMV instead, one warp group per (pair, row block). The grid is sized for the worst case
+  (``M·k / BLOCK_M + E`` tiles) so it is fixed under graph capture.
+
+The schemas and the fake implementations (for ``torch.compile(fullgraph=True)``) are defined here. Both
 device kernels are registered natively with the dispatcher from Rust, so a call runs no Python: the CPU
 one by ``_ops_cpu.register_native`` (on torch's intra-op thread pool), the CUDA one by
 ``_ops_cuda.register_native`` (on the current stream). Where that cannot be done (a torch without the
@@ -25,13 +49,19 @@ import logging
 
 import torch
 
-from . import _ops_cpu, _ops_cuda
+from . import _ops_cpu, _ops_cuda, _ops_moe
 
 LIB = "ternary_rs"
 OP_NAME = f"{LIB}::ternary_linear"
 SCHEMA = (
     "ternary_linear(Tensor x, Tensor qweight, Tensor scales, int out_features, int in_features, "
     "int group_size, Tensor? bias=None, int activations=0) -> Tensor"
+)
+MOE_OP_NAME = f"{LIB}::ternary_moe"
+MOE_SCHEMA = (
+    "ternary_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13_qweight, Tensor w13_scales, "
+    "Tensor w2_qweight, Tensor w2_scales, int intermediate_size, int w13_group_size, int w2_group_size, "
+    "int activations=0, bool apply_router_weight_on_input=False) -> Tensor"
 )
 AUTO, EXACT, INT8_GROUP, INT8_TOKEN = _ops_cpu.AUTO, _ops_cpu.EXACT, _ops_cpu.INT8_GROUP, _ops_cpu.INT8_TOKEN
 
@@ -47,6 +77,11 @@ def prepare_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int)
 
 def _fake(x, qweight, scales, out_features, in_features, group_size, bias=None, activations=0):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _fake_moe(x, topk_weights, topk_ids, w13_qweight, w13_scales, w2_qweight, w2_scales, intermediate_size,
+              w13_group_size, w2_group_size, activations=0, apply_router_weight_on_input=False):
+    return torch.empty_like(x)
 
 
 def _define() -> tuple[str | None, str | None]:
@@ -65,6 +100,9 @@ def _define() -> tuple[str | None, str | None]:
         if torch.cuda.is_available():  # on a CPU-only machine the Python path only reports errors
             log.warning("ternary_rs: native CUDA op registration unavailable (%s); using the Python path", why_cuda)
         torch.library.impl(OP_NAME, "cuda", _ops_cuda.ternary_linear, lib=_LIBRARY)
+    _LIBRARY.define(MOE_SCHEMA)
+    torch.library.register_fake(MOE_OP_NAME, _fake_moe, lib=_LIBRARY)
+    torch.library.impl(MOE_OP_NAME, "cpu", _ops_moe.ternary_moe, lib=_LIBRARY)
     return why_cpu, why_cuda
 
 

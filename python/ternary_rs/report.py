@@ -54,9 +54,14 @@ GGUF_BLOCKS = {
     "Q2_0": (64, 18, 0, (2, 18)),
     "PTQ1_0": (128, 28, 26, None),
     "Q1_0": (128, 18, 0, None),
+    "STQ1_0": (256, 42, 40, None),
 }
 CLAIM_PATTERN = re.compile(r"ternary|bonsai|1\.58|b1_58|bitnet|tq[12]_0|pq2_0|ptq1_0|q2_0", re.IGNORECASE)
 ROLE_PATTERNS = {
+    # Fused projections (Phi-3's qkv_proj / gate_up_proj, llama.cpp's attn_qkv) first: their names end like
+    # the single ones.
+    "qkv": re.compile(r"(qkv_proj|attn_qkv)\.weight$"),
+    "gate_up": re.compile(r"gate_up_proj\.weight$"),
     "embed": re.compile(r"(^|\.)(embed_tokens|token_embd)\.weight$"),
     "lm_head": re.compile(r"(^|\.)(lm_head|output)\.weight$"),
     "q": re.compile(r"(q_proj|attn_q)\.weight$"),
@@ -203,7 +208,7 @@ def shape_config(f, path: Path) -> dict[str, Any]:
     if isinstance(layer_types, list):
         cfg["attention_layers"] = sum(1 for t in layer_types if t in ("full_attention", "attention", "sliding_attention"))
     for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-                "linear_conv_kernel_dim"):
+                "linear_conv_kernel_dim", "moe_intermediate_size"):
         if merged.get(key) is not None:
             cfg[key] = merged[key]
     return cfg
@@ -353,7 +358,11 @@ def _consistency(entries: list[dict], cfg: dict[str, Any], problems: list[str], 
         "v": (kv * head_dim if kv and head_dim else None, hidden),
         "o": (hidden, heads * head_dim if heads and head_dim else None),
         "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter),
+        "qkv": (None, hidden),  # rows differ by kind (Bonsai 2's Gated-DeltaNet attn_qkv is not q+k+v heads)
+        "gate_up": (2 * inter if inter else None, hidden),
     }
+    # llama.cpp stores Phi-3's fused gate+up projection as ffn_up (2 x intermediate rows, no ffn_gate).
+    gated_blocks = {e["block"] for e in entries if e["role"] == "gate"}
     seen_blocks = set()
     for e in entries:
         if e["block"] is not None:
@@ -363,6 +372,11 @@ def _consistency(entries: list[dict], cfg: dict[str, Any], problems: list[str], 
             continue
         rows, cols = e["shape"]
         want_rows, want_cols = expect[role]
+        if role == "up" and inter and rows == 2 * inter and e["block"] not in gated_blocks:
+            want_rows = rows  # fused gate+up
+        moe_inter = cfg.get("moe_intermediate_size")
+        if moe_inter and ".experts." in e["name"] and role in ("gate", "up", "down"):  # one routed expert (MoE)
+            want_rows, want_cols = (hidden, moe_inter) if role == "down" else (moe_inter, hidden)
         if role == "embed" and vocab and rows != vocab:
             problems.append(f"{e['name']}: {rows} rows but vocab_size is {vocab}")
             continue

@@ -19,7 +19,7 @@ GGUF_FLOAT_TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30}
 # Packed ternary GGUF source types and their native group size (None: one scale per tensor).
 GGUF_TERNARY_GROUPS = {
     "TQ1_0": 256, "TQ2_0": 256, "PQ2_0": 128, "PTQ1_0": 128,
-    "Q2_0": 64, "Q2_0_G128": 128, "Q1_0": 128, "I2_S": None,
+    "Q2_0": 64, "Q2_0_G128": 128, "Q1_0": 128, "STQ1_0": 256, "I2_S": None,
 }
 # What ``convert`` reads from a GGUF: these ternary types and the float types; nothing else.
 GGUF_READABLE_TYPES = tuple(GGUF_TERNARY_GROUPS) + tuple(FLOAT_BYTES)

@@ -1,6 +1,6 @@
 """Bit-exact ternary codecs and the canonical :class:`TernaryTensor`.
 
-The canonical form (DESIGN.md): a linear weight ``W[N, K]`` is
+The canonical form (docs/checkpoint.md#canonical-layout): a linear weight ``W[N, K]`` is
 
 * ``qweight`` — ``uint8 [N, K/4]``; ``W[n, k]`` is code ``c = t + 1`` in byte ``k // 4`` at bits
   ``2·(k % 4)`` (least significant first); code 3 is invalid;
@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 #: GGUF tensor types decoded from their raw tensor bytes alone.
-GGUF_FORMATS = ("TQ1_0", "TQ2_0", "Q2_0", "Q2_0_G128", "PQ2_0", "PTQ1_0", "Q1_0", "I2_S")
+GGUF_FORMATS = ("TQ1_0", "TQ2_0", "Q2_0", "Q2_0_G128", "PQ2_0", "PTQ1_0", "Q1_0", "STQ1_0", "I2_S")
 _DENSE_TYPES = ("F16", "BF16", "F32")
 _REFUSED = {"TL1": 38, "TL2": 39}
 
@@ -342,7 +342,7 @@ def decode_bytes(format: str, data: Any, shape, *, group_size: int | None = None
                  dtype: str | None = None, name: str = "<bytes>") -> TernaryTensor:
     """Decode one tensor from raw data.
 
-    ``format``: a GGUF type (``TQ1_0 TQ2_0 Q2_0 Q2_0_G128 PQ2_0 PTQ1_0 Q1_0 I2_S``; ``data`` = the tensor's
+    ``format``: a GGUF type (``TQ1_0 TQ2_0 Q2_0 Q2_0_G128 PQ2_0 PTQ1_0 Q1_0 STQ1_0 I2_S``; ``data`` = the tensor's
     bytes, ``shape`` = PyTorch ``[N, K]``), ``"BITNET"`` (``data`` = uint8 ``[N/4, K]``, ``shape`` = the
     unpacked ``[N, K]``, plus ``weight_scale`` and ``linear_class``), ``"MLX"`` (``data`` = uint32
     ``[N, K/16]``, plus fp16 ``scales``/``biases``; zero-copy), or ``"DENSE"``/``F16``/``BF16``/``F32``
@@ -525,8 +525,10 @@ def encode(tensor: TernaryTensor, format: str, *, requantize: bool = False, line
     """Encode a canonical tensor.
 
     GGUF types → ``np.ndarray`` uint8 (the GGUF tensor data bytes). The tensor is first regrouped to
-    the format's block size (TQ*_0: 256, Q2_0: 64, PQ2_0/PTQ1_0/Q2_0_G128/Q1_0: 128) — refused if that
-    would lose information, unless ``requantize``. ``"BITNET"`` → ``{"weight": uint8 [N/4, K],
+    the format's block size (TQ*_0/STQ1_0: 256, Q2_0: 64, PQ2_0/PTQ1_0/Q2_0_G128/Q1_0: 128) — refused if
+    that would lose information, unless ``requantize``. STQ1_0 also refuses a 4-lane group that is not one
+    zero and three ±1 (naming row and group); with ``requantize`` it runs llama.cpp's STQ1_0 quantizer
+    (``quantize_row_stq1_0_ref``) on the dequantized weights instead. ``"BITNET"`` → ``{"weight": uint8 [N/4, K],
     "weight_scale": float32 [1]}`` (all scales must be equal); ``"MLX"`` → ``{"weight": uint32
     [N, K/16], "scales", "biases"}`` (views of this tensor's arrays).
     """

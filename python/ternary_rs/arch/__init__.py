@@ -1,9 +1,13 @@
 """Architecture registry used by ``ternary_rs.convert``.
 
-``ARCHES`` maps a GGUF ``general.architecture`` name to an *arch object*. ``convert`` picks one with
+``ARCHES`` maps a GGUF ``general.architecture`` name to a hand-written *arch object*. ``convert`` picks one with
 :func:`arch_for_gguf` (GGUF sources) or :func:`arch_for_config` (``config.json`` ``model_type`` /
 ``architectures``). Dense llama-shaped decoders subclass :class:`ternary_rs.arch.base.DenseDecoderArch`
-and only set names; see ``llama.py`` and ``qwen3.py``.
+and only set names; see ``llama.py`` and ``qwen3.py``. Any other dense decoder-only architecture that
+transformers' GGUF tables describe gets a :class:`ternary_rs.arch.generic.GenericDecoderArch` bound to the
+source's config (built per source, not registered). A hand-written module is for what those tables do not
+give (GGUF output from Hugging Face files, conversion without transformers, Bonsai 2's rotation, BitNet's
+sub-norms …; docs/formats.md, "Architectures").
 
 An arch object provides (attributes / methods):
 
@@ -50,6 +54,16 @@ An arch object provides (attributes / methods):
 ``ternarize_dense(raw, dtype, shape, group_size, name)`` (optional)
     the architecture's own ternarization of a dense float linear weight (``convert(ternarize=True)``):
     a ``TernaryTensor`` at ``group_size``. Architectures without it refuse ``--ternarize``.
+``expert_hf_names(hf_name, n_expert) -> list[str]`` (optional; Mixture-of-Experts architectures)
+    the per-expert Hugging Face names of a stacked 3-D GGUF expert tensor (llama.cpp's ``ffn_*_exps``,
+    ``[n_expert, N, K]``); ``convert`` splits such a tensor into that many 2-D weights. Architectures
+    without it refuse 3-D tensors.
+``config_from_gguf_metadata(metadata, tensor_names) -> dict`` (optional)
+    the whole config.json for a GGUF source (the generic arch: transformers' table and config class), in place
+    of the built-in llama-style mapping.
+``values_from_gguf(hf_name, raw, dtype, shape)`` / ``values_to_gguf(...)`` -> ``np.ndarray | None`` (optional)
+    a float tensor's bytes (same dtype and shape) with llama.cpp's value changes undone / applied (Gemma's
+    norm offset); ``None``: unchanged. Used instead of ``rows_*_gguf`` for float tensors when present.
 ``transformers_gguf_alias: str | None`` (optional)
     a GGUF architecture whose metadata transformers' GGUF loader can read in place of this one (its
     config then comes from the built-in mapping, its tokenizer from transformers).
@@ -70,6 +84,7 @@ _MODULES = (
     "qwen3",
     "qwen35",
     "bitnet",
+    "qwen3moe",
 )
 # Other GGUF ``general.architecture`` names -> the module whose ``ALIASES`` define them.
 _ALIASES = {"bitnet-b1.58": "bitnet", "bitnet-25": "bitnet"}
@@ -107,17 +122,27 @@ def register(arch: Any) -> Any:
     return arch
 
 
-def arch_for_gguf(architecture: str) -> Any:
-    """The arch object for a GGUF ``general.architecture`` value."""
+def arch_for_gguf(architecture: str, metadata: dict[str, Any] | None = None, tensor_names=()) -> Any:
+    """The arch object for a GGUF ``general.architecture`` value: a hand-written one, else (given the file's
+    ``metadata`` and tensor names) the generic one transformers' GGUF tables describe."""
     try:
         return ARCHES[architecture]
     except KeyError:
-        ARCHES.load_all()
-        from .._core import UnsupportedTypeError
+        pass
+    ARCHES.load_all()
+    from .._core import UnsupportedTypeError
 
-        raise UnsupportedTypeError(
-            f"GGUF architecture {architecture!r} is not supported for conversion; supported: {sorted(ARCHES)}"
-        ) from None
+    if metadata is not None:
+        from .generic import for_gguf
+
+        try:
+            return for_gguf(architecture, metadata, tensor_names)
+        except UnsupportedTypeError as e:
+            raise UnsupportedTypeError(f"{e}; hand-written: {sorted(ARCHES)}") from None
+
+    raise UnsupportedTypeError(
+        f"GGUF architecture {architecture!r} is not supported for conversion; supported: {sorted(ARCHES)} (and, "
+        "from a GGUF file, the decoder-only architectures of transformers' GGUF tables)")
 
 
 def arch_for_config(config: dict[str, Any]) -> Any:
@@ -132,9 +157,10 @@ def arch_for_config(config: dict[str, Any]) -> Any:
             if cls in arch.hf_architectures:
                 return arch
     from .._core import UnsupportedTypeError
+    from .generic import for_config
 
-    raise UnsupportedTypeError(
-        f"config.json model_type {model_type!r} / architectures {config.get('architectures')!r} is not "
-        f"supported for conversion; supported model types: "
-        f"{sorted(t for a in ARCHES.values() for t in a.hf_model_types)}"
-    )
+    hand_written = sorted(t for a in ARCHES.values() for t in a.hf_model_types)
+    try:
+        return for_config(config)
+    except UnsupportedTypeError as e:
+        raise UnsupportedTypeError(f"{e}; hand-written model types: {hand_written}") from None

@@ -12,8 +12,10 @@ from .rope import ROPE_FREQS_TENSOR, llama3_rope_factors
 
 class LlamaArch(DenseDecoderArch):
     gguf_arch = "llama"
-    hf_model_types = ("llama",)
-    hf_architectures = ("LlamaForCausalLM",)
+    # llama.cpp's converter writes Mistral as llama (LlamaModel handles MistralForCausalLM), so GGUF output of
+    # a Hugging Face Mistral is llama's; a GGUF of it reads back as LlamaForCausalLM (the same network).
+    hf_model_types = ("llama", "mistral")
+    hf_architectures = ("LlamaForCausalLM", "MistralForCausalLM")
     default_tokenizer_pre = "llama-bpe"
     gguf_vocab = "llama"  # LlamaModel.set_vocab: tokenizer.model, else byte-fallback or byte-level BPE
 

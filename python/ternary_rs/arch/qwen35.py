@@ -1,6 +1,6 @@
 """``qwen35`` — Ternary-Bonsai-2 ("Bonsai 2"): PrismML's Qwen3.5 hybrid GGUF and its MLX pack → vLLM.
 
-Sources (FORMATS.md §1.3.4–1.3.6, §1.4(c)):
+Sources (docs/formats.md#ptq1_0, docs/formats.md#bonsai2-rotation, docs/formats.md#prism-qwen35-conventions, docs/formats.md#bonsai2-mlx-pack):
 
 * a GGUF with ``general.architecture = qwen35``, ternary PQ2_0 / PTQ1_0 tensors and ``prism.hadamard.*``;
 * an MLX directory with ``model_type: prism_hadamard_qwen35`` + ``hadamard.json``.
@@ -40,7 +40,7 @@ config), ternary where the file is ternary and rotated where it lists them, so
 ``--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'`` serves them.
 
 Ternary tensor types: PQ2_0, PTQ1_0, first-generation id-42 "Q2_0" (g128, reported as ``Q2_0_G128``),
-upstream / ``*-Q2_g64`` Q2_0 (g64), TQ2_0, TQ1_0; the checkpoint keeps the smallest native group.
+upstream / ``*-Q2_g64`` Q2_0 (g64), TQ2_0, TQ1_0, STQ1_0; the checkpoint keeps the smallest native group.
 
 A ``qwen35`` GGUF without ``prism.hadamard.*`` is taken as an ordinary (unrotated) model.
 """
@@ -80,7 +80,7 @@ BLOCK_TENSORS = {
 }
 _BLOCK_KINDS = {v: k for k, v in BLOCK_TENSORS.items()}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# Multi-token prediction (``<arch>.nextn_predict_layers`` = n; ``block_count`` counts them; FORMATS.md §1.3.5):
+# Multi-token prediction (``<arch>.nextn_predict_layers`` = n; ``block_count`` counts them; docs/formats.md#mtp-layers):
 # the MTP head's own tensors in block L = decoder blocks, as llama.cpp names them (gguf-py MODEL_TENSOR.NEXTN_*;
 # convert_hf_to_gguf maps Qwen3.5's mtp.fc → eh_proj, pre_fc_norm_embedding → enorm, pre_fc_norm_hidden →
 # hnorm, norm → shared_head.norm), → the names vLLM's qwen3_5_mtp loads. Its decoder layers are ordinary
@@ -96,10 +96,11 @@ LINEAR_MODULES = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
     "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "fc",
 )
-# Ternary GGUF types a qwen35 file may hold → native group size (FORMATS.md §1.3). Id 42 is two formats, told
+# Ternary GGUF types a qwen35 file may hold → native group size (docs/formats.md#prism-gguf-types). Id 42 is two formats, told
 # apart by byte span in the container layer: the first-generation fork "Q2_0" (g128, 34-byte blocks) is
 # reported as Q2_0_G128, upstream Q2_0 and PrismML's ``*-Q2_g64.gguf`` (g64, 18-byte blocks) as Q2_0.
-GGUF_TERNARY_GROUPS = {"PQ2_0": 128, "PTQ1_0": 128, "Q2_0_G128": 128, "Q2_0": 64, "TQ2_0": 256, "TQ1_0": 256}
+GGUF_TERNARY_GROUPS = {"PQ2_0": 128, "PTQ1_0": 128, "Q2_0_G128": 128, "Q2_0": 64, "TQ2_0": 256, "TQ1_0": 256,
+                       "STQ1_0": 256}
 GGUF_TERNARY_TYPES = tuple(GGUF_TERNARY_GROUPS)
 FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bfloat16"}
 HF_ARCHITECTURE = "Qwen3_5ForCausalLM"
@@ -151,7 +152,7 @@ class Qwen35Arch:
 
     def gguf_hparams(self, writer, config: dict) -> None:
         """``qwen35.*`` hyper-parameters of a Qwen3.5-text config on a ``gguf.GGUFWriter`` (inverse of
-        :func:`_config_from_gguf`; the keys PrismML's files carry, FORMATS.md §1.1)."""
+        :func:`_config_from_gguf`; the keys PrismML's files carry, docs/formats.md#prism-qwen35-conventions)."""
         n_layers = int(config["num_hidden_layers"])
         n_mtp = int(config.get("mtp_num_hidden_layers") or 0)
         head_dim = int(config["head_dim"])
@@ -274,7 +275,7 @@ def hf_to_gguf(hf: str, n_layers: int | None) -> str:
 
 
 def vperm(num_v_heads: int, num_k_heads: int, unit: int) -> np.ndarray:
-    """Row gather turning llama.cpp's tiled V-head order into HF's grouped one (FORMATS.md §1.3.6)."""
+    """Row gather turning llama.cpp's tiled V-head order into HF's grouped one (docs/formats.md#gdn-head-order)."""
     return H.gdn_tiled_to_grouped(num_v_heads, num_k_heads, unit)
 
 
@@ -741,11 +742,12 @@ def _plan_from_checkpoint(src, options) -> _Plan:
 
 # Ternary GGUF types a qwen35 file is written in: (ggml type id, values per block, bytes per block). PrismML's
 # PQ2_0 / PTQ1_0 by default (the fork runs them, rotation included); upstream llama.cpp runs TQ2_0 / TQ1_0
-# (one scale per 256 weights: from a g128 checkpoint only with --requantize, and without a rotation).
+# (one scale per 256 weights: from a g128 checkpoint only with --requantize, and without a rotation), as
+# llama.cpp PR #22836 runs STQ1_0 (also only where its codebook holds the weights, else --requantize).
 QWEN35_GGUF_OUTPUT = {"PQ2_0": (142, 128, 34), "PTQ1_0": (143, 128, 28), "TQ2_0": (35, 256, 66),
-                      "TQ1_0": (34, 256, 54)}
+                      "TQ1_0": (34, 256, 54), "STQ1_0": (43, 256, 42)}
 GGUF_F32 = 0
-# The fork's llama ftype of a PQ2_0 file (FORMATS.md §1.3: LLAMA_FTYPE_MOSTLY_PQ2_0 = 141).
+# The fork's llama ftype of a PQ2_0 file (docs/formats.md#gguf-file-type: LLAMA_FTYPE_MOSTLY_PQ2_0 = 141).
 GGUF_FILE_TYPES = {"PQ2_0": 141, "TQ1_0": 36, "TQ2_0": 37}
 
 
@@ -756,7 +758,7 @@ def _tiled_rows(hf: str, cfg: dict) -> np.ndarray | None:
 
 
 def _prism_metadata(plan: _Plan) -> list[tuple[str, Any, str]]:
-    """``prism.hadamard.*`` for the plan's rotation (FORMATS.md §1.3.5), GGUF names, as PrismML writes them."""
+    """``prism.hadamard.*`` for the plan's rotation (docs/formats.md#bonsai2-rotation), GGUF names, as PrismML writes them."""
     spec = plan.spec
     n_layers = int(plan.config["num_hidden_layers"])
     perms = {(p.source, p.target) for _, p in spec.layers.values() if p is not None}
@@ -798,7 +800,7 @@ def _write_gguf(plan: _Plan, out_path: Path, options) -> None:
     gtype = (options.gguf_type or "PQ2_0").upper()
     if gtype not in QWEN35_GGUF_OUTPUT:
         raise UnsupportedTypeError(f"--gguf-type {gtype}: a qwen35 GGUF is written as {sorted(QWEN35_GGUF_OUTPUT)}")
-    if plan.spec is not None and gtype in ("TQ2_0", "TQ1_0"):
+    if plan.spec is not None and gtype in ("TQ2_0", "TQ1_0", "STQ1_0"):
         # Upstream llama.cpp knows no prism.hadamard.*: it would run the weights without their rotation.
         raise UnsupportedTypeError(f"{plan.source}: --gguf-type {gtype}: this model carries a Hadamard rotation, "
                                    f"which only PrismML's types keep (PQ2_0, PTQ1_0)")
@@ -830,12 +832,15 @@ def _write_gguf(plan: _Plan, out_path: Path, options) -> None:
             def produce(module=module, rows=_tiled_rows(module + ".weight", cfg)):
                 q, sc = plan.ternary[module]()
                 t = TernaryTensor(q, sc, g, name=module, validate=False)
-                if g != block:  # to a divisor: scales repeat; to a multiple: lossless or --requantize (else raises)
+                # To a divisor: scales repeat; to a multiple: lossless or --requantize (else raises). STQ1_0
+                # regroups inside encode, where --requantize maps onto its codebook instead.
+                if g != block and gtype != "STQ1_0":
                     t = repack(t, block, requantize=options.requantize)
                 if rows is not None:
                     t = TernaryTensor(np.ascontiguousarray(t.qweight[rows]), np.ascontiguousarray(t.scales[rows]),
                                       t.group_size, name=module, validate=False)
-                return (np.frombuffer(memoryview(encode(t, gtype)), dtype=np.uint8),)
+                data = encode(t, gtype, requantize=options.requantize and gtype == "STQ1_0")
+                return (np.frombuffer(memoryview(data), dtype=np.uint8),)
 
             jobs.append(Job([OutTensor(gname, gtype, (n, k), n * (k // block) * block_bytes)], produce,
                             f"{plan.source}: {module}", meta={"type_id": type_id}))

@@ -6,12 +6,14 @@ imported by ``import ternary_rs``. Modules:
 * :mod:`.config` — :class:`~.config.TernaryConfig` (reads ``quantization_config``, picks a method per layer);
 * :mod:`.linear` — :class:`~.linear.TernaryLinearMethod` (TP sharding via vLLM parameter classes);
 * :mod:`.embedding` — :class:`~.embedding.TernaryEmbeddingMethod` (ternary ``embed_tokens`` / ``lm_head``);
+* :mod:`.moe` — :class:`~.moe.TernaryMoEMethod` (routed experts of vLLM's fused-MoE layers, e.g. Qwen3-MoE:
+  2-bit in memory, one ``torch.ops.ternary_rs.ternary_moe`` call per layer, TP over the intermediate size);
 * :mod:`.qwen3_5` — Qwen3.5 model classes (main model and MTP drafter) whose ``embed_tokens`` is built with
   the quant config, registered under vLLM's own architecture names by :func:`plugin.register`.
 * :mod:`.bitnet` — ``BitNetForCausalLM`` (BitNet b1.58; registered with vLLM's ``ModelRegistry`` by
   :func:`.plugin.register`), whose linear layers ask the op for int8-per-token activations.
 
-Hook for rotated checkpoints (Bonsai 2 Hadamard, FORMATS.md §1.3.5)
+Hook for rotated checkpoints (Bonsai 2 Hadamard, docs/formats.md#bonsai2-rotation)
 -------------------------------------------------------------------
 Every key of ``quantization_config`` that the contract does not define is kept in ``TernaryConfig.extra``.
 When it has a ``"hadamard"`` entry (``TernaryConfig.hadamard``), the module ``ternary_rs.vllm.hadamard``

@@ -1,12 +1,15 @@
 """``TernaryConfig``: vLLM quantization config for checkpoints with ``quant_method: "ternary"``.
 
-Reads the ``quantization_config`` block of ``config.json`` (checkpoint contract, DESIGN.md) and decides,
+Reads the ``quantization_config`` block of ``config.json`` (checkpoint contract, docs/checkpoint.md#checkpoint-contract) and decides,
 per layer, which quant method serves it:
 
 * a linear layer whose checkpoint tensors are ``<prefix>.qweight`` / ``<prefix>.scales`` gets
   :class:`~ternary_rs.vllm.linear.TernaryLinearMethod`;
 * ``embed_tokens`` / ``lm_head`` stored that way get :class:`~ternary_rs.vllm.embedding.TernaryEmbeddingMethod`
   (a tied ``lm_head`` follows ``embed_tokens``);
+* a fused-MoE layer (vLLM's ``RoutedExperts``, prefix ``<p>``) whose experts are stored as
+  ``<p>.E.{gate,up,down}_proj.qweight``/``.scales`` gets :class:`~ternary_rs.vllm.moe.TernaryMoEMethod`
+  (all experts ternary, or all dense: a mix, or a missing expert, is refused naming the layer);
 * everything listed in ``modules_not_converted``, or stored as a plain ``<prefix>.weight``, stays dense.
 
 Which prefixes are ternary is read from the safetensors headers once (``maybe_update_config``), so a
@@ -163,6 +166,8 @@ class TernaryConfig(QuantizationConfig):
         self.checkpoint_names = hf_to_vllm_mapper.apply_dict(self.checkpoint_names)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from vllm.model_executor.layers.fused_moe import RoutedExperts
+
         from .embedding import TernaryEmbeddingMethod
         from .linear import TernaryLinearMethod
 
@@ -179,6 +184,17 @@ class TernaryConfig(QuantizationConfig):
             if self._is_ternary(prefix):
                 return TernaryLinearMethod(self, prefix)
             return self._dense(prefix, UnquantizedLinearMethod())
+        if isinstance(layer, RoutedExperts):
+            from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+            from .moe import TernaryMoEMethod
+
+            if self._experts_are_ternary(prefix, layer):
+                if self.hadamard is not None:
+                    raise ValueError(f"ternary checkpoint: MoE layer {prefix!r}: Hadamard-rotated experts are not "
+                                     "supported")
+                return TernaryMoEMethod(self, layer.moe_config, prefix)
+            return self._dense(prefix, UnquantizedFusedMoEMethod(layer.moe_config))
         return None
 
     def _dense(self, prefix: str, method: QuantizeMethodBase) -> QuantizeMethodBase:
@@ -225,6 +241,32 @@ class TernaryConfig(QuantizationConfig):
         # No header information (e.g. a remote repository without metadata): the contract default.
         return kinds != {"dense"}
 
+    def _experts_are_ternary(self, prefix: str, layer: torch.nn.Module) -> bool:
+        """Whether every routed expert of MoE layer ``prefix`` is stored ternary (``<prefix>.E.<proj>``,
+        ``<proj>`` the layer's checkpoint names); all dense is served dense, anything between is refused."""
+        projections = [n for n in (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name) if n]
+        parts = [f"{prefix}.{e}.{p}" for e in range(layer.moe_config.num_logical_experts) for p in projections]
+        skipped = [p for p in parts if self.modules_not_converted and is_layer_skipped(
+            p, self.modules_not_converted, self.packed_modules_mapping, match_mode="suffix")]
+        ternary = [p for p in parts if p in self.ternary_prefixes and p not in skipped]
+        dense = [p for p in parts if p in self.dense_prefixes or p in skipped]
+        if ternary and dense:
+            raise ValueError(
+                f"ternary checkpoint: MoE layer {prefix!r} mixes ternary experts ({ternary[0]}, …) and dense ones "
+                f"({dense[0]}, …); vLLM serves one format per MoE layer")
+        if not (self.ternary_prefixes or self.dense_prefixes):
+            return not dense  # no header information: the contract default
+        missing = [p for p in parts if p not in ternary and p not in dense]
+        if missing:
+            # vLLM would serve whatever memory the expert parameters were allocated with.
+            where = self.checkpoint.directory if self.checkpoint is not None else "the checkpoint"
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise ValueError(
+                f"ternary checkpoint {where}: MoE layer {prefix!r} has no tensors for {missing[:3]}{more} (expected "
+                f"'<p>.qweight' + '<p>.scales' for each of its {layer.moe_config.num_logical_experts} experts' "
+                f"{'/'.join(projections)})")
+        return bool(ternary)
+
     def _embedding_is_ternary(self) -> bool:
         names = self.ternary_prefixes | self.dense_prefixes
         embed = [n for n in names if n.endswith("embed_tokens")]
@@ -234,7 +276,11 @@ class TernaryConfig(QuantizationConfig):
 
     def locate_invalid(self, prefix: str) -> str:
         """Where layer ``prefix``'s invalid values (code 3, NaN/Inf scales) are: file, tensor, index."""
-        return preflight.locate_invalid(self.checkpoint, self.checkpoint_names, self._shard_prefixes(prefix))
+        return self.locate_invalid_parts(self._shard_prefixes(prefix))
+
+    def locate_invalid_parts(self, parts: list[str]) -> str:
+        """Where the invalid values of the checkpoint prefixes ``parts`` are (one MoE expert's projections)."""
+        return preflight.locate_invalid(self.checkpoint, self.checkpoint_names, parts)
 
     # ---- Bonsai 2 Hadamard hook (implemented by ternary_rs.vllm.hadamard) ------------------------
     def _hadamard_module(self):

@@ -6,7 +6,7 @@
 //! `fuzz/regressions/<target>/` (inputs that once failed, kept as regression cases) on stable Rust.
 //!
 //! Block decoders are fuzzed *differentially*: the fast path (`repack::decode_gguf`, SIMD where the
-//! CPU has it) must agree bit for bit with the scalar reference written from FORMATS.md
+//! CPU has it) must agree bit for bit with the scalar reference written from its docs/formats.md section
 //! (`decode_block_ref`), accept exactly the inputs the reference finds valid (no code 3, finite
 //! scales), and re-encode to bytes that decode to the same tensor.
 
@@ -218,7 +218,8 @@ fn exercise_canonical(t: &CanonicalTernary, sel: u8) {
         Format::Ptq1_0,
         Format::Q1_0,
         Format::I2S,
-    ][((sel >> 4) & 7) as usize % 7];
+        Format::Stq1_0,
+    ][((sel >> 4) & 7) as usize];
     if let Ok(bytes) = encode_gguf(to, "fuzz", t.as_ref(), sel & 0x40 != 0) {
         let back = decode_gguf(to, "fuzz", &bytes, t.rows, t.cols, None, false)
             .expect("an encoder's output decodes");
@@ -337,10 +338,13 @@ pub fn decode_ptq1_0(data: &[u8]) {
 pub fn decode_q1_0(data: &[u8]) {
     block_codec::<BlockQ1_0>(Format::Q1_0, data)
 }
-/// STQ1_0 through its own drivers (`stq1_0::decode` / `stq1_0::encode`), then the encode side on
-/// arbitrary trits: the input bytes as a canonical g256 tensor (code 3 read as 1) either encodes —
-/// and decodes back to itself — or is refused with exactly the groups `first_unrepresentable` counts.
+/// STQ1_0 through the GGUF dispatch and through its own drivers (`stq1_0::decode` / `encode`),
+/// then the encode side on arbitrary trits: the input bytes as a canonical g256 tensor (code 3 read
+/// as 1) either encodes — and decodes back to itself — or is refused with exactly the groups
+/// `first_unrepresentable` counts; requantized, it always encodes, keeps representable tensors
+/// bit for bit, and equals the scalar reference quantizer on the dequantized weights.
 pub fn decode_stq1_0(data: &[u8]) {
+    block_codec::<BlockStq1_0>(Format::Stq1_0, data);
     block_codec_via::<BlockStq1_0>(
         Format::Stq1_0,
         data,
@@ -363,11 +367,22 @@ pub fn decode_stq1_0(data: &[u8]) {
         scales: vec![f16::from_f32(0.5); rows * cols / 256],
     };
     let (count, first) = stq1_0::first_unrepresentable(t.as_ref());
+    let requantized = encode_gguf(Format::Stq1_0, "fuzz", t.as_ref(), true)
+        .expect("requantizing a valid canonical tensor to STQ1_0");
+    let dense = t.as_ref().dequantize_f32().expect("dequantize");
+    let mut want = vec![0u8; requantized.len()];
+    for (blk, x) in want.chunks_exact_mut(42).zip(dense.chunks_exact(256)) {
+        stq1_0::quantize_block_ref(x, blk);
+    }
     match stq1_0::encode("fuzz", t.as_ref()) {
         Ok(enc) => {
             assert_eq!(count, 0, "STQ1_0 encoded {count} unrepresentable groups");
             let back = stq1_0::decode("fuzz", &enc, rows, cols).expect("decode encoded");
             assert_eq!(back, t, "STQ1_0: decode(encode(x)) != x");
+            assert_eq!(
+                requantized, enc,
+                "STQ1_0: requantize changed a representable tensor"
+            );
         }
         Err(Error::Validation {
             first_index,
@@ -380,6 +395,11 @@ pub fn decode_stq1_0(data: &[u8]) {
         }
         Err(e) => panic!("STQ1_0 refused a valid canonical tensor: {e}"),
     }
+    // With one positive scale, upstream's quantizer keeps a representable tensor's bytes too.
+    assert_eq!(
+        requantized, want,
+        "STQ1_0: requantize differs from the reference quantizer"
+    );
 }
 
 /// Shape `[rows, cols]` from bits 0–2 of `sel`: rows ∈ 1..=2, cols a multiple of `unit` (1..=4 of them).

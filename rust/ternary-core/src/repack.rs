@@ -14,6 +14,7 @@ use crate::formats::pq2_0::BlockPq2_0;
 use crate::formats::ptq1_0::BlockPtq1_0;
 use crate::formats::q1_0::BlockQ1_0;
 use crate::formats::q2_0::BlockQ2_0;
+use crate::formats::stq1_0::{self, BlockStq1_0};
 use crate::formats::tq1_0::BlockTq1_0;
 use crate::formats::tq2_0::BlockTq2_0;
 use crate::formats::{count_code3, i2_s, BlockCodec, Format};
@@ -56,6 +57,7 @@ pub fn gguf_tensor_bytes(format: Format, rows: usize, cols: usize) -> Result<usi
         Format::Q2_0G128 | Format::Pq2_0 => block_layout::<BlockPq2_0>("", rows, cols).map(|x| x.1),
         Format::Ptq1_0 => block_layout::<BlockPtq1_0>("", rows, cols).map(|x| x.1),
         Format::Q1_0 => block_layout::<BlockQ1_0>("", rows, cols).map(|x| x.1),
+        Format::Stq1_0 => block_layout::<BlockStq1_0>("", rows, cols).map(|x| x.1),
         Format::I2S => i2_s::tensor_bytes(rows, cols)
             .ok_or_else(|| Error::invalid(format!("[{rows}, {cols}] overflows"))),
         f => Err(Error::invalid(format!(
@@ -299,6 +301,7 @@ pub fn decode_gguf(
         Format::Q2_0G128 | Format::Pq2_0 => decode_blocks::<BlockPq2_0>(tensor, data, rows, cols)?,
         Format::Ptq1_0 => decode_blocks::<BlockPtq1_0>(tensor, data, rows, cols)?,
         Format::Q1_0 => decode_blocks::<BlockQ1_0>(tensor, data, rows, cols)?,
+        Format::Stq1_0 => decode_blocks::<BlockStq1_0>(tensor, data, rows, cols)?,
         Format::I2S => {
             let g = match group_size {
                 Some(g) => g,
@@ -320,7 +323,9 @@ pub fn decode_gguf(
 }
 
 /// Encode a canonical tensor as GGUF tensor data of `format`, regrouping to the format's block size
-/// first (lossless, or refused unless `requantize`; see [`CanonicalRef::regroup`]).
+/// first (lossless, or refused unless `requantize`; see [`CanonicalRef::regroup`]). STQ1_0 also
+/// refuses groups its codebook lacks; its `requantize` runs its own quantizer on the dequantized
+/// weights instead of the absmax regroup ([`stq1_0::encode_gguf`]).
 pub fn encode_gguf(
     format: Format,
     tensor: &str,
@@ -328,6 +333,9 @@ pub fn encode_gguf(
     requantize: bool,
 ) -> Result<Vec<u8>> {
     canon.check()?;
+    if format == Format::Stq1_0 {
+        return stq1_0::encode_gguf(tensor, canon, requantize);
+    }
     let regrouped;
     let canon = match format.native_group() {
         Some(g) if g != canon.group_size => {

@@ -25,8 +25,9 @@
 //!
 //! Decode is lossless: the canonical group is the block (256), the scale is `d`. Encode from
 //! canonical needs every group to be one of the 32 patterns: [`encode`] refuses a tensor with any
-//! other group, naming its row and group ([`first_unrepresentable`]); mapping such tensors onto the
-//! codebook is requantization (not done here).
+//! other group, naming its row and group ([`first_unrepresentable`]). Mapping such tensors onto the
+//! codebook is requantization: [`quantize`] / [`requantize`] run upstream's float quantizer
+//! (`quantize_row_stq1_0_ref`) on the weights, and [`encode_gguf`] picks between the two.
 
 use half::f16;
 use rayon::prelude::*;
@@ -348,7 +349,8 @@ pub fn encode(tensor: &str, canon: CanonicalRef<'_>) -> Result<Vec<u8>> {
                 format!(
                     "STQ1_0 stores exactly one zero and three ±1 per 4-lane group (columns k, k+16, \
                      k+32, k+48 of a 64-column chunk); row {} group {} (columns {:?}) holds trits \
-                     {:?}, which its codebook cannot represent (mapping onto it is requantization)",
+                     {:?}, which its codebook cannot represent; pass requantize=True to requantize \
+                     the tensor with llama.cpp's STQ1_0 quantizer",
                     u.row, u.group, u.cols, u.trits
                 ),
                 (u.row * canon.cols + u.cols[0]) as u64,
@@ -357,6 +359,239 @@ pub fn encode(tensor: &str, canon: CanonicalRef<'_>) -> Result<Vec<u8>> {
         }
     }
     repack::encode_blocks::<BlockStq1_0>(tensor, canon)
+}
+
+/// Encode a canonical tensor (any group size) as STQ1_0 for GGUF output: regrouped losslessly to
+/// 256 and encoded exactly where that is possible; otherwise the refusal of
+/// [`CanonicalRef::regroup`] or [`encode`] (naming the first merged group, or the row and group),
+/// unless `requantize`, which runs [`requantize`] on the tensor's dequantized weights instead.
+pub fn encode_gguf(tensor: &str, canon: CanonicalRef<'_>, requantize: bool) -> Result<Vec<u8>> {
+    canon.validate(tensor)?;
+    let regrouped;
+    let exact = if canon.group_size == BlockStq1_0::BLOCK_VALUES {
+        canon
+    } else {
+        match canon.regroup(tensor, BlockStq1_0::BLOCK_VALUES, false) {
+            Ok(r) => {
+                regrouped = r;
+                regrouped.as_ref()
+            }
+            // Validation here is "the merged sub-groups have different scales": lossy.
+            Err(Error::Validation { .. }) if requantize => return self::requantize(tensor, canon),
+            Err(e) => return Err(e),
+        }
+    };
+    match encode(tensor, exact) {
+        // Codes are valid (checked above), so Validation is an unrepresentable group.
+        Err(Error::Validation { .. }) if requantize => self::requantize(tensor, canon),
+        r => r,
+    }
+}
+
+// ------------------------------------------------------------------------------------ requantization
+//
+// The float quantizer is upstream's `quantize_row_stq1_0_ref` (ggml/src/ggml-quants.c of the PR
+// branch, sjl623/llama.cpp commit 9b898c1f19b2b0da6db28c99ecea74017892c013), with the lanes of group
+// `g` at the shipped stride-16 places ([`lane_value`]) instead of that commit's `x + 4g`:
+// * `d = fp16(max |x|)` over the block (no least-squares refit);
+// * per group, the zero lane is the lane of smallest `|x|` (the first on ties: a strict `<`);
+// * every other lane is `x < 0 ? −1 : +1` (so +0.0 and −0.0 both give +1).
+// Every weight is then off by at most `d` (`|x| ≤ max |x|`), and a block that already is one positive
+// `d` times codebook patterns comes back bit for bit.
+
+/// Scalar reference of the float quantizer, one block (`x`: 256 finite floats, `block`: 42 bytes),
+/// written straight from upstream's loop (the codebook searched by value).
+pub fn quantize_block_ref(x: &[f32], block: &mut [u8]) {
+    let mut amax = 0.0f32;
+    for &v in &x[..256] {
+        let a = v.abs();
+        if a > amax {
+            amax = a;
+        }
+    }
+    block[..D_AT].fill(0);
+    for g in 0..64 {
+        let xv = |p: usize| x[lane_value(g, p)];
+        let mut zero_pos = 0;
+        let mut min_abs = xv(0).abs();
+        for p in 1..4 {
+            let a = xv(p).abs();
+            if a < min_abs {
+                min_abs = a;
+                zero_pos = p;
+            }
+        }
+        let mut qpack = 0u8;
+        for p in 0..4 {
+            let lane = if p == zero_pos {
+                1
+            } else if xv(p) < 0.0 {
+                0
+            } else {
+                2
+            };
+            qpack |= lane << (2 * p);
+        }
+        let idx = CODEBOOK
+            .iter()
+            .position(|&c| c == qpack)
+            .expect("one zero lane and three ±1: every such group is in the codebook")
+            as u8;
+        block[g / 2] |= (idx & 15) << (4 * (g & 1));
+        block[SIGN_AT + g / 8] |= (idx >> 4) << (g % 8);
+    }
+    block[D_AT..].copy_from_slice(&f16::from_f32(amax).to_le_bytes());
+}
+
+/// Fast path of [`quantize_block_ref`] (held to it bit for bit): a 64-value chunk's lane `p` is 16
+/// consecutive floats (groups `0..16` of the chunk side by side), so the zero-lane search runs on
+/// whole 16-wide rows that the compiler vectorizes; the codes land in canonical order and
+/// [`BlockCodec::pack_block`] writes the block.
+#[inline]
+pub fn quantize_block(x: &[f32], block: &mut [u8]) {
+    let x: &[f32; 256] = x[..256].try_into().expect("256 values");
+    let amax = x
+        .iter()
+        .fold(0.0f32, |m, &v| if v.abs() > m { v.abs() } else { m });
+    let mut canon = [0u8; 64];
+    for (c, chunk) in x.chunks_exact(64).enumerate() {
+        let lane = |p: usize| -> &[f32; 16] { chunk[16 * p..16 * p + 16].try_into().expect("16") };
+        let mut min = lane(0).map(f32::abs);
+        let mut zero = [0u8; 16];
+        for p in 1..4u8 {
+            for ((m, z), &v) in min.iter_mut().zip(&mut zero).zip(lane(p as usize)) {
+                if v.abs() < *m {
+                    *m = v.abs();
+                    *z = p;
+                }
+            }
+        }
+        for p in 0..4 {
+            for (i, (&v, &z)) in lane(p).iter().zip(&zero).enumerate() {
+                let code = if z as usize == p {
+                    1
+                } else if v < 0.0 {
+                    0
+                } else {
+                    2
+                };
+                // Value 64c + 16p + i: canonical byte 16c + 4p + i/4, field i % 4.
+                canon[16 * c + 4 * p + i / 4] |= code << (2 * (i % 4));
+            }
+        }
+    }
+    BlockStq1_0::pack_block(&canon, f16::from_f32(amax), block);
+}
+
+/// `K` must be a positive multiple of the block.
+fn check_cols(tensor: &str, rows: usize, cols: usize) -> Result<usize> {
+    if cols == 0 || !cols.is_multiple_of(BlockStq1_0::BLOCK_VALUES) {
+        return Err(Error::invalid(format!(
+            "tensor '{tensor}': STQ1_0 needs K (in_features = {cols}) to be a positive multiple of 256"
+        )));
+    }
+    rows.checked_mul(cols / BlockStq1_0::BLOCK_VALUES)
+        .and_then(|b| b.checked_mul(BlockStq1_0::BLOCK_BYTES))
+        .ok_or_else(|| Error::invalid(format!("tensor '{tensor}': [{rows}, {cols}] overflows")))
+}
+
+/// Block scales that overflowed fp16 (`max |x|` ≥ 65520): refused by block index.
+fn check_scales(tensor: &str, out: &[u8]) -> Result<()> {
+    let bad = out
+        .chunks_exact(BlockStq1_0::BLOCK_BYTES)
+        .enumerate()
+        .filter(|(_, b)| !BlockStq1_0::scale(b).is_finite());
+    let (mut count, mut first) = (0u64, None);
+    for (i, _) in bad {
+        count += 1;
+        first.get_or_insert(i as u64);
+    }
+    match first {
+        Some(first) => Err(Error::validation(
+            tensor,
+            "STQ1_0 block absmax overflows its fp16 scale d",
+            first,
+            count,
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Quantize float weights `[rows, cols]` (row-major, `cols` a multiple of 256) to STQ1_0 tensor data
+/// with upstream's float quantizer (see the section comment). NaN/Inf weights are refused by element
+/// index, a block whose `max |x|` overflows fp16 by block index.
+pub fn quantize(tensor: &str, x: &[f32], rows: usize, cols: usize) -> Result<Vec<u8>> {
+    let bytes = check_cols(tensor, rows, cols)?;
+    if x.len() != rows * cols {
+        return Err(Error::invalid(format!(
+            "tensor '{tensor}': {} floats for shape [{rows}, {cols}]",
+            x.len()
+        )));
+    }
+    let non_finite = threads::install(|| x.par_iter().filter(|v| !v.is_finite()).count());
+    if non_finite > 0 {
+        let first = x.iter().position(|v| !v.is_finite()).unwrap_or(0);
+        return Err(Error::validation(
+            tensor,
+            "non-finite (NaN/Inf) weight: STQ1_0 quantizes finite floats",
+            first as u64,
+            non_finite as u64,
+        ));
+    }
+    let mut out = vec![0u8; bytes];
+    let row_out = cols / BlockStq1_0::BLOCK_VALUES * BlockStq1_0::BLOCK_BYTES;
+    threads::install(|| {
+        out.par_chunks_mut(row_out)
+            .zip(x.par_chunks(cols))
+            .for_each(|(o, xr)| {
+                for (blk, xb) in o
+                    .chunks_exact_mut(BlockStq1_0::BLOCK_BYTES)
+                    .zip(xr.chunks_exact(BlockStq1_0::BLOCK_VALUES))
+                {
+                    quantize_block(xb, blk);
+                }
+            })
+    });
+    check_scales(tensor, &out)?;
+    Ok(out)
+}
+
+/// Requantize a canonical tensor (any group size) to STQ1_0: each row is dequantized to f32
+/// (`(c − 1) · scale`, as [`CanonicalRef::dequantize_f32`]) and run through the float quantizer, one
+/// row at a time (the whole tensor is never held as floats).
+pub fn requantize(tensor: &str, canon: CanonicalRef<'_>) -> Result<Vec<u8>> {
+    canon.validate(tensor)?;
+    let (rows, cols, g) = (canon.rows, canon.cols, canon.group_size);
+    let bytes = check_cols(tensor, rows, cols)?;
+    let mut out = vec![0u8; bytes];
+    let row_out = cols / BlockStq1_0::BLOCK_VALUES * BlockStq1_0::BLOCK_BYTES;
+    threads::install(|| {
+        out.par_chunks_mut(row_out)
+            .zip(canon.qweight.par_chunks(cols / 4))
+            .zip(canon.scales.par_chunks(cols / g))
+            .for_each_init(
+                || vec![0f32; cols],
+                |x, ((o, q), s)| {
+                    for ((xg, qg), &sc) in x.chunks_exact_mut(g).zip(q.chunks_exact(g / 4)).zip(s) {
+                        let sc = sc.to_f32();
+                        let lut = [-sc, 0.0 * sc, sc, 2.0 * sc];
+                        for (x4, &b) in xg.chunks_exact_mut(4).zip(qg) {
+                            for (j, v) in x4.iter_mut().enumerate() {
+                                *v = lut[((b >> (2 * j)) & 3) as usize];
+                            }
+                        }
+                    }
+                    for (blk, xb) in o
+                        .chunks_exact_mut(BlockStq1_0::BLOCK_BYTES)
+                        .zip(x.chunks_exact(BlockStq1_0::BLOCK_VALUES))
+                    {
+                        quantize_block(xb, blk);
+                    }
+                },
+            )
+    });
+    // Scales are finite fp16, so max |x| is too: no overflow check needed.
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -461,3 +461,253 @@ proptest! {
         }
     }
 }
+
+// ------------------------------------------------------------------------------------ requantization
+
+/// Floats that stress the quantizer: ties in `|x|`, signed zeros, all-zero groups, wide magnitudes.
+fn awkward_floats(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            let r = xorshift(&mut s);
+            match r % 8 {
+                0 => 0.0,
+                1 => -0.0,
+                2 => 0.5,
+                3 => -0.5,
+                _ => {
+                    let m = (r >> 8) as u32 as f32 / u32::MAX as f32;
+                    let e = ((r >> 40) % 30) as i32 - 20;
+                    let v = m * 2f32.powi(e);
+                    if r & (1 << 60) != 0 {
+                        -v
+                    } else {
+                        v
+                    }
+                }
+            }
+        })
+        .collect()
+}
+
+fn quantize_ref(x: &[f32]) -> Vec<u8> {
+    let mut out = vec![0u8; x.len() / 256 * 42];
+    for (blk, xb) in out.chunks_exact_mut(42).zip(x.chunks_exact(256)) {
+        quantize_block_ref(xb, blk);
+    }
+    out
+}
+
+#[test]
+fn quantizer_follows_the_upstream_rule() {
+    // Group 0 (values 0, 16, 32, 48): |x| = 3, 1, 2, 1 → zero lane 1 (the first smallest), the others
+    // keep their signs; group 1 (values 1, 17, 33, 49) all zero → zero lane 0, the rest +1 (0 is not
+    // < 0, −0.0 neither); every other value 0.25. d = max |x| = 4 (value 255).
+    let mut x = vec![0.25f32; 256];
+    x[..].iter_mut().step_by(2).for_each(|v| *v = -0.25);
+    for (j, v) in [(0, -3.0), (16, 1.0), (32, 2.0), (48, -1.0), (255, 4.0)] {
+        x[j] = v;
+    }
+    for (j, v) in [(1, 0.0), (17, -0.0), (33, 0.0), (49, -0.0)] {
+        x[j] = v;
+    }
+    let mut blk = [0u8; 42];
+    quantize_block_ref(&x, &mut blk);
+    let mut fast = [0u8; 42];
+    quantize_block(&x, &mut fast);
+    assert_eq!(blk, fast);
+    let mut codes = [0u8; 256];
+    assert_eq!(
+        BlockStq1_0::decode_block_ref(&blk, &mut codes),
+        f16::from_f32(4.0)
+    );
+    assert_eq!([codes[0], codes[16], codes[32], codes[48]], [0, 1, 2, 0]);
+    assert_eq!([codes[1], codes[17], codes[33], codes[49]], [1, 2, 2, 2]);
+    // Elsewhere |x| ties at 0.25 (255 aside): lane 0 is the zero, lanes 1..3 follow the signs.
+    assert_eq!([codes[2], codes[18], codes[34], codes[50]], [1, 0, 0, 0]);
+    assert_eq!([codes[3], codes[19], codes[35], codes[51]], [1, 2, 2, 2]);
+    assert_eq!(codes[255], 2);
+}
+
+#[test]
+fn fast_quantizer_matches_reference_and_keeps_its_error_bound() {
+    for seed in 1..400u64 {
+        let x = awkward_floats(256 * 3, seed);
+        let want = quantize_ref(&x);
+        let mut got = vec![0u8; want.len()];
+        for (blk, xb) in got.chunks_exact_mut(42).zip(x.chunks_exact(256)) {
+            quantize_block(xb, blk);
+        }
+        assert_eq!(got, want, "seed {seed}");
+        assert_eq!(quantize("w", &x, 3, 256).unwrap(), want);
+        assert_eq!(quantize("w", &x, 1, 768).unwrap(), want);
+        // |x − x̂| ≤ d' = max(max |x|, d) per block (d is max |x| rounded to fp16), and x̂ never
+        // has the opposite sign of x.
+        let t = decode("w", &want, 3, 256).unwrap();
+        let xq = t.as_ref().dequantize_f32().unwrap();
+        for (b, (xb, qb)) in x.chunks_exact(256).zip(xq.chunks_exact(256)).enumerate() {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let bound = amax.max(t.scales[b].to_f32());
+            for (&v, &q) in xb.iter().zip(qb) {
+                assert!(
+                    (v - q).abs() <= bound,
+                    "seed {seed}: {v} -> {q} (bound {bound})"
+                );
+                assert!(v * q >= 0.0 || v == 0.0, "seed {seed}: {v} -> {q}");
+            }
+        }
+    }
+    // All-zero block: d = 0, every group is CODEBOOK[0].
+    let mut blk = [0xAAu8; 42];
+    quantize_block(&[0.0; 256], &mut blk);
+    assert_eq!(blk, [0u8; 42]);
+}
+
+#[test]
+fn quantize_refuses_non_finite_overflow_and_bad_shapes() {
+    let mut x = vec![0.5f32; 512];
+    x[300] = f32::NAN;
+    x[400] = f32::INFINITY;
+    match quantize("blk.0.ffn_down", &x, 2, 256).unwrap_err() {
+        Error::Validation {
+            tensor,
+            what,
+            first_index,
+            count,
+        } => {
+            assert_eq!(tensor, "blk.0.ffn_down");
+            assert!(what.contains("non-finite"), "{what}");
+            assert_eq!((first_index, count), (300, 2));
+        }
+        e => panic!("{e}"),
+    }
+    let mut x = vec![0.5f32; 512];
+    x[300] = 70000.0; // max |x| of block 1 rounds to +Inf in fp16
+    match quantize("w", &x, 1, 512).unwrap_err() {
+        Error::Validation {
+            what,
+            first_index,
+            count,
+            ..
+        } => {
+            assert!(what.contains("fp16"), "{what}");
+            assert_eq!((first_index, count), (1, 1));
+        }
+        e => panic!("{e}"),
+    }
+    let e = quantize("w", &[0.0; 384], 1, 384).unwrap_err().to_string();
+    assert!(e.contains("'w'") && e.contains("256"), "{e}");
+    assert!(quantize("w", &[0.0; 256], 2, 256).is_err());
+}
+
+#[test]
+fn requantize_is_the_quantizer_on_dequantized_weights() {
+    let (rows, cols) = (5usize, 512usize);
+    for g in [32usize, 128, 256] {
+        let codes: Vec<u8> = random_bytes(rows * cols, g as u64)
+            .iter()
+            .map(|b| b % 3)
+            .collect();
+        let scales: Vec<f16> = (0..rows * cols / g)
+            .map(|i| {
+                f16::from_f32(if i % 3 == 2 {
+                    -0.02
+                } else {
+                    0.01 + i as f32 * 1e-3
+                })
+            })
+            .collect();
+        let t = CanonicalTernary {
+            rows,
+            cols,
+            group_size: g,
+            qweight: pack(&codes),
+            scales,
+        };
+        let dense = t.as_ref().dequantize_f32().unwrap();
+        let want = quantize("w", &dense, rows, cols).unwrap();
+        assert_eq!(requantize("w", t.as_ref()).unwrap(), want, "g{g}");
+        assert_eq!(quantize_ref(&dense), want);
+        // Through the GGUF dispatch: refused without requantize, the quantizer with it.
+        let e = repack::encode_gguf(Format::Stq1_0, "w", t.as_ref(), false).unwrap_err();
+        assert!(matches!(e, Error::Validation { .. }), "g{g}: {e}");
+        assert!(e.to_string().contains("requantize"), "{e}");
+        assert_eq!(
+            repack::encode_gguf(Format::Stq1_0, "w", t.as_ref(), true).unwrap(),
+            want
+        );
+    }
+}
+
+#[test]
+fn gguf_dispatch_decodes_encodes_and_regroups() {
+    use crate::repack::{decode_gguf, encode_gguf, gguf_tensor_bytes, transcode_gguf};
+    let (rows, cols) = (3usize, 768usize);
+    assert_eq!(gguf_tensor_bytes(Format::Stq1_0, rows, cols).unwrap(), 378);
+    assert!(gguf_tensor_bytes(Format::Stq1_0, 1, 128).is_err());
+    let data = random_blocks(rows * 3, 21);
+    let t = decode_gguf(Format::Stq1_0, "w", &data, rows, cols, None, false).unwrap();
+    assert_eq!(t, decode("w", &data, rows, cols).unwrap());
+    assert_eq!(
+        encode_gguf(Format::Stq1_0, "w", t.as_ref(), false).unwrap(),
+        data
+    );
+    // Exact requests stay exact even with requantize allowed.
+    assert_eq!(
+        encode_gguf(Format::Stq1_0, "w", t.as_ref(), true).unwrap(),
+        data
+    );
+    // To a divisor and back: lossless.
+    let g64 = decode_gguf(Format::Stq1_0, "w", &data, rows, cols, Some(64), false).unwrap();
+    assert_eq!(g64.group_size, 64);
+    assert_eq!(
+        encode_gguf(Format::Stq1_0, "w", g64.as_ref(), false).unwrap(),
+        data
+    );
+    // A g128 tensor whose halves differ in scale cannot merge: the regroup refusal, unless requantize.
+    let codes = representable_codes(rows, cols, 4);
+    let mut c128 = canonical(rows, cols, &codes, vec![]);
+    c128.group_size = 128;
+    c128.scales = (0..rows * cols / 128)
+        .map(|i| f16::from_f32(0.5 + (i % 2) as f32 * 0.25))
+        .collect();
+    let e = encode_gguf(Format::Stq1_0, "w", c128.as_ref(), false).unwrap_err();
+    assert!(e.to_string().contains("cannot merge groups of 128"), "{e}");
+    let dense = c128.as_ref().dequantize_f32().unwrap();
+    assert_eq!(
+        encode_gguf(Format::Stq1_0, "w", c128.as_ref(), true).unwrap(),
+        quantize("w", &dense, rows, cols).unwrap()
+    );
+    // Other formats transcode to STQ1_0 only when representable, and back from it always.
+    let tq2 = encode_gguf(Format::Tq2_0, "w", t.as_ref(), false).unwrap();
+    assert_eq!(
+        transcode_gguf(Format::Tq2_0, Format::Stq1_0, "w", &tq2, rows, cols, false).unwrap(),
+        data
+    );
+    let back =
+        transcode_gguf(Format::Stq1_0, Format::Tq2_0, "w", &data, rows, cols, false).unwrap();
+    assert_eq!(back, tq2);
+    let zeros = CanonicalTernary::zeros(rows, cols, 256).unwrap();
+    let tq2 = encode_gguf(Format::Tq2_0, "w", zeros.as_ref(), false).unwrap();
+    let e =
+        transcode_gguf(Format::Tq2_0, Format::Stq1_0, "w", &tq2, rows, cols, false).unwrap_err();
+    assert!(e.to_string().contains("row 0 group 0"), "{e}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// The fast quantizer equals the scalar reference on arbitrary finite floats.
+    #[test]
+    fn quantize_fast_matches_reference(bits in proptest::collection::vec(any::<u32>(), 256)) {
+        let x: Vec<f32> = bits.iter().map(|&b| {
+            let v = f32::from_bits(b);
+            if v.is_finite() && v.abs() < 6.0e4 { v } else { (b % 7) as f32 - 3.0 }
+        }).collect();
+        let mut want = [0u8; 42];
+        quantize_block_ref(&x, &mut want);
+        let mut got = [0u8; 42];
+        quantize_block(&x, &mut got);
+        prop_assert_eq!(got, want);
+    }
+}
