@@ -11,4 +11,6 @@ echo "== cuda (compile + spill checks + host tests, no GPU needed)"; bash script
 echo "== build";        bash scripts/build.sh
 echo "== pytest"
 # pytest exits 5 when it collects no test: set -e turns that into a failure, as it must.
-python3 -m pytest tests -q
+# Two workers, one test file each at a time (module fixtures are built once): most of a test is
+# single-threaded (Python imports, subprocess CLIs, vLLM start-up), so two cores run two files.
+python3 -m pytest tests -q -n "${TERNARY_TEST_WORKERS:-2}" --dist loadfile --durations=25
