@@ -22,6 +22,9 @@ from models import ternarize_absmax
 
 EXPERT_SUFFIXES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 ATTENTION_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
+# Qwen2-MoE's shared expert: an ordinary SwiGLU MLP beside the routed ones (ternary like them).
+SHARED_EXPERT_SUFFIXES = ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
+                          "shared_expert.down_proj.weight")
 
 
 @dataclass
@@ -32,36 +35,46 @@ class TinyMoE:
 
 def build_tiny_moe(out_dir: Path, *, seed: int = 0, hidden: int = 256, moe_intermediate: int = 256,
                    experts: int = 8, top_k: int = 2, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                   head_dim: int = 64) -> TinyMoE:
-    """Random ternary ``Qwen3MoeForCausalLM`` saved in float16 (which holds ``t · fp16(a)`` exactly).
+                   head_dim: int = 64, shared_intermediate: int = 0) -> TinyMoE:
+    """Random ternary ``Qwen3MoeForCausalLM`` saved in float16 (which holds ``t · fp16(a)`` exactly); with
+    ``shared_intermediate`` a ``Qwen2MoeForCausalLM`` instead (q/k/v biases, a shared expert of that size
+    gated by a dense ``shared_expert_gate``, router weights not renormalised, as Qwen1.5-MoE).
 
     ``hidden`` and ``moe_intermediate`` are multiples of 256: llama.cpp writes a tensor TQ2_0 only when its
     rows fill whole 256-value blocks (F16 otherwise), and the point is the packed 3-D expert tensors."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2MoeConfig, Qwen3MoeConfig
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     train_qwen2_tokenizer(out_dir)
     tok = AutoTokenizer.from_pretrained(str(out_dir))
-    cfg = Qwen3MoeConfig(
+    common = dict(
         vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=moe_intermediate,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, max_position_embeddings=512,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        num_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=512,
         tie_word_embeddings=False, rms_norm_eps=1e-6, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id)
+    if shared_intermediate:
+        assert head_dim == hidden // heads, "Qwen2-MoE has no head_dim of its own"
+        cfg = Qwen2MoeConfig(**common, shared_expert_intermediate_size=shared_intermediate, norm_topk_prob=False)
+    else:
+        cfg = Qwen3MoeConfig(**common, head_dim=head_dim, norm_topk_prob=True)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     rng = np.random.default_rng(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(ATTENTION_SUFFIXES) or name.endswith(EXPERT_SUFFIXES):
+            if name.endswith(ATTENTION_SUFFIXES + EXPERT_SUFFIXES + SHARED_EXPERT_SUFFIXES):
                 # Experts: [E, N, K], ternarized per expert row along K.
                 w = rng.standard_normal(p.shape).astype(np.float32) * 0.05
                 flat = ternarize_absmax(w.reshape(-1, p.shape[-1]), TQ_GROUP).reshape(p.shape)
                 p.copy_(torch.from_numpy(flat))
-            elif name.endswith("mlp.gate.weight"):  # router: dense, spread enough to route tokens apart
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                # router and shared-expert gate: dense, spread enough to route tokens apart
                 p.copy_(torch.from_numpy(rng.standard_normal(p.shape).astype(np.float32) * 0.5))
+            elif name.endswith("_proj.bias"):  # Qwen2's q/k/v biases: dense
+                p.copy_(torch.from_numpy(rng.standard_normal(p.shape).astype(np.float32) * 0.1))
             elif "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.from_numpy(rng.standard_normal(p.shape).astype(np.float32)))
             elif name.endswith(("embed_tokens.weight", "lm_head.weight")):

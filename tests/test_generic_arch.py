@@ -250,8 +250,11 @@ def test_what_the_tables_do_not_describe_is_refused_by_name():
     with pytest.raises(ternary_rs.UnsupportedTypeError, match=r"'bert'.*(?s:.*)gemma3_text"):
         arch_for_config({"model_type": "bert"})
     with pytest.raises(ternary_rs.UnsupportedTypeError, match="experts"):
-        arch_for_gguf("qwen2moe", {"general.architecture": "qwen2moe", "qwen2moe.block_count": 1},
+        arch_for_gguf("gpt-oss", {"general.architecture": "gpt-oss", "gpt-oss.block_count": 1},
                       ["blk.0.ffn_up_exps.weight"])
+    # qwen2moe has its module (routed experts + shared expert), not the generic path
+    assert arch_for_gguf("qwen2moe", {"general.architecture": "qwen2moe", "qwen2moe.block_count": 1},
+                         ["blk.0.ffn_up_exps.weight"]) is ARCHES["qwen2moe"]
     # Mistral: llama.cpp writes it as llama, so the hand-written module (GGUF output included) handles it.
     assert arch_for_config({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}) is ARCHES["llama"]
     assert arch_for_config({"model_type": "phi3"}).hf_architectures == ("Phi3ForCausalLM",)

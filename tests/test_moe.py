@@ -327,6 +327,7 @@ def check_experts(result: dict, dump_dir: Path, moe, tp: int) -> None:
     gate and up for its part of the intermediate size (w13), the same columns of down (w2)."""
     src = hf_weights(moe.tiny.hf_dir)
     layers, inter = moe.tiny.config["num_hidden_layers"], moe.tiny.config["moe_intermediate_size"]
+    n_expert = moe.tiny.config["num_experts"]
     part = inter // tp
     assert sorted(w["rank"] for w in result["workers"]) == list(range(tp))
     for worker in result["workers"]:
@@ -340,8 +341,8 @@ def check_experts(result: dict, dump_dir: Path, moe, tp: int) -> None:
             p = f"model.layers.{layer}.mlp.experts"
             rows = slice(rank * part, (rank + 1) * part)
             w13 = np.stack([np.concatenate([src[f"{p}.{e}.{proj}.weight"][rows] for proj in ("gate_proj", "up_proj")])
-                            for e in range(EXPERTS)])
-            w2 = np.stack([src[f"{p}.{e}.down_proj.weight"][:, rows] for e in range(EXPERTS)])
+                            for e in range(n_expert)])
+            w2 = np.stack([src[f"{p}.{e}.down_proj.weight"][:, rows] for e in range(n_expert)])
             np.testing.assert_array_equal(got[name + ".w13"], w13, err_msg=f"rank {rank} {name}")
             np.testing.assert_array_equal(got[name + ".w2"], w2, err_msg=f"rank {rank} {name}")
 
@@ -414,3 +415,79 @@ def test_experts_decide_the_tokens(tp1_compiled, moe):
                                 pad_token_id=0)[0][len(prompt):].tolist()
         differs += silenced != out["token_ids"]
     assert differs >= len(PROMPTS) - 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# Qwen2-MoE: routed experts plus a shared expert (llama.cpp's ffn_*_shexp, ffn_gate_inp_shexp)
+# ---------------------------------------------------------------------------------------------------
+SHARED_EXPERTS, SHARED_TOP_K, SHARED_INTER = 4, 2, 256
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """A tiny ``Qwen2MoeForCausalLM`` written as TQ2_0 by llama.cpp's own converter, converted by ours."""
+    import llama_cpp
+
+    llama_cpp.require_converter()
+    root = tmp_path_factory.mktemp("qwen2moe")
+    tiny = build_tiny_moe(root / "hf", experts=SHARED_EXPERTS, top_k=SHARED_TOP_K, seed=1,
+                          shared_intermediate=SHARED_INTER)
+    src = llama_cpp.reference_convert(tiny.hf_dir, root / "tiny-TQ2_0.gguf", "tq2_0", tokenizer_pre="qwen2")
+    ckpt = ternary_rs.convert(src, root / "vllm", progress=False)
+    return SimpleNamespace(root=root, tiny=tiny, gguf=src, writer="llama.cpp", ckpt=Path(ckpt))
+
+
+def test_shared_expert_gguf_converts_exactly(shared):
+    """llama.cpp's file holds the shared expert as TQ2_0 ``ffn_*_shexp`` and its gate as F32; the checkpoint
+    holds it as ternary qweight/scales equal to transformers' weights, the gate dense, and config.json
+    what vLLM's Qwen2-MoE needs (shared size, no top-k renormalisation, q/k/v biases)."""
+    cfg = shared.tiny.config
+    with ternary_rs.open(shared.gguf) as f:
+        t, md = f.tensors, f.metadata
+        assert t["blk.0.ffn_gate_shexp.weight"].type == "TQ2_0"
+        assert t["blk.0.ffn_gate_inp_shexp.weight"].type == "F32"
+        assert md["qwen2moe.expert_shared_feed_forward_length"] == SHARED_INTER
+    out = json.loads((shared.ckpt / "config.json").read_text())
+    assert out["architectures"] == ["Qwen2MoeForCausalLM"] and out["model_type"] == "qwen2_moe"
+    assert out["shared_expert_intermediate_size"] == SHARED_INTER and out["norm_topk_prob"] is False
+    assert (out["num_experts"], out["num_experts_per_tok"]) == (SHARED_EXPERTS, SHARED_TOP_K)
+    src = hf_weights(shared.tiny.hf_dir)
+    with ternary_rs.open(shared.ckpt) as f:
+        for layer in range(cfg["num_hidden_layers"]):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                p = f"model.layers.{layer}.mlp.shared_expert.{proj}"
+                np.testing.assert_array_equal(ternary_rs.decode(f, p).dequantize("float32"), src[f"{p}.weight"],
+                                              err_msg=p)
+            gate = f"model.layers.{layer}.mlp.shared_expert_gate.weight"
+            assert f.tensors[gate].type == "F32"
+            np.testing.assert_array_equal(np.asarray(f.raw(gate)).view(np.float32).reshape(1, -1), src[gate])
+            bias = f"model.layers.{layer}.self_attn.q_proj.bias"
+            np.testing.assert_array_equal(np.asarray(f.raw(bias)).view(np.float32), src[bias])
+    assert ternary_rs.verify(shared.ckpt)
+
+
+@pytest.mark.vllm
+def test_shared_expert_model_serves_like_transformers(shared):
+    """vLLM (TP=1, eager) serves the routed experts through TernaryMoEMethod and the shared expert through
+    the ternary linear method, every weight exact; greedy tokens and logprobs follow transformers'."""
+    pytest.importorskip("vllm")
+    proc, out, dump_dir, log = start_engine(shared, "tp1", "--tp", "1", "--eager")
+    try:
+        rc = proc.wait(timeout=ENGINE_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 0, log.read_text(errors="replace")[-8000:]
+    result = json.loads(out.read_text())
+    check_experts(result, dump_dir, shared, tp=1)
+    src = hf_weights(shared.tiny.hf_dir)
+    got = np.load(dump_dir / "rank0.npz")
+    methods = result["workers"][0]["methods"]
+    for layer in range(shared.tiny.config["num_hidden_layers"]):
+        p = f"model.layers.{layer}.mlp.shared_expert"
+        assert methods[f"{p}.gate_up_proj"] == methods[f"{p}.down_proj"] == "TernaryLinearMethod", methods
+        np.testing.assert_array_equal(got[f"{p}.gate_up_proj"],
+                                      np.concatenate([src[f"{p}.gate_proj.weight"], src[f"{p}.up_proj.weight"]]))
+        np.testing.assert_array_equal(got[f"{p}.down_proj"], src[f"{p}.down_proj.weight"])
+    check_generation(result, reference_model(shared))

@@ -208,7 +208,7 @@ def shape_config(f, path: Path) -> dict[str, Any]:
     if isinstance(layer_types, list):
         cfg["attention_layers"] = sum(1 for t in layer_types if t in ("full_attention", "attention", "sliding_attention"))
     for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-                "linear_conv_kernel_dim", "moe_intermediate_size"):
+                "linear_conv_kernel_dim", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if merged.get(key) is not None:
             cfg[key] = merged[key]
     return cfg
@@ -377,6 +377,9 @@ def _consistency(entries: list[dict], cfg: dict[str, Any], problems: list[str], 
         moe_inter = cfg.get("moe_intermediate_size")
         if moe_inter and ".experts." in e["name"] and role in ("gate", "up", "down"):  # one routed expert (MoE)
             want_rows, want_cols = (hidden, moe_inter) if role == "down" else (moe_inter, hidden)
+        shared_inter = cfg.get("shared_expert_intermediate_size")
+        if shared_inter and ".shared_expert." in e["name"] and role in ("gate", "up", "down"):  # Qwen2-MoE
+            want_rows, want_cols = (hidden, shared_inter) if role == "down" else (shared_inter, hidden)
         if role == "embed" and vocab and rows != vocab:
             problems.append(f"{e['name']}: {rows} rows but vocab_size is {vocab}")
             continue

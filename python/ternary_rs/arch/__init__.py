@@ -85,6 +85,7 @@ _MODULES = (
     "qwen35",
     "bitnet",
     "qwen3moe",
+    "qwen2moe",
 )
 # Other GGUF ``general.architecture`` names -> the module whose ``ALIASES`` define them.
 _ALIASES = {"bitnet-b1.58": "bitnet", "bitnet-25": "bitnet"}

@@ -1,4 +1,4 @@
-"""Shared machinery for decoders with a routed Mixture-of-Experts MLP (``qwen3moe`` and kin).
+"""Shared machinery for decoders with a routed Mixture-of-Experts MLP (``qwen3moe``, ``qwen2moe``).
 
 llama.cpp stacks the experts of a block into one 3-D tensor per projection, ``blk.N.ffn_{gate,up,down}_exps``
 (``[n_expert, N, K]`` in PyTorch order, each expert a contiguous ``[N, K]`` slice of its bytes); Hugging Face
@@ -42,6 +42,8 @@ class MoEDecoderArch(DenseDecoderArch):
         ("expert_feed_forward_length", "moe_intermediate_size"),
     )
 
+    default_norm_topk_prob = True
+
     def expert_hf_names(self, hf_name: str, n_expert: int) -> list[str]:
         """The per-expert Hugging Face names of a stacked expert tensor, in stack order
         (``…mlp.experts.gate_proj.weight`` -> ``…mlp.experts.E.gate_proj.weight``)."""
@@ -61,8 +63,9 @@ class MoEDecoderArch(DenseDecoderArch):
 
             # Without them the config would describe a different model than the tensors.
             raise FormatError(f"{a} GGUF metadata lacks {a}.expert_count or {a}.expert_feed_forward_length")
-        # llama.cpp's qwen3moe graph always renormalises the selected experts' weights.
-        config["norm_topk_prob"] = bool(metadata.get(f"{a}.expert_weights_norm", True))
+        # What llama.cpp's graph does when the file does not say (expert_weights_norm): qwen3moe always
+        # renormalises the selected experts' weights, qwen2moe never does.
+        config["norm_topk_prob"] = bool(metadata.get(f"{a}.expert_weights_norm", self.default_norm_topk_prob))
         # Every block is sparse in llama.cpp's qwen3moe (its tensor table has no dense ffn_gate/up/down).
         config["decoder_sparse_step"] = 1
         config["mlp_only_layers"] = []

@@ -1,4 +1,5 @@
-"""``TernaryMoEMethod``: vLLM fused-MoE method for ternary routed experts (``Qwen3MoeForCausalLM``).
+"""``TernaryMoEMethod``: vLLM fused-MoE method for ternary routed experts (``Qwen3MoeForCausalLM``,
+``Qwen2MoeForCausalLM``: its shared expert is an ordinary ternary MLP that vLLM's runner calls itself).
 
 Checkpoint tensors: every expert ``E`` of a MoE layer ``<p>`` (``model.layers.N.mlp.experts``) is three
 ordinary ternary linears, ``<p>.E.{gate,up,down}_proj.{qweight,scales}`` (docs/checkpoint.md); vLLM's
