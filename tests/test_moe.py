@@ -327,7 +327,7 @@ def check_experts(result: dict, dump_dir: Path, moe, tp: int) -> None:
     gate and up for its part of the intermediate size (w13), the same columns of down (w2)."""
     src = hf_weights(moe.tiny.hf_dir)
     layers, inter = moe.tiny.config["num_hidden_layers"], moe.tiny.config["moe_intermediate_size"]
-    n_expert = moe.tiny.config["num_experts"]
+    n_expert = moe.tiny.config.get("num_experts") or moe.tiny.config["num_local_experts"]
     part = inter // tp
     assert sorted(w["rank"] for w in result["workers"]) == list(range(tp))
     for worker in result["workers"]:
