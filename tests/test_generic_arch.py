@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 import ternary_rs
+from greedy_reference import check_greedy
 from generic_arch_models import ARCHITECTURES, TOKENIZER_PRE, build_generic_model
 from llama_cpp import ConvertJob, gguf_contents, reference_convert_many, require_converter
 
@@ -37,10 +38,6 @@ TESTS = Path(__file__).parent
 RUNNER = TESTS / "vllm_runner.py"
 PROMPTS = ["The quick brown fox", "Hello world! This is", "Ternary weights take one of"]
 MAX_TOKENS = 8
-# float32 serving vs the float32 transformers model: same weights, different summation order.
-LOGPROB_ATOL = 1e-3
-# Greedy ties: a different token is accepted only if the reference itself can barely tell them apart.
-TIE_GAP = 1e-4
 ENGINE_TIMEOUT_S = 900
 OWN_KEYS = ("ternary_rs.version",)
 HF_CLASSES = {"phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -148,19 +145,7 @@ def test_vllm_serves_them_like_transformers(models, tmp_path):
     for arch, run in zip(ARCHITECTURES, runs):
         assert run["quantization"] == "ternary", arch
         model = AutoModelForCausalLM.from_pretrained(models[arch][0], dtype=torch.float32).eval()
-        for o in run["outputs"]:
-            prompt, gen = o["prompt_token_ids"], o["token_ids"]
-            assert len(gen) == MAX_TOKENS
-            with torch.no_grad():
-                logits = model(torch.tensor([prompt + gen])).logits[0].float()
-            ref = torch.log_softmax(logits, -1)[len(prompt) - 1: len(prompt) - 1 + len(gen)]
-            for step, token in enumerate(gen):
-                row = ref[step]
-                best = int(row.argmax())
-                assert token == best or float(row[best] - row[token]) < TIE_GAP, (
-                    f"{arch}: prompt {prompt}: step {step}: vLLM picked {token}, transformers {best}")
-                for t, lp in o["logprobs"][step].items():
-                    assert abs(lp - float(row[int(t)])) < LOGPROB_ATOL, (arch, step, t, lp, float(row[int(t)]))
+        check_greedy(run["outputs"], model, MAX_TOKENS, every_logprob=True, label=arch)
 
 
 # ------------------------------------------------------------------------------------------ units

@@ -12,7 +12,7 @@ converter whenever it is there).
 
 Numerics: vLLM serves in float32, where the op's exact mode makes every expert's output a float32 sum like
 transformers'; tokens must be transformers' greedy choice (a different one only at a reference gap below
-``TIE_GAP``) and logprobs within ``LOGPROB_ATOL``, as ``test_vllm.py`` checks dense models. (In bfloat16
+``TIE_GAP``) and logprobs within ``LOGPROB_ATOL`` (``greedy_reference``), as ``test_vllm.py`` checks dense models. (In bfloat16
 vLLM's own dense MoE leaves transformers' greedy path at the same near-ties as the ternary one: gaps of
 0.025 logit std on this model.) One vLLM process per TP size, both started at once.
 """
@@ -29,14 +29,13 @@ import numpy as np
 import pytest
 
 import ternary_rs
+from greedy_reference import check_greedy
 from moe_model import build_tiny_moe, write_qwen3moe_gguf
 
 TESTS = Path(__file__).parent
 RUNNER = TESTS / "vllm_runner.py"
 PROMPTS = ["The quick brown fox", "Hello world! This is", "Ternary weights take one of", "A scale per group"]
 MAX_TOKENS = 8
-LOGPROB_ATOL = 1e-3
-TIE_GAP = 1e-4
 ENGINE_TIMEOUT_S = 600
 EXPERTS, TOP_K = 8, 2
 
@@ -356,22 +355,8 @@ def reference_model(moe):
 
 def check_generation(result: dict, ref) -> None:
     """vLLM's greedy tokens and logprobs vs transformers float32, teacher-forced on vLLM's tokens."""
-    import torch
-
     assert len(result["outputs"]) == len(PROMPTS)
-    for out in result["outputs"]:
-        prompt, gen = out["prompt_token_ids"], out["token_ids"]
-        assert len(gen) == MAX_TOKENS
-        with torch.no_grad():
-            logits = ref(torch.tensor([prompt + gen])).logits[0].float()
-        logp = torch.log_softmax(logits, -1)[len(prompt) - 1: len(prompt) - 1 + len(gen)]
-        for step, token in enumerate(gen):
-            row = logp[step]
-            best = int(row.argmax())
-            assert token == best or float(row[best] - row[token]) < TIE_GAP, (
-                f"prompt {prompt}: step {step}: vLLM picked {token}, transformers {best}")
-            got = out["logprobs"][step][str(token)]
-            assert abs(got - float(row[token])) < LOGPROB_ATOL, (step, token, got, float(row[token]))
+    check_greedy(result["outputs"], ref, MAX_TOKENS)
 
 
 @pytest.mark.vllm
