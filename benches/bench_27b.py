@@ -1,7 +1,8 @@
 """A 27B-shaped Bonsai 2 on this machine: vLLM CPU peak resident memory (load and serving) and decode speed.
 
     python benches/bench_27b.py [--workdir DIR] [--layers 64] [--tokens 32] [--batch 1] [--keep]
-                                [--max-model-len 1024] [--kv-space-gib 1] [--compile]
+                                [--max-model-len 1024] [--kv-space-gib GIB] [--compile] [--no-rotation]
+                                [--profile STEPS]
 
 1. Builds a synthetic Ternary-Bonsai-2-27B-shaped checkpoint in ternary_rs's vLLM layout (qwen35 text:
    hidden 5120, 64 layers — 48 Gated-DeltaNet + 16 full attention at layers 3, 7, …, 63 —, ffn 17408,
@@ -21,7 +22,10 @@
 By design it fits in 24 GiB: weights stay ternary in vLLM (linear, lm_head and — through the plugin's
 Qwen3.5 class — embed_tokens), vLLM's placeholder dense embedding is never touched (no resident pages), the
 safetensors are read tensor by tensor, and the KV cache / recurrent state is bounded by
-``--kv-space-gib`` (``VLLM_CPU_KVCACHE_SPACE``). Timings on a shared machine are not results; smoke-test
+``VLLM_CPU_KVCACHE_SPACE``: by default the plugin sizes it for ``--batch`` sequences (as a user gets it);
+``--kv-space-gib`` sets it. Too small a space caps how many sequences vLLM runs at once — at this shape one
+sequence's Gated-DeltaNet state is ~150 MB, so 1 GiB runs only a few of a batch of 8 together, and the
+"batch 8" rate would be a smaller batch's. Timings on a shared machine are not results; smoke-test
 with ``--layers 4``.
 """
 
@@ -194,7 +198,7 @@ def _status() -> dict[str, int]:
     return out
 
 
-def serve(model: Path, tokens: int, batch: int, max_model_len: int, compile_: bool) -> dict:
+def serve(model: Path, tokens: int, batch: int, max_model_len: int, compile_: bool, profile: int = 0) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: its peak RSS is the total
     ncpu = os.cpu_count() or 1
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}" if ncpu > 1 else "0")
@@ -223,7 +227,12 @@ def serve(model: Path, tokens: int, batch: int, max_model_len: int, compile_: bo
     total = time.perf_counter() - t0
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     served = _status()
+    if profile:
+        _profile(llm, prompts, profile)
     kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "0")) * 2**30
+    chosen = getattr(getattr(getattr(llm.llm_engine, "vllm_config", None), "cache_config", None),
+                     "kv_cache_memory_bytes", None)
+    kv = float(chosen) if chosen else kv  # the plugin's choice when the environment left it open
     return {
         "load_s": load_s, "ttft_s": ttft,
         # The second run re-does the prefill (prefix caching off): subtract one first-token time.
@@ -233,6 +242,31 @@ def serve(model: Path, tokens: int, batch: int, max_model_len: int, compile_: bo
     }
 
 
+def _profile(llm, prompts: list, steps: int) -> None:
+    """Where a decode step's time goes: the torch profiler over ``steps`` decode steps (the engine runs
+    in this process), after a warm prefill, printed as the top operators by self CPU time."""
+    import torch
+    from vllm import SamplingParams
+
+    # Two-token prompts: the prefill is a small part of what is profiled.
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"][:2]} for p in prompts]
+    warm = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    llm.generate(prompts, warm, use_tqdm=False)
+    run = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True, detokenize=False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, run, use_tqdm=False)
+        wall = time.perf_counter() - t0
+    print(f"PROFILE {steps} decode steps (+1 two-token prefill), batch {len(prompts)}: {wall:.2f} s wall, "
+          f"{wall / (steps + 1) * 1e3:.0f} ms per step", file=sys.stderr)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40), file=sys.stderr)
+    # The op per input shape: decode calls (M = batch) apart from the prefill's.
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("ternary_rs::")]
+    for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:20]:
+        print(f"OP {e.key} {e.input_shapes[:2]} calls {e.count} avg {e.self_cpu_time_total / e.count / 1e3:.3f} ms "
+              f"total {e.self_cpu_time_total / 1e6:.2f} s", file=sys.stderr)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", type=Path, default=None, help="where the checkpoint goes (default: a temp dir)")
@@ -240,32 +274,46 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens to time")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--kv-space-gib", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--kv-space-gib", type=float, default=None,
+                    help="VLLM_CPU_KVCACHE_SPACE (default: the plugin sizes it for --batch sequences)")
     ap.add_argument("--compile", action="store_true", help="torch.compile (default: eager; compiling 64 layers is slow)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint")
+    ap.add_argument("--no-rotation", action="store_true",
+                    help="no Hadamard rotation (a plain ternary qwen35, as upstream llama.cpp runs it)")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="after timing, profile STEPS decode steps and print the top operators")
     ap.add_argument("--serve-child", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_child is not None:
         print("RESULT " + json.dumps(serve(args.serve_child, args.tokens, args.batch, args.max_model_len,
-                                             args.compile)))
+                                             args.compile, args.profile)))
         return
 
     root = args.workdir or Path(tempfile.mkdtemp(prefix="bench_27b_"))
     root.mkdir(parents=True, exist_ok=True)
-    ckpt = root / f"bonsai2-27b-shaped-{args.layers}L"
+    ckpt = root / f"bonsai2-27b-shaped-{args.layers}L{'-unrotated' if args.no_rotation else ''}"
     try:
         if not (ckpt / "config.json").is_file():
             t0 = time.perf_counter()
-            build(ckpt, args.layers)
+            build(ckpt, args.layers, rotation=not args.no_rotation)
             print(f"built {ckpt} in {time.perf_counter() - t0:.0f} s")
         size = checkpoint_bytes(ckpt)
         params = parameters(args.layers)
         print(f"checkpoint: {params / 1e9:.2f} B parameters, {size / 2**30:.2f} GiB on disk "
               f"({8 * size / params:.3f} bits/weight; bf16 would be {2 * params / 2**30:.1f} GiB)")
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{args.kv_space_gib:g}"}
+        env = dict(os.environ)
+        if args.kv_space_gib is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_space_gib:g}"
         cmd = [sys.executable, __file__, "--serve-child", str(ckpt), "--tokens", str(args.tokens), "--batch",
-               str(args.batch), "--max-model-len", str(args.max_model_len)] + (["--compile"] if args.compile else [])
+               str(args.batch), "--max-model-len", str(args.max_model_len), "--profile", str(args.profile)]
+        cmd += ["--compile"] if args.compile else []
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        # vLLM's own account of the KV cache: how many sequences it can run at once.
+        for line in proc.stderr.splitlines():
+            if "Maximum concurrency" in line or "KV cache size" in line:
+                print("vLLM:", line.split("] ", 1)[-1])
+        if args.profile:
+            print("\n".join(s for s in proc.stderr.splitlines() if not s.startswith(("INFO", "WARNING", "(EngineCore"))))
         line = next((s for s in proc.stdout.splitlines() if s.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:
             sys.exit(f"vLLM run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

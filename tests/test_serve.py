@@ -560,3 +560,38 @@ def test_plugin_cpu_defaults_respect_the_users_settings(demo, monkeypatch):
     for c in (config(quant="fp8"), config(model=src.parent / "missing")):
         apply_cpu_defaults(c)
         assert c.cache_config.kv_cache_memory_bytes is None
+
+
+def test_kv_space_counts_vllm_s_hybrid_pages(monkeypatch):
+    """A hybrid model's sequence costs vLLM whole pages per layer group (SequenceSizes.vllm_bytes), so the
+    space is sized for that, and a user's setting that caps concurrency below max_num_seqs is reported.
+    Numbers of the Bonsai 2 27B shape (48 Gated-DeltaNet + 16 attention layers): there 1 GiB ran 4 of a
+    batch of 8 at once (vLLM's log: 'Maximum concurrency ... 4.x'), where state + KV alone would give 4.9."""
+    from ternary_rs import cpu_serving as cs
+
+    gib = cs.GIB
+    layer_state = 48 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 48 * 128) * 2  # fp32 recurrent + fp16 conv
+    z = cs.SequenceSizes(context=1024, kv_per_token=2 * 16 * 4 * 256 * 2, state=48 * layer_state,
+                         attention_layers=16, linear_layers=48, fixed=9 * gib)
+    # 3 linear-attention groups of 16 layers + one attention group needing 2 pages for 1024 tokens
+    assert z.vllm_bytes(1024) == 16 * layer_state * 5
+    assert z.vllm_bytes(16) == 16 * layer_state * 4
+    assert gib / z.vllm_bytes(1024) < 4.2 and gib / (z.state + 1024 * z.kv_per_token) > 4.8
+    # a model without recurrent state: KV per token only
+    dense = cs.SequenceSizes(context=2048, kv_per_token=1000, state=0, attention_layers=28, linear_layers=0, fixed=0)
+    assert dense.vllm_bytes(100) == 100_000
+
+    monkeypatch.setattr(cs, "_sizes", lambda *a, **k: z)
+    # 16 sequences of 1024 tokens: 4.01 GB -> rounded up to 4 GiB, not down to 3
+    space, _ = cs.kv_cache_space("m", max_model_len=1024, max_num_seqs=16, available=22 * gib)
+    assert space == 4 * gib and space // z.vllm_bytes(1024) >= 16
+    space, _ = cs.kv_cache_space("m", max_model_len=1024, max_num_seqs=32, available=22 * gib)
+    assert space == 8 * gib  # 8.2 GB aimed for, rounded up
+    # the user's 1 GiB: kept, with the cap said
+    s = cs.choose("m", env={cs.KV_ENV: "1"}, max_model_len=1024, max_num_seqs=8, cores=2, available=22 * gib)
+    assert "VLLM_CPU_KVCACHE_SPACE=1 (yours; room for about 4 sequences of 1024 tokens at once, fewer than " \
+           "max_num_seqs 8: the rest wait)" in s.summary()
+    s = cs.choose("m", env={cs.KV_ENV: "8"}, max_model_len=1024, max_num_seqs=8, cores=2, available=22 * gib)
+    assert "VLLM_CPU_KVCACHE_SPACE=8 (yours)" in s.summary()
+    with pytest.raises(cs.DoesNotFit, match="one 1024-token sequence"):
+        cs.choose("m", env={cs.KV_ENV: "0.2"}, max_model_len=1024, max_num_seqs=8, cores=2, available=22 * gib)

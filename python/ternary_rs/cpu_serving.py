@@ -59,7 +59,7 @@ class Choice:
     vllm_default: bool = False  # reported only: vLLM already does this when the variable is unset
 
     def line(self) -> str:
-        who = "yours" if self.by_user else self.why
+        who = ("yours" + (f"; {self.why}" if self.why else "")) if self.by_user else self.why
         return f"{self.name}={self.value} ({who})"
 
 
@@ -177,31 +177,67 @@ def reserved_cpus_choice(env: dict[str, str], cores: int) -> Choice | None:
     return None
 
 
-def _sizes(model: str | os.PathLike, max_model_len: int | None, kv_dtype: str,
-           available: int) -> tuple[int, int, int, int]:
-    """``(context, KV bytes per token, recurrent state per sequence, everything else)`` from ``plan``."""
+@dataclass(frozen=True)
+class SequenceSizes:
+    """What one sequence costs vLLM, from ``plan``, and everything else it holds."""
+    context: int  # max_model_len
+    kv_per_token: int  # all attention layers
+    state: int  # recurrent + conv state of all linear-attention layers
+    attention_layers: int
+    linear_layers: int
+    fixed: int  # weights, activations, runtime
+
+    def vllm_bytes(self, tokens: int) -> int:
+        """Bytes vLLM's KV cache manager takes for one sequence of ``tokens`` tokens.
+
+        For a hybrid model that is more than ``state + tokens · kv_per_token``: vLLM gives every layer one
+        page size (a linear-attention layer's state), groups the layers of each kind into groups of equal
+        size (the smaller count, or the larger when it is under 1.5× the smaller) and gives a sequence one
+        page per linear-attention group plus, per attention group, pages of whole attention blocks.
+        At the Bonsai 2 27B shape (48 + 16 layers, ~3.2 MB state per layer) a 1024-token sequence takes
+        5 pages × 16 layers ≈ 257 MB, not the 221 MB its state and KV add up to — 1 GiB ran 4 at once."""
+        if not (self.state and self.linear_layers and self.attention_layers):
+            return self.kv_per_token * tokens + self.state
+        page = self.state // self.linear_layers
+        small, large = sorted((self.attention_layers, self.linear_layers))
+        group = large if large < 1.5 * small else small
+        attention_pages = math.ceil(tokens * self.kv_per_token / self.attention_layers / page)
+        pages = math.ceil(self.linear_layers / group) + math.ceil(self.attention_layers / group) * attention_pages
+        return group * page * pages
+
+
+def _sizes(model: str | os.PathLike, max_model_len: int | None, kv_dtype: str, available: int) -> SequenceSizes:
     from .planner import plan
 
     p = plan(model, context=max_model_len or 2048, concurrency=1, gpu_memory=f"{available}B", kv_dtype=kv_dtype,
              gpu_memory_utilization=1.0)
     state = int(p["state_per_sequence"])
-    return int(p["context"]), int(p["kv_cache_per_token"]), state, int(p["total"]) - int(p["kv_cache"]) - state
+    return SequenceSizes(int(p["context"]), int(p["kv_cache_per_token"]), state, int(p["attention_layers"]),
+                         int(p.get("linear_attention_layers") or 0), int(p["total"]) - int(p["kv_cache"]) - state)
 
 
 def check_users_kv_space(model: str | os.PathLike, gib_text: str, *, max_model_len: int | None,
-                         kv_dtype: str = "fp16") -> None:
+                         max_num_seqs: int | None = None, kv_dtype: str = "fp16") -> str:
     """Raise :class:`DoesNotFit` when the user's ``VLLM_CPU_KVCACHE_SPACE`` cannot hold one
-    ``max_model_len`` sequence (vLLM would refuse it after loading the model). A value that is not a
-    number is left for vLLM to refuse in its own words."""
+    ``max_model_len`` sequence (vLLM would refuse it after loading the model). Otherwise return a note
+    when it caps how many sequences run at once below ``max_num_seqs`` (vLLM queues the rest, silently:
+    a 27B hybrid at 1 GiB ran 4 of a batch of 8), else ``""``. A value that is not a number is left for
+    vLLM to refuse in its own words."""
     try:
         space = float(gib_text) * GIB
     except ValueError:
-        return
-    context, per_token, state, _ = _sizes(model, max_model_len, kv_dtype, available_ram() or GIB)
-    one = per_token * context + state
+        return ""
+    z = _sizes(model, max_model_len, kv_dtype, available_ram() or GIB)
+    one = z.vllm_bytes(z.context)
     if one > space:
-        raise DoesNotFit(f"one {context}-token sequence needs {one / GIB:.1f} GiB of KV cache and recurrent state, "
-                         f"more than the {gib_text} GiB {KV_ENV} you set")
+        raise DoesNotFit(f"one {z.context}-token sequence needs {one / GIB:.1f} GiB of KV cache and recurrent "
+                         f"state, more than the {gib_text} GiB {KV_ENV} you set")
+    tokens = min(z.context, TYPICAL_TOKENS)
+    fits = int(space // z.vllm_bytes(tokens))
+    if max_num_seqs and fits < min(max_num_seqs, TYPICAL_SEQUENCES):
+        return (f"room for about {fits} sequences of {tokens} tokens at once, fewer than max_num_seqs "
+                f"{max_num_seqs}: the rest wait")
+    return ""
 
 
 def kv_cache_space(model: str | os.PathLike, *, max_model_len: int | None, max_num_seqs: int | None,
@@ -212,20 +248,23 @@ def kv_cache_space(model: str | os.PathLike, *, max_model_len: int | None, max_n
     (weights as vLLM holds them, activations of one step, runtime) − a safety margin
     (:data:`SAFETY_FRACTION` of the available RAM, at least 1 GiB). The space aimed for is room for
     ``min(max_num_seqs, TYPICAL_SEQUENCES)`` sequences of ``min(max_model_len, TYPICAL_TOKENS)`` tokens
-    (KV + recurrent state each), at least :data:`MIN_TARGET_BYTES` and one full ``max_model_len``
-    sequence; it gets ``min(aim, budget)`` rounded down to whole GiB, never less than one full sequence
+    (as vLLM pages them: :meth:`SequenceSizes.vllm_bytes`), at least :data:`MIN_TARGET_BYTES` and one full
+    ``max_model_len`` sequence; it gets the aim rounded up to whole GiB, or the budget's whole GiB if
+    fewer, never less than one full sequence
     (raises :class:`DoesNotFit` when the budget cannot hold that)."""
     available = available_ram() if available is None else available
     if available is None:
         raise DoesNotFit("the available RAM is unknown (no /proc/meminfo)")
-    context, per_token, state, fixed = _sizes(model, max_model_len, kv_dtype, available)
+    z = _sizes(model, max_model_len, kv_dtype, available)
+    context, fixed = z.context, z.fixed
     safety = max(SAFETY_MIN_BYTES, int(available * SAFETY_FRACTION))
     budget = available - fixed - safety
-    one = per_token * context + state
+    one = z.vllm_bytes(context)
     seqs = min(max_num_seqs or TYPICAL_SEQUENCES, TYPICAL_SEQUENCES)
-    aim = max(MIN_TARGET_BYTES, one, seqs * (per_token * min(context, TYPICAL_TOKENS) + state))
+    aim = max(MIN_TARGET_BYTES, one, seqs * z.vllm_bytes(min(context, TYPICAL_TOKENS)))
     need_gib = max(1, math.ceil(one / GIB))
-    gib = max(need_gib, int(min(aim, budget) // GIB))
+    # Whole GiB up, where the budget allows: rounding down left room for fewer sequences than aimed for.
+    gib = max(need_gib, min(math.ceil(aim / GIB), int(budget // GIB)))
     if gib * GIB > budget:
         raise DoesNotFit(
             f"one {context}-token sequence needs {need_gib} GiB of KV cache and recurrent state, but only "
@@ -249,8 +288,9 @@ def choose(model: str | os.PathLike, *, env: dict[str, str] | None = None, max_m
         out.choices.append(reserved)
     out.choices.append(bind_choice(env, tensor_parallel))
     if env.get(KV_ENV, "") != "":
-        check_users_kv_space(model, env[KV_ENV], max_model_len=max_model_len, kv_dtype=kv_dtype)
-        out.choices.append(Choice(KV_ENV, env[KV_ENV], "", by_user=True))
+        note = check_users_kv_space(model, env[KV_ENV], max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                    kv_dtype=kv_dtype)
+        out.choices.append(Choice(KV_ENV, env[KV_ENV], note, by_user=True))
     elif not kv_bytes_given:
         space, why = kv_cache_space(model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                     kv_dtype=kv_dtype, available=available)

@@ -159,6 +159,7 @@ def plan(path, context: int = 8192, concurrency: int = 8, gpu_memory: int | floa
         "weights": weights,
         "kv_dtype": kv_dtype,
         "attention_layers": attn_layers,
+        "linear_attention_layers": layers - attn_layers if state else 0,
         "kv_cache_per_token": kv_per_token,
         "kv_cache": kv_total,
         "state_per_sequence": state,
