@@ -1,8 +1,8 @@
 """A 27B-shaped Bonsai 2 on this machine: vLLM CPU peak resident memory (load and serving) and decode speed.
 
-    python benches/bench_27b.py [--workdir DIR] [--layers 64] [--tokens 32] [--batch 1] [--keep]
-                                [--max-model-len 1024] [--kv-space-gib GIB] [--compile] [--no-rotation]
-                                [--profile STEPS]
+    python benches/bench_27b.py [--workdir DIR] [--layers 64] [--tokens 32] [--batch 1,8,16] [--keep]
+                                [--max-model-len 1024] [--kv-space-gib GIB] [--compile]
+                                [--rotation rotated|unrotated|both] [--profile STEPS]
 
 1. Builds a synthetic Ternary-Bonsai-2-27B-shaped checkpoint in ternary_rs's vLLM layout (qwen35 text:
    hidden 5120, 64 layers — 48 Gated-DeltaNet + 16 full attention at layers 3, 7, …, 63 —, ffn 17408,
@@ -13,11 +13,15 @@
    is never in memory, only a couple of tensors (the largest, the embedding, is 0.34 GB packed).
    The bf16 model would be 54 GB; this checkpoint is about 7.2 GB.
 2. Serves it with vLLM CPU in a fresh process (the engine in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-   so one process holds everything) from token ids (no tokenizer), batch ``--batch``, greedy, and prints:
-   checkpoint size; peak resident memory (VmHWM) after loading and after serving, with the split into
-   anonymous and file-backed pages at those points; the KV cache space configured; the ratio to the goal
-   ``1.3 × checkpoint + KV cache``; time to first token; decode tokens/s (``--tokens`` new tokens,
-   excluding the first).
+   so one process holds everything) from token ids (no tokenizer), greedy, each batch size of ``--batch``
+   in turn in the same engine (so their ratios are side by side), and prints: checkpoint size; peak
+   resident memory (VmHWM) after loading and after serving, with the split into anonymous and
+   file-backed pages at those points; the KV cache space configured and vLLM's own maximum concurrency;
+   the ratio to the goal ``1.3 × checkpoint + KV cache``; per batch size the time to first token, decode
+   tokens/s (``--tokens`` new tokens, excluding the first), the ratio to batch 1, and the weight bytes read
+   per second as a fraction of the streaming bandwidth measured in the same run (``torch.sum``, as
+   ``bench_cpu_op.py``). ``--rotation both`` then serves the same weights without the rotation (the shards
+   linked, the config without it).
 
 By design it fits in 24 GiB: weights stay ternary in vLLM (linear, lm_head and — through the plugin's
 Qwen3.5 class — embed_tokens), vLLM's placeholder dense embedding is never touched (no resident pages), the
@@ -198,7 +202,7 @@ def _status() -> dict[str, int]:
     return out
 
 
-def serve(model: Path, tokens: int, batch: int, max_model_len: int, compile_: bool, profile: int = 0) -> dict:
+def serve(model: Path, tokens: int, batches: list[int], max_model_len: int, compile_: bool, profile: int = 0) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: its peak RSS is the total
     ncpu = os.cpu_count() or 1
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}" if ncpu > 1 else "0")
@@ -211,21 +215,28 @@ def serve(model: Path, tokens: int, batch: int, max_model_len: int, compile_: bo
 
     before = _status()
     t0 = time.perf_counter()
-    llm = LLM(model=str(model), dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=max(1, batch),
+    llm = LLM(model=str(model), dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=max(batches),
               enforce_eager=not compile_, skip_tokenizer_init=True, seed=0, enable_prefix_caching=False)
     load_s = time.perf_counter() - t0
     loaded = _status()
-    prompts = [{"prompt_token_ids": [int(x) for x in np.random.default_rng(i).integers(1, VOCAB, 16)]}
-               for i in range(batch)]
-    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
-    t0 = time.perf_counter()
-    llm.generate(prompts, first, use_tqdm=False)
-    ttft = time.perf_counter() - t0
-    sp = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True, detokenize=False)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    total = time.perf_counter() - t0
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    warm = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, detokenize=False)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], warm, use_tqdm=False)  # first-call set-up, not timed
+    runs = []
+    for batch in batches:  # one engine, so the ratios between batch sizes are side by side
+        prompts = [{"prompt_token_ids": [int(x) for x in np.random.default_rng(i).integers(1, VOCAB, 16)]}
+                   for i in range(batch)]
+        first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+        t0 = time.perf_counter()
+        llm.generate(prompts, first, use_tqdm=False)
+        ttft = time.perf_counter() - t0
+        sp = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True, detokenize=False)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        total = time.perf_counter() - t0
+        generated = sum(len(o.outputs[0].token_ids) for o in outs)
+        # The second run re-does the prefill (prefix caching off): subtract one first-token time.
+        runs.append({"batch": batch, "ttft_s": ttft, "generated": generated,
+                     "decode_tok_per_s": (generated - batch) / max(total - ttft, 1e-9)})
     served = _status()
     if profile:
         _profile(llm, prompts, profile)
@@ -233,13 +244,26 @@ def serve(model: Path, tokens: int, batch: int, max_model_len: int, compile_: bo
     chosen = getattr(getattr(getattr(llm.llm_engine, "vllm_config", None), "cache_config", None),
                      "kv_cache_memory_bytes", None)
     kv = float(chosen) if chosen else kv  # the plugin's choice when the environment left it open
-    return {
-        "load_s": load_s, "ttft_s": ttft,
-        # The second run re-does the prefill (prefix caching off): subtract one first-token time.
-        "decode_tok_per_s": (generated - batch) / max(total - ttft, 1e-9),
-        "generated": generated, "batch": batch, "kv_cache_bytes": kv,
-        "rss_before": before, "rss_loaded": loaded, "rss_served": served,
-    }
+    return {"load_s": load_s, "runs": runs, "kv_cache_bytes": kv,
+            "rss_before": before, "rss_loaded": loaded, "rss_served": served}
+
+
+def unrotated_twin(rotated: Path, out_dir: Path) -> Path:
+    """The same weights without the rotation description: the shards linked, the config without
+    ``quantization_config.hadamard`` (a plain ternary qwen35, as upstream llama.cpp runs it)."""
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in rotated.iterdir():
+        if f.name != "config.json":
+            (tmp / f.name).symlink_to(f.resolve())
+    cfg = json.loads((rotated / "config.json").read_text())
+    cfg["quantization_config"].pop("hadamard", None)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    tmp.rename(out_dir)
+    return out_dir
 
 
 def _profile(llm, prompts: list, steps: int) -> None:
@@ -272,68 +296,94 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None, help="where the checkpoint goes (default: a temp dir)")
     ap.add_argument("--layers", type=int, default=LAYERS, help="decoder layers (64 = the real model; 4 to smoke-test)")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens to time")
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batch", default="1", help="batch sizes, comma-separated, run in one engine (e.g. 1,8,16)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--kv-space-gib", type=float, default=None,
-                    help="VLLM_CPU_KVCACHE_SPACE (default: the plugin sizes it for --batch sequences)")
+                    help="VLLM_CPU_KVCACHE_SPACE (default: the plugin sizes it for the largest --batch)")
     ap.add_argument("--compile", action="store_true", help="torch.compile (default: eager; compiling 64 layers is slow)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint")
-    ap.add_argument("--no-rotation", action="store_true",
-                    help="no Hadamard rotation (a plain ternary qwen35, as upstream llama.cpp runs it)")
+    ap.add_argument("--rotation", choices=("rotated", "unrotated", "both"), default="rotated",
+                    help="Bonsai 2's Hadamard rotation, a plain ternary qwen35 (the same weights, as upstream "
+                         "llama.cpp runs it), or one after the other")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                    help="after timing, profile STEPS decode steps and print the top operators")
+                    help="after timing, profile STEPS decode steps at the last batch size and print the top operators")
     ap.add_argument("--serve-child", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    batches = [int(b) for b in args.batch.split(",")]
     if args.serve_child is not None:
-        print("RESULT " + json.dumps(serve(args.serve_child, args.tokens, args.batch, args.max_model_len,
+        print("RESULT " + json.dumps(serve(args.serve_child, args.tokens, batches, args.max_model_len,
                                              args.compile, args.profile)))
         return
 
     root = args.workdir or Path(tempfile.mkdtemp(prefix="bench_27b_"))
     root.mkdir(parents=True, exist_ok=True)
-    ckpt = root / f"bonsai2-27b-shaped-{args.layers}L{'-unrotated' if args.no_rotation else ''}"
+    ckpt = root / f"bonsai2-27b-shaped-{args.layers}L"
     try:
         if not (ckpt / "config.json").is_file():
             t0 = time.perf_counter()
-            build(ckpt, args.layers, rotation=not args.no_rotation)
+            build(ckpt, args.layers)
             print(f"built {ckpt} in {time.perf_counter() - t0:.0f} s")
         size = checkpoint_bytes(ckpt)
         params = parameters(args.layers)
         print(f"checkpoint: {params / 1e9:.2f} B parameters, {size / 2**30:.2f} GiB on disk "
               f"({8 * size / params:.3f} bits/weight; bf16 would be {2 * params / 2**30:.1f} GiB)")
-        env = dict(os.environ)
-        if args.kv_space_gib is not None:
-            env["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_space_gib:g}"
-        cmd = [sys.executable, __file__, "--serve-child", str(ckpt), "--tokens", str(args.tokens), "--batch",
-               str(args.batch), "--max-model-len", str(args.max_model_len), "--profile", str(args.profile)]
-        cmd += ["--compile"] if args.compile else []
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        # vLLM's own account of the KV cache: how many sequences it can run at once.
-        for line in proc.stderr.splitlines():
-            if "Maximum concurrency" in line or "KV cache size" in line:
-                print("vLLM:", line.split("] ", 1)[-1])
-        if args.profile:
-            print("\n".join(s for s in proc.stderr.splitlines() if not s.startswith(("INFO", "WARNING", "(EngineCore"))))
-        line = next((s for s in proc.stdout.splitlines() if s.startswith("RESULT ")), None)
-        if proc.returncode != 0 or line is None:
-            sys.exit(f"vLLM run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-        r = json.loads(line[len("RESULT "):])
-        gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
-        goal = 1.3 * size + r["kv_cache_bytes"]
-        base = r["rss_before"]
-        print(f"process before vLLM: RSS {gib(base['VmRSS'])} (Python, torch, vLLM and ternary_rs imported)")
-        for phase in ("rss_loaded", "rss_served"):
-            s = r[phase]
-            print(f"{phase[4:]:>7}: peak RSS {gib(s['VmHWM'])} (now {gib(s['VmRSS'])}: anon {gib(s['RssAnon'])}, "
-                  f"file {gib(s['RssFile'])})")
-        peak = r["rss_served"]["VmHWM"]
-        print(f"peak RSS {gib(peak)} vs goal 1.3 x checkpoint + KV cache = {gib(goal)} "
-              f"(ratio {peak / goal:.2f}; KV cache space {gib(r['kv_cache_bytes'])})")
-        print(f"load {r['load_s']:.0f} s, first token {r['ttft_s']:.2f} s, decode {r['decode_tok_per_s']:.2f} tok/s "
-              f"(batch {r['batch']}, {r['generated']} tokens)")
+        sys.path.insert(0, str(Path(__file__).parent))
+        from bench_cpu_op import stream_bandwidth
+
+        threads = len(os.sched_getaffinity(0))
+        bandwidth = stream_bandwidth(threads)
+        # Bytes a decode step reads at batch 1: every ternary weight but the embedding (one row is gathered).
+        per_token = size - VOCAB * (HIDDEN // 4 + HIDDEN // GROUP * 2)
+        print(f"streaming read bandwidth ({threads} threads): {bandwidth:.1f} GB/s; a decode step reads "
+              f"{per_token / 1e9:.2f} GB of weights")
+        variants = {"rotated": [ckpt], "unrotated": [unrotated_twin(ckpt, root / (ckpt.name + "-unrotated"))]}
+        variants["both"] = variants["rotated"] + variants["unrotated"]
+        for model in variants[args.rotation]:
+            run_one(args, model, batches, size, per_token, bandwidth)
     finally:
         if not args.keep and args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def run_one(args, model: Path, batches: list[int], size: int, per_token: int, bandwidth: float) -> None:
+    env = dict(os.environ)
+    if args.kv_space_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_space_gib:g}"
+    cmd = [sys.executable, __file__, "--serve-child", str(model), "--tokens", str(args.tokens), "--batch",
+           ",".join(map(str, batches)), "--max-model-len", str(args.max_model_len), "--profile", str(args.profile)]
+    cmd += ["--compile"] if args.compile else []
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    print(f"== {model.name}")
+    # vLLM's own account of the KV cache: how many sequences it can run at once.
+    for line in proc.stderr.splitlines():
+        if "Maximum concurrency" in line or "KV cache size" in line or "vLLM CPU settings" in line:
+            print("vLLM:", line.split("] ", 1)[-1])
+    if args.profile:
+        print("\n".join(s for s in proc.stderr.splitlines() if not s.startswith(("INFO", "WARNING", "(EngineCore"))))
+    line = next((s for s in proc.stdout.splitlines() if s.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        sys.exit(f"vLLM run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    r = json.loads(line[len("RESULT "):])
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    goal = 1.3 * size + r["kv_cache_bytes"]
+    base = r["rss_before"]
+    print(f"process before vLLM: RSS {gib(base['VmRSS'])} (Python, torch, vLLM and ternary_rs imported)")
+    for phase in ("rss_loaded", "rss_served"):
+        s = r[phase]
+        print(f"{phase[4:]:>7}: peak RSS {gib(s['VmHWM'])} (now {gib(s['VmRSS'])}: anon {gib(s['RssAnon'])}, "
+              f"file {gib(s['RssFile'])})")
+    peak = r["rss_served"]["VmHWM"]
+    print(f"peak RSS {gib(peak)} vs goal 1.3 x checkpoint + KV cache = {gib(goal)} "
+          f"(ratio {peak / goal:.2f}; KV cache space {gib(r['kv_cache_bytes'])})")
+    print(f"load {r['load_s']:.0f} s; {args.tokens} decode tokens per request")
+    print(f"{'batch':>5} {'first token s':>13} {'decode tok/s':>12} {'x batch 1':>9} {'weights GB/s':>12} "
+          f"{'of streaming':>12}")
+    one = next((x["decode_tok_per_s"] for x in r["runs"] if x["batch"] == 1), None)
+    for x in r["runs"]:
+        rate = x["decode_tok_per_s"]
+        steps = rate / x["batch"]  # decode steps per second: each reads the weights once
+        print(f"{x['batch']:>5} {x['ttft_s']:>13.2f} {rate:>12.2f} {(rate / one if one else float('nan')):>9.2f} "
+              f"{steps * per_token / 1e9:>12.2f} {steps * per_token / 1e9 / bandwidth:>12.0%}")
 
 
 if __name__ == "__main__":
