@@ -305,7 +305,9 @@ fn regroup<'py>(
     tensor: &str,
 ) -> PyResult<Canon<'py>> {
     let c = canon_ref(&qweight, &scales, rows, cols, group_size)?;
-    detached_canon(py, || c.regroup(tensor, new_group_size, requantize))
+    detached_canon(py, || {
+        repack::regroup(c, tensor, new_group_size, requantize)
+    })
 }
 
 /// Trits int8 `[rows, 4·bytes]` of canonical code bytes `[rows, bytes]`.

@@ -262,7 +262,7 @@ impl Activation for bf16 {
     }
     fn from_f32_slice(src: &[f32], dst: &mut [bf16]) {
         #[cfg(target_arch = "x86_64")]
-        if crate::formats::avx512bw_available() {
+        if crate::cpu_features::avx512bw_available() {
             // SAFETY: AVX-512F is present (checked just above).
             return unsafe { avx512::f32_to_bf16(src, dst) };
         }
