@@ -93,32 +93,8 @@ pub fn decode_blocks<C: BlockCodec>(
             .zip(data.par_chunks(row_in * per_task))
             .enumerate()
             .map(|(task, ((q, s), src))| {
-                let q = zero_fill(q);
-                // Branch-free over the blocks; located only when one is bad.
-                let mut all_finite = true;
-                for (sb, blk) in s.iter_mut().zip(src.chunks_exact(C::BLOCK_BYTES)) {
-                    let d = C::scale(blk);
-                    all_finite &= d.is_finite();
-                    sb.write(d);
-                }
-                let mut bad = (0u64, None);
-                if !all_finite {
-                    for (b, blk) in src.chunks_exact(C::BLOCK_BYTES).enumerate() {
-                        if !C::scale(blk).is_finite() {
-                            bad.0 += 1;
-                            bad.1
-                                .get_or_insert((task * per_task * blocks_per_row + b) as u64);
-                        }
-                    }
-                }
-                C::unpack_blocks(src, q);
-                let threes = if C::CAN_HOLD_CODE3 {
-                    let (n, f) = count_code3(q);
-                    (n, f.map(|f| f + (task * per_task * cols) as u64))
-                } else {
-                    (0, None)
-                };
-                (bad, threes)
+                let first_block = task * per_task * blocks_per_row;
+                decode_task::<C>(src, zero_fill(q), s, first_block, task * per_task * cols)
             })
             .reduce(
                 || ((0, None), (0, None)),
@@ -159,6 +135,46 @@ pub fn decode_blocks<C: BlockCodec>(
         scales,
     })
 }
+
+/// One task of [`decode_blocks`]: the blocks of `src` unpacked into `q` (already zeroed) and their
+/// scales into `s`. Returns the tallies of non-finite scales (block indices from `first_block`) and
+/// of code 3 (element indices from `first_element`).
+#[inline]
+fn decode_task<C: BlockCodec>(
+    src: &[u8],
+    q: &mut [u8],
+    s: &mut [std::mem::MaybeUninit<f16>],
+    first_block: usize,
+    first_element: usize,
+) -> ScaleAndCode3Tallies {
+    // Branch-free over the blocks; located only when one is bad.
+    let mut all_finite = true;
+    for (sb, blk) in s.iter_mut().zip(src.chunks_exact(C::BLOCK_BYTES)) {
+        let d = C::scale(blk);
+        all_finite &= d.is_finite();
+        sb.write(d);
+    }
+    let mut bad = (0u64, None);
+    if !all_finite {
+        for (b, blk) in src.chunks_exact(C::BLOCK_BYTES).enumerate() {
+            if !C::scale(blk).is_finite() {
+                bad.0 += 1;
+                bad.1.get_or_insert((first_block + b) as u64);
+            }
+        }
+    }
+    C::unpack_blocks(src, q);
+    let threes = if C::CAN_HOLD_CODE3 {
+        let (n, f) = count_code3(q);
+        (n, f.map(|f| f + first_element as u64))
+    } else {
+        (0, None)
+    };
+    (bad, threes)
+}
+
+/// `(count, first index)` of bad scales and of code-3 values.
+type ScaleAndCode3Tallies = ((u64, Option<u64>), (u64, Option<u64>));
 
 /// Encode a validated canonical tensor whose group size is `C::BLOCK_VALUES` (fast path).
 pub fn encode_blocks<C: BlockCodec>(tensor: &str, canon: CanonicalRef<'_>) -> Result<Vec<u8>> {
