@@ -9,7 +9,7 @@ use half::{bf16, f16};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use ternary_core::canonical::{check_shape, CanonicalRef};
-use ternary_core::kernels::cpu::{self, layout, Activation, Precision, PreparedRef, Variant};
+use ternary_core::kernels::cpu::{self, layout, Activation, KernelChoice, PreparedRef, Variant};
 use ternary_core::threads::Rayon;
 
 use crate::errors::to_py;
@@ -234,13 +234,6 @@ fn ternary_gemm_cpu(
     }
 }
 
-/// Which kernels one call runs (the core takes them as two arguments).
-#[derive(Clone, Copy)]
-struct KernelChoice {
-    variant: Variant,
-    precision: Precision,
-}
-
 /// The data pointers of one CPU GEMM call: x, the prepared weight's planes and scales, bias (0: none),
 /// y.
 #[derive(Clone, Copy)]
@@ -299,6 +292,5 @@ fn run<T: Activation>(
         planes,
         scales,
     };
-    let KernelChoice { variant, precision } = choice;
-    cpu::gemm(w, x, m, bias, y, variant, precision, &Rayon).map_err(to_py)
+    cpu::gemm(w, x, m, bias, y, choice, &Rayon).map_err(to_py)
 }

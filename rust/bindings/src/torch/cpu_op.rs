@@ -5,7 +5,9 @@ use std::ffi::{c_char, c_void};
 use std::sync::OnceLock;
 
 use half::{bf16, f16};
-use ternary_core::kernels::cpu::{self, dense, layout, Activation, Precision, PreparedRef};
+use ternary_core::kernels::cpu::{
+    self, dense, layout, Activation, KernelChoice, Precision, PreparedRef,
+};
 use ternary_core::threads::ParallelFor;
 
 use super::abi::{api, Api, TorchGemm};
@@ -197,8 +199,11 @@ fn run<T: Activation>(
             std::slice::from_raw_parts_mut(p.y as *mut T, m * n),
         )
     };
-    cpu::gemm(w, x, m, bias, y, variant(), precision, pool)
-        .map_err(|e| format!("ternary_linear: {e}"))
+    let choice = KernelChoice {
+        variant: variant(),
+        precision,
+    };
+    cpu::gemm(w, x, m, bias, y, choice, pool).map_err(|e| format!("ternary_linear: {e}"))
 }
 
 /// The prepared weight behind `p.planes` / `p.scales`.
