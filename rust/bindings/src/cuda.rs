@@ -170,6 +170,7 @@ fn parse_dtype(dtype: &str) -> PyResult<DType> {
 /// Enqueue `w_out[N, K] = trit · scale` (row-major, `dtype`) from the GPU layout on `stream` (device
 /// pointers as integers; the caller guarantees sizes as for `cuda_ternary_linear`).
 #[pyfunction]
+// One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 fn cuda_dequantize(
     qweight: u64,
@@ -194,6 +195,7 @@ fn cuda_dequantize(
 /// The caller (``ternary_rs._ops_cuda``) guarantees that the pointers are live tensors of the current
 /// device with the sizes `cuda_plan` and the layout require; sizes and alignment are re-checked in C.
 #[pyfunction]
+// One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 #[pyo3(signature = (x, qweight, scales, bias, y, partials, partials_len, counters, counters_len, m, n, k, group_size, dtype, sm_count, stream))]
 fn cuda_ternary_linear(

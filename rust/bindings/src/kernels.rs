@@ -136,6 +136,7 @@ fn cpu_kernel_best() -> &'static str {
 /// and scales first.
 #[pyfunction]
 #[pyo3(signature = (qweight_ptr, scales_ptr, rows, cols, group_size, out_ptr, out_scales_ptr, tensor = "qweight"))]
+// One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 fn ternary_cpu_prepare(
     py: Python<'_>,
@@ -182,6 +183,7 @@ fn ternary_cpu_prepare(
 /// `ACTIVATIONS_*` values (0 = auto: by dtype and the process default).
 #[pyfunction]
 #[pyo3(signature = (x_ptr, dtype, m, k, planes_ptr, scales_ptr, n, group_size, bias_ptr, y_ptr, variant = "auto", activations = 0))]
+// One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 fn ternary_gemm_cpu(
     py: Python<'_>,
