@@ -62,7 +62,7 @@ timeout 240 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider --noconf
   --junitxml="$RESULTS/gpu_tests_cuda.xml" 2>&1 | tee "$RESULTS/gpu_tests_cuda.log"
 if [ "${PIPESTATUS[0]}" -ne 0 ]; then
   status=1
-  # Tell the natively registered op (torch_cuda.rs) apart from the kernels: the same tests through the
+  # Tell the natively registered op (torch/cuda_op.rs) apart from the kernels: the same tests through the
   # Python path (test_the_cuda_kernel_is_registered_natively then fails by design).
   echo "== GPU kernel tests again through the Python path (TERNARY_RS_CUDA_NATIVE=0)"
   TERNARY_RS_CUDA_NATIVE=0 timeout 180 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider --noconftest \

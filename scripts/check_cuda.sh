@@ -80,7 +80,7 @@ if bad:
     sys.exit(1)
 print(f"== ptxas: {n} kernel builds, no spills, no stack frames")
 PY
-# 4. The bindings with the CUDA kernels linked in (the native CUDA op registration, torch_cuda.rs):
+# 4. The bindings with the CUDA kernels linked in (the native CUDA op registration, torch/cuda_op.rs):
 #    compiled and linted as the GPU wheel builds them.
 echo "== cargo clippy --features cuda (bindings + kernels)"
 CUDA_HOME=$(dirname "$(dirname "$NVCC")") cargo clippy -q -p ternary-rs-py --features cuda --all-targets -- -D warnings

@@ -249,7 +249,7 @@ def test_dequantize_is_exact_and_dequant_cublas_path(dtype):
     assert_matches(y, reference(x, w.to(dtype).double(), bias), dtype, "dequant + cuBLAS")
 
 
-# ---- the native registration (rust/bindings/src/torch_cuda.rs) against the Python path it replaces ----
+# ---- the native registration (rust/bindings/src/torch/cuda_op.rs) against the Python path it replaces ----
 
 def test_the_cuda_kernel_is_registered_natively():
     assert ops.NATIVE_CUDA_UNAVAILABLE is None, f"native CUDA registration failed: {ops.NATIVE_CUDA_UNAVAILABLE}"

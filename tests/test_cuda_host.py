@@ -213,7 +213,7 @@ def test_cuda_kernel_registration_says_why_it_is_not_native_here():
 
 def test_native_cuda_kernel_is_reached_through_the_dispatcher():
     """With a CUDA build of ternary_rs and a CUDA build of torch the op's CUDA kernel is the native one even
-    on a machine without a GPU: redispatching to the CUDA key reaches ``torch_cuda.rs``, which unboxes the
+    on a machine without a GPU: redispatching to the CUDA key reaches ``torch/cuda_op.rs``, which unboxes the
     arguments and rejects what it can check before touching a device. (The GPU tests run the rest.)"""
     torch = pytest.importorskip("torch")
     from ternary_rs import _core, ops
@@ -222,7 +222,7 @@ def test_native_cuda_kernel_is_reached_through_the_dispatcher():
         pytest.skip("needs the CUDA build of ternary_rs (maturin build --features cuda) and a CUDA torch; "
                     "scripts/check_cuda.sh compiles and lints that build")
     assert ops.NATIVE_CUDA_UNAVAILABLE is None
-    assert "torch_cuda.rs" in torch._C._dispatch_dump(ops.OP_NAME)
+    assert "torch/cuda_op.rs" in torch._C._dispatch_dump(ops.OP_NAME)
     op = torch.ops.ternary_rs.ternary_linear.default
     cuda_only = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
     x = torch.randn(2, 256, dtype=torch.bfloat16)

@@ -268,7 +268,7 @@ def test_native_op_runs_on_torchs_pool_without_python():
     # The dispatcher's CPU kernel for the op is not a Python function.
     kernels = torch._C._dispatch_dump(ops.OP_NAME)
     cpu_line = next(line for line in kernels.splitlines() if line.startswith("CPU:"))
-    assert "torch_abi.rs" in cpu_line, kernels  # registered from Rust, not ops.py
+    assert "torch/cpu_op.rs" in cpu_line, kernels  # registered from Rust, not ops.py
     code = """
 import os, torch
 from pathlib import Path

@@ -1,7 +1,7 @@
 // The one piece of C++ in the bindings: torch's dispatcher expects a boxed kernel to report failure
 // by throwing a C++ exception (it becomes a Python RuntimeError naming our message). Rust cannot
-// throw, so the kernels themselves (`ternary_rs_cpu_linear_boxed` in src/torch_abi.rs,
-// `ternary_rs_cuda_linear_boxed` in src/torch_cuda.rs) return an error code and these wrappers throw. No torch header is needed: the stack is an array of 64-bit
+// throw, so the kernels themselves (`ternary_rs_cpu_linear_boxed` in src/torch/cpu_op.rs,
+// `ternary_rs_cuda_linear_boxed` in src/torch/cuda_op.rs) return an error code and these wrappers throw. No torch header is needed: the stack is an array of 64-bit
 // StableIValues (torch/csrc/stable/library.h).
 #include <cstddef>
 #include <cstdint>

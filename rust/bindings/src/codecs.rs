@@ -66,6 +66,7 @@ fn canon_ref<'a>(
 /// Decode GGUF tensor data (`format` name, raw bytes, PyTorch shape) → (qweight, scale bits, group).
 #[pyfunction]
 #[pyo3(signature = (format, data, rows, cols, group_size=None, requantize=false, tensor="<bytes>"))]
+// One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 fn decode_gguf<'py>(
     py: Python<'py>,
@@ -87,6 +88,7 @@ fn decode_gguf<'py>(
 /// Encode a canonical tensor as GGUF tensor data of `format` (regrouping losslessly or refusing).
 #[pyfunction]
 #[pyo3(signature = (format, qweight, scales, rows, cols, group_size, requantize=false, tensor="<tensor>"))]
+// One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 fn encode_gguf<'py>(
     py: Python<'py>,
@@ -117,6 +119,7 @@ fn gguf_tensor_bytes(format: &str, rows: usize, cols: usize) -> PyResult<usize> 
 /// Decode a transformers BitNet `weight` (uint8 `[rows/4, cols]`) with its `weight_scale`.
 #[pyfunction]
 #[pyo3(signature = (packed, rows, cols, weight_scale, linear_class=None, group_size=None, tensor="<bytes>"))]
+// One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 fn decode_bitnet<'py>(
     py: Python<'py>,
@@ -142,6 +145,7 @@ fn decode_bitnet<'py>(
 /// Encode to transformers BitNet packing: (uint8 `[rows/4, cols]`, weight_scale as f32).
 #[pyfunction]
 #[pyo3(signature = (qweight, scales, rows, cols, group_size, linear_class=None, tensor="<tensor>"))]
+// One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 fn encode_bitnet<'py>(
     py: Python<'py>,
@@ -205,6 +209,7 @@ fn recover_dense<'py>(
 /// Ternarize dense f32 weights `[rows, cols]` (absmax / absmean, per group or per tensor).
 #[pyfunction]
 #[pyo3(signature = (w, rows, cols, group_size, method="absmax", per_tensor=false, tensor="<tensor>"))]
+// One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 fn ternarize<'py>(
     py: Python<'py>,
@@ -229,6 +234,7 @@ fn ternarize<'py>(
 /// torch tensor directly.
 #[pyfunction]
 #[pyo3(signature = (qweight, scales, rows, cols, group_size, out, dtype="float32"))]
+// One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 fn dequantize_into<'py>(
     py: Python<'py>,
@@ -292,6 +298,7 @@ fn validate<'py>(
 /// Change the group size (lossless, or refused unless `requantize`).
 #[pyfunction]
 #[pyo3(signature = (qweight, scales, rows, cols, group_size, new_group_size, requantize=false, tensor="<tensor>"))]
+// One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 fn regroup<'py>(
     py: Python<'py>,
@@ -305,7 +312,9 @@ fn regroup<'py>(
     tensor: &str,
 ) -> PyResult<Canon<'py>> {
     let c = canon_ref(&qweight, &scales, rows, cols, group_size)?;
-    detached_canon(py, || c.regroup(tensor, new_group_size, requantize))
+    detached_canon(py, || {
+        repack::regroup(c, tensor, new_group_size, requantize)
+    })
 }
 
 /// Trits int8 `[rows, 4·bytes]` of canonical code bytes `[rows, bytes]`.

@@ -16,7 +16,7 @@ use ternary_core::kernels::gpu_layout as layout;
 use ternary_cuda::{CudaError, DType, LinearArgs};
 
 use crate::errors::to_py;
-use crate::torch_cuda;
+use crate::torch;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
@@ -140,14 +140,14 @@ fn cuda_plan<'py>(
 /// without the stable ABI or without CUDA).
 #[pyfunction]
 fn register_torch_cuda_kernel(libtorch_cpu: &str, libtorch_cuda: &str) -> PyResult<()> {
-    torch_cuda::register(libtorch_cpu, libtorch_cuda).map_err(PyRuntimeError::new_err)
+    torch::register_cuda(libtorch_cpu, libtorch_cuda).map_err(PyRuntimeError::new_err)
 }
 
 /// From this M on the native CUDA kernel dequantizes W and calls torch's cuBLAS GEMM (0 = never);
 /// returns the previous value. `_ops_cuda.set_dequant_min_m` keeps it in step with the Python path.
 #[pyfunction]
 fn cuda_set_dequant_min_m(m: i64) -> i64 {
-    torch_cuda::set_dequant_min_m(m)
+    torch::set_dequant_min_m(m)
 }
 
 /// Set the largest M that runs the decode GEMV (0..=16, default 8); returns the previous value.
@@ -170,6 +170,7 @@ fn parse_dtype(dtype: &str) -> PyResult<DType> {
 /// Enqueue `w_out[N, K] = trit · scale` (row-major, `dtype`) from the GPU layout on `stream` (device
 /// pointers as integers; the caller guarantees sizes as for `cuda_ternary_linear`).
 #[pyfunction]
+// One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 fn cuda_dequantize(
     qweight: u64,
@@ -194,6 +195,7 @@ fn cuda_dequantize(
 /// The caller (``ternary_rs._ops_cuda``) guarantees that the pointers are live tensors of the current
 /// device with the sizes `cuda_plan` and the layout require; sizes and alignment are re-checked in C.
 #[pyfunction]
+// One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 #[pyo3(signature = (x, qweight, scales, bias, y, partials, partials_len, counters, counters_len, m, n, k, group_size, dtype, sm_count, stream))]
 fn cuda_ternary_linear(

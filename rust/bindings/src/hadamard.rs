@@ -61,6 +61,7 @@ fn with_rows<'t, T: Element>(
 /// `inverse=False`: `x → x[gather] → ·signs → H/√block`; `inverse=True`: `x → H/√block → ·signs`.
 #[pyfunction]
 #[pyo3(signature = (input, output, block_size, dtype, inverse=false, signs=None, gather=None))]
+// One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 fn fwht(
     py: Python<'_>,
@@ -124,6 +125,7 @@ mod cuda_ffi {
 
     // cuda/fwht.h (compiled and linked by the ternary-cuda build script).
     extern "C" {
+        // The C signature of cuda/fwht.h.
         #[allow(clippy::too_many_arguments)]
         pub fn ternary_cuda_fwht(
             input: *const c_void,
@@ -144,6 +146,7 @@ mod cuda_ffi {
 /// `dtype` is "bfloat16", "float16" or "float32". Only enqueues: no synchronisation, graph-capturable.
 #[cfg(feature = "cuda")]
 #[pyfunction]
+// One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 fn fwht_cuda(
     input_ptr: u64,

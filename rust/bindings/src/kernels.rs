@@ -9,11 +9,11 @@ use half::{bf16, f16};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use ternary_core::canonical::{check_shape, CanonicalRef};
-use ternary_core::kernels::cpu::{self, layout, Activation, PreparedRef, Variant};
+use ternary_core::kernels::cpu::{self, layout, Activation, KernelChoice, PreparedRef, Variant};
 use ternary_core::threads::Rayon;
 
 use crate::errors::to_py;
-use crate::torch_abi;
+use crate::torch;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ternary_cpu_prepare, m)?)?;
@@ -24,10 +24,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_set_kernel_variant, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_set_default_int8, m)?)?;
     m.add_function(wrap_pyfunction!(register_torch_cpu_kernel, m)?)?;
-    m.add("ACTIVATIONS_AUTO", torch_abi::ACTIVATIONS_AUTO)?;
-    m.add("ACTIVATIONS_EXACT", torch_abi::ACTIVATIONS_EXACT)?;
-    m.add("ACTIVATIONS_INT8_GROUP", torch_abi::ACTIVATIONS_INT8_GROUP)?;
-    m.add("ACTIVATIONS_INT8_TOKEN", torch_abi::ACTIVATIONS_INT8_TOKEN)?;
+    m.add("ACTIVATIONS_AUTO", torch::ACTIVATIONS_AUTO)?;
+    m.add("ACTIVATIONS_EXACT", torch::ACTIVATIONS_EXACT)?;
+    m.add("ACTIVATIONS_INT8_GROUP", torch::ACTIVATIONS_INT8_GROUP)?;
+    m.add("ACTIVATIONS_INT8_TOKEN", torch::ACTIVATIONS_INT8_TOKEN)?;
     Ok(())
 }
 
@@ -35,7 +35,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// must already be defined); `libtorch_cpu` is the path of the loaded `libtorch_cpu.so`.
 #[pyfunction]
 fn register_torch_cpu_kernel(libtorch_cpu: &str) -> PyResult<()> {
-    torch_abi::register(libtorch_cpu).map_err(pyo3::exceptions::PyRuntimeError::new_err)
+    torch::register_cpu(libtorch_cpu).map_err(pyo3::exceptions::PyRuntimeError::new_err)
 }
 
 /// Force a CPU kernel variant for every later call (None or "auto": the best supported one).
@@ -46,7 +46,7 @@ fn cpu_set_kernel_variant(name: Option<&str>) -> PyResult<()> {
         None | Some("auto") | Some("") => None,
         Some(n) => Some(Variant::parse(n).map_err(to_py)?),
     };
-    torch_abi::set_variant(v);
+    torch::set_variant(v);
     Ok(())
 }
 
@@ -55,7 +55,7 @@ fn cpu_set_kernel_variant(name: Option<&str>) -> PyResult<()> {
 #[pyfunction]
 #[pyo3(signature = (value = None))]
 fn cpu_set_default_int8(value: Option<bool>) {
-    torch_abi::set_default_int8(value);
+    torch::set_default_int8(value);
 }
 
 /// A slice over `len` elements of `T` at address `addr` (checked non-null and aligned).
@@ -136,6 +136,7 @@ fn cpu_kernel_best() -> &'static str {
 /// and scales first.
 #[pyfunction]
 #[pyo3(signature = (qweight_ptr, scales_ptr, rows, cols, group_size, out_ptr, out_scales_ptr, tensor = "qweight"))]
+// One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 fn ternary_cpu_prepare(
     py: Python<'_>,
@@ -182,6 +183,7 @@ fn ternary_cpu_prepare(
 /// `ACTIVATIONS_*` values (0 = auto: by dtype and the process default).
 #[pyfunction]
 #[pyo3(signature = (x_ptr, dtype, m, k, planes_ptr, scales_ptr, n, group_size, bias_ptr, y_ptr, variant = "auto", activations = 0))]
+// One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 fn ternary_gemm_cpu(
     py: Python<'_>,
@@ -200,8 +202,8 @@ fn ternary_gemm_cpu(
 ) -> PyResult<()> {
     check_shape(n, k, group_size).map_err(to_py)?;
     let variant = Variant::parse(variant).map_err(to_py)?;
-    let precision = torch_abi::resolve_precision(activations, dtype == "float32")
-        .map_err(PyValueError::new_err)?;
+    let precision =
+        torch::resolve_precision(activations, dtype == "float32").map_err(PyValueError::new_err)?;
     let overflow = || PyValueError::new_err("prepared weight size overflows");
     let sizes = Sizes {
         x: checked_len(m, k, "x")?,
@@ -217,24 +219,41 @@ fn ternary_gemm_cpu(
         bias: bias_ptr,
         y: y_ptr,
     };
-    let shape = (m, n, k, group_size);
+    let shape = GemmShape {
+        m,
+        n,
+        k,
+        g: group_size,
+    };
+    let choice = KernelChoice { variant, precision };
     match dtype {
-        "bfloat16" => py.detach(move || run::<bf16>(ptrs, sizes, shape, variant, precision)),
-        "float16" => py.detach(move || run::<f16>(ptrs, sizes, shape, variant, precision)),
-        "float32" => py.detach(move || run::<f32>(ptrs, sizes, shape, variant, precision)),
+        "bfloat16" => py.detach(move || run::<bf16>(ptrs, sizes, shape, choice)),
+        "float16" => py.detach(move || run::<f16>(ptrs, sizes, shape, choice)),
+        "float32" => py.detach(move || run::<f32>(ptrs, sizes, shape, choice)),
         other => Err(PyValueError::new_err(format!(
             "x dtype {other} is not supported by the CPU kernel; supported: bfloat16, float16, float32"
         ))),
     }
 }
 
+/// The data pointers of one CPU GEMM call: x, the prepared weight's planes and scales, bias (0: none),
+/// y.
 #[derive(Clone, Copy)]
-struct Pointers {
-    x: usize,
-    planes: usize,
-    scales: usize,
-    bias: usize,
-    y: usize,
+pub(crate) struct Pointers {
+    pub(crate) x: usize,
+    pub(crate) planes: usize,
+    pub(crate) scales: usize,
+    pub(crate) bias: usize,
+    pub(crate) y: usize,
+}
+
+/// `y[m, n] = x[m, k] · Wᵀ` with W in groups of `g` along k.
+#[derive(Clone, Copy)]
+pub(crate) struct GemmShape {
+    pub(crate) m: usize,
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+    pub(crate) g: usize,
 }
 
 #[derive(Clone, Copy)]
@@ -249,10 +268,10 @@ struct Sizes {
 fn run<T: Activation>(
     p: Pointers,
     s: Sizes,
-    (m, n, k, group_size): (usize, usize, usize, usize),
-    variant: Variant,
-    precision: cpu::Precision,
+    shape: GemmShape,
+    choice: KernelChoice,
 ) -> PyResult<()> {
+    let GemmShape { m, n, k, g } = shape;
     // SAFETY: the Python wrapper passes contiguous CPU tensors of exactly these sizes, y freshly
     // allocated (not aliasing any input).
     let (x, planes, scales, bias, y) = unsafe {
@@ -271,9 +290,9 @@ fn run<T: Activation>(
     let w = PreparedRef {
         rows: n,
         cols: k,
-        group_size,
+        group_size: g,
         planes,
         scales,
     };
-    cpu::gemm(w, x, m, bias, y, variant, precision, &Rayon).map_err(to_py)
+    cpu::gemm(w, x, m, bias, y, choice, &Rayon).map_err(to_py)
 }

@@ -9,8 +9,7 @@ mod cuda;
 mod errors;
 mod hadamard;
 mod kernels;
-mod torch_abi;
-mod torch_cuda;
+mod torch;
 
 use pyo3::prelude::*;
 

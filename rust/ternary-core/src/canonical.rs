@@ -73,6 +73,16 @@ pub(crate) fn count_code3(bytes: &[u8]) -> (u64, Option<u64>) {
     (count, first)
 }
 
+/// Merge two `(count, first index)` tallies of bad values (parallel reductions): counts add, the
+/// smaller first index wins.
+pub(crate) fn merge_first(a: (u64, Option<u64>), b: (u64, Option<u64>)) -> (u64, Option<u64>) {
+    let first = match (a.1, b.1) {
+        (Some(x), Some(y)) => Some(x.min(y)),
+        (x, y) => x.or(y),
+    };
+    (a.0 + b.0, first)
+}
+
 /// Borrowed canonical tensor (what kernels and encoders take).
 #[derive(Clone, Copy, Debug)]
 pub struct CanonicalRef<'a> {
@@ -395,17 +405,12 @@ impl<'a> CanonicalRef<'a> {
         Ok(unpack_trits(self.qweight))
     }
 
-    /// Change the group size. To a divisor of the current group: lossless (scales repeat). To a
-    /// multiple: lossless only when, in each merged group, every sub-group that holds a nonzero trit
-    /// has the same scale (all-zero sub-groups dequantize to 0 whatever their scale); otherwise
-    /// refused with a [`Error::Validation`] naming the first merged group, unless `requantize`, which
-    /// re-ternarizes the dequantized weights at the new group size with absmax.
-    pub fn regroup(
-        &self,
-        tensor: &str,
-        group_size: usize,
-        requantize: bool,
-    ) -> Result<CanonicalTernary> {
+    /// Change the group size without changing a value. To a divisor of the current group: always
+    /// (scales repeat). To a multiple: only when, in each merged group, every sub-group that holds a
+    /// nonzero trit has the same scale (all-zero sub-groups dequantize to 0 whatever their scale);
+    /// otherwise [`Regrouped::ScalesDiffer`]. `repack::regroup` adds the refusal or the
+    /// requantization on top.
+    pub fn try_regroup(&self, group_size: usize) -> Result<Regrouped> {
         self.check()?;
         check_shape(self.rows, self.cols, group_size)?;
         let g = self.group_size;
@@ -416,13 +421,13 @@ impl<'a> CanonicalRef<'a> {
                 .iter()
                 .flat_map(|s| std::iter::repeat_n(*s, rep))
                 .collect();
-            return Ok(CanonicalTernary {
+            return Ok(Regrouped::Exact(CanonicalTernary {
                 rows: self.rows,
                 cols: self.cols,
                 group_size,
                 qweight: self.qweight.to_vec(),
                 scales,
-            });
+            }));
         }
         let merge = group_size / g;
         let sub_bytes = g / 4;
@@ -454,36 +459,52 @@ impl<'a> CanonicalRef<'a> {
             }
             scales.push(common.unwrap_or(subs[0]));
         }
-        if let Some(first) = first_bad {
-            if requantize {
-                let dense = self.dequantize_f32()?;
-                return crate::formats::dense::ternarize(
-                    tensor,
-                    &dense,
-                    self.rows,
-                    self.cols,
-                    group_size,
-                    crate::formats::dense::Method::Absmax,
-                );
-            }
-            return Err(Error::validation(
-                tensor,
-                format!(
-                    "cannot merge groups of {g} into groups of {group_size} losslessly: the merged \
-                     sub-groups have different scales (first index is the merged group); pass \
-                     requantize=True to re-ternarize at group {group_size}"
-                ),
-                first,
-                bad,
-            ));
+        if let Some(first_group) = first_bad {
+            return Ok(Regrouped::ScalesDiffer {
+                first_group,
+                count: bad,
+            });
         }
-        Ok(CanonicalTernary {
+        Ok(Regrouped::Exact(CanonicalTernary {
             rows: self.rows,
             cols: self.cols,
             group_size,
             qweight: self.qweight.to_vec(),
             scales,
-        })
+        }))
+    }
+}
+
+/// A group-size change that [`CanonicalRef::try_regroup`] made, or could not make without changing
+/// values.
+#[derive(Debug)]
+pub enum Regrouped {
+    Exact(CanonicalTernary),
+    /// Merged sub-groups holding nonzero trits have different scales: `first_group` is the first
+    /// merged group (at the new size), `count` how many are so.
+    ScalesDiffer {
+        first_group: u64,
+        count: u64,
+    },
+}
+
+impl Regrouped {
+    /// The regrouped tensor, or the refusal that names the first merged group whose sub-groups
+    /// differ (from group size `from` to `to`).
+    pub fn exact_or_refuse(self, tensor: &str, from: usize, to: usize) -> Result<CanonicalTernary> {
+        match self {
+            Regrouped::Exact(t) => Ok(t),
+            Regrouped::ScalesDiffer { first_group, count } => Err(Error::validation(
+                tensor,
+                format!(
+                    "cannot merge groups of {from} into groups of {to} losslessly: the merged \
+                     sub-groups have different scales (first index is the merged group); pass \
+                     requantize=True to re-ternarize at group {to}"
+                ),
+                first_group,
+                count,
+            )),
+        }
     }
 }
 
@@ -535,7 +556,7 @@ pub fn pack_trits(tensor: &str, trits: &[i8], cols: usize) -> Result<Vec<u8>> {
                 }
                 bad
             })
-            .reduce(|| (0, None), crate::formats::mlx::merge_first)
+            .reduce(|| (0, None), merge_first)
     });
     if let Some(first) = first {
         return Err(Error::validation(
@@ -556,7 +577,7 @@ mod dequant_simd {
     /// Whether the AVX-512 path can run here (checked once per call, cached by std).
     #[inline]
     pub fn available() -> bool {
-        crate::formats::avx512bw_available()
+        crate::cpu_features::avx512bw_available()
     }
 
     /// Order this thread's streaming stores before anything that follows (no-op without SIMD).
@@ -686,6 +707,15 @@ mod dequant_simd {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn code3_counter_finds_first_and_all() {
+        let mut b = vec![0x55u8; 21];
+        b[9] = 0b0011_0101; // field 2 of byte 9 → element 38
+        b[20] = 0xFF; // 4 more
+        assert_eq!(count_code3(&b), (5, Some(38)));
+        assert_eq!(count_code3(&[0x55u8; 13]), (0, None));
+    }
 
     #[test]
     fn code_layout_is_lsb_first_along_k() {

@@ -17,6 +17,7 @@ use half::f16;
 
 use crate::canonical::{CanonicalRef, CanonicalTernary, GROUP_SIZES};
 use crate::container::{GgufFile, MappedFile, SafetensorsCheckpoint, SafetensorsFile};
+use crate::formats::blocks::{decode_blocks_ref, encode_blocks_ref};
 use crate::formats::pq2_0::BlockPq2_0;
 use crate::formats::ptq1_0::BlockPtq1_0;
 use crate::formats::q1_0::BlockQ1_0;
@@ -25,7 +26,7 @@ use crate::formats::stq1_0::{self, BlockStq1_0};
 use crate::formats::tq1_0::BlockTq1_0;
 use crate::formats::tq2_0::BlockTq2_0;
 use crate::formats::{bitnet, dense, i2_s, mlx, BlockCodec, Format};
-use crate::repack::{decode_blocks_ref, decode_gguf, encode_blocks_ref, encode_gguf};
+use crate::repack::{decode_gguf, encode_gguf, regroup};
 use crate::{Error, Result};
 
 /// A fuzz harness: returns on acceptable behaviour, panics otherwise.
@@ -191,7 +192,7 @@ fn exercise_canonical(t: &CanonicalTernary, sel: u8) {
     let dense = t.as_ref().dequantize_f32().expect("dequantize");
     let g = GROUP_SIZES[((sel >> 2) & 3) as usize];
     if t.cols.is_multiple_of(g) {
-        if let Ok(r) = t.as_ref().regroup("fuzz", g, false) {
+        if let Ok(r) = regroup(t.as_ref(), "fuzz", g, false) {
             r.as_ref()
                 .validate("fuzz")
                 .expect("regrouped tensor validates");
@@ -203,7 +204,7 @@ fn exercise_canonical(t: &CanonicalTernary, sel: u8) {
             );
         }
         if sel & 0x40 != 0 {
-            if let Ok(r) = t.as_ref().regroup("fuzz", g, true) {
+            if let Ok(r) = regroup(t.as_ref(), "fuzz", g, true) {
                 r.as_ref()
                     .validate("fuzz")
                     .expect("requantized tensor validates");

@@ -12,6 +12,7 @@
 
 pub mod canonical;
 pub mod container;
+mod cpu_features;
 pub mod error;
 pub mod formats;
 #[cfg(any(test, feature = "fuzzing"))]

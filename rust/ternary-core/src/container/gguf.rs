@@ -225,6 +225,9 @@ pub struct GgufFile {
     tensor_index: HashMap<String, usize>,
 }
 
+/// Metadata pairs in file order.
+type Metadata = Vec<(String, GgufValue)>;
+
 /// Bounds-checked reader over the header bytes.
 struct Cursor<'a> {
     buf: &'a [u8],
@@ -422,6 +425,343 @@ impl<'a> Cursor<'a> {
             items,
         })
     }
+
+    /// The magic and the version (2 or 3); sets the byte order the version reveals.
+    fn magic_and_version(&mut self) -> Result<u32> {
+        let magic = self.take(4, "magic")?;
+        if magic != GGUF_MAGIC {
+            return Err(Error::format(
+                self.path,
+                0,
+                format!(
+                    "bad magic {}: not a GGUF file (expected \"GGUF\" = 0x47 0x47 0x55 0x46)",
+                    hex_bytes(magic)
+                ),
+            ));
+        }
+        let raw_version = self.u32("version")?;
+        // gguf-py: the version is small, so a byte-swapped file has its low 16 bits all zero.
+        let (version, byte_order) = if raw_version & 0xFFFF == 0 {
+            (raw_version.swap_bytes(), ByteOrder::Big)
+        } else {
+            (raw_version, ByteOrder::Little)
+        };
+        self.order = byte_order;
+        match version {
+            2 | 3 => {}
+            1 => {
+                return Err(Error::format(
+                    self.path,
+                    4,
+                    "GGUF version 1 (32-bit counts) is not supported; only versions 2 and 3",
+                ))
+            }
+            v => {
+                return Err(Error::format(
+                    self.path,
+                    4,
+                    format!("unsupported GGUF version {v} (raw {raw_version:#010x}); only 2 and 3"),
+                ))
+            }
+        }
+        Ok(version)
+    }
+
+    /// A count of at most `max` (named `max_name` in the message).
+    fn count(&mut self, what: &str, max: u64, max_name: &str) -> Result<u64> {
+        let at = self.pos;
+        let n = self.u64(what)?;
+        if n > max {
+            return Err(Error::format(
+                self.path,
+                at as u64,
+                format!("{what} {n} exceeds {max_name} = {max}"),
+            ));
+        }
+        Ok(n)
+    }
+
+    /// `n_kv` metadata pairs and the index of their keys (a duplicate key is refused).
+    fn metadata(&mut self, n_kv: u64) -> Result<(Metadata, HashMap<String, usize>)> {
+        // Capacity is bounded by what the remaining bytes could hold (a KV takes ≥ 12 bytes).
+        let mut metadata = Vec::with_capacity((n_kv as usize).min(self.remaining() / 12));
+        let mut metadata_index = HashMap::with_capacity(metadata.capacity());
+        for i in 0..n_kv {
+            let at = self.pos;
+            let key_span = self.string(
+                MAX_STRING_LEN,
+                "MAX_STRING_LEN",
+                &format!("metadata key #{i}"),
+            )?;
+            let key = self.utf8(key_span, &format!("metadata key #{i}"))?;
+            let what = format!("metadata '{key}'");
+            let ty = self.value_type(&what)?;
+            let value = self.value(ty, 0, &what)?;
+            if metadata_index.insert(key.clone(), metadata.len()).is_some() {
+                return Err(Error::format(
+                    self.path,
+                    at as u64,
+                    format!("duplicate metadata key '{key}'"),
+                ));
+            }
+            metadata.push((key, value));
+        }
+
+        Ok((metadata, metadata_index))
+    }
+
+    /// `n_tensors` tensor infos and the index of their names (a duplicate name is refused).
+    fn tensor_infos(
+        &mut self,
+        n_tensors: u64,
+        alignment: u64,
+    ) -> Result<(Vec<GgufTensorInfo>, HashMap<String, usize>)> {
+        // A tensor info takes at least 8 (name len) + 4 + 4 + 8 bytes.
+        let mut tensors: Vec<GgufTensorInfo> =
+            Vec::with_capacity((n_tensors as usize).min(self.remaining() / 24));
+        let mut tensor_index = HashMap::with_capacity(tensors.capacity());
+        for i in 0..n_tensors {
+            let info_at = self.pos;
+            let info = self.tensor_info(i, alignment)?;
+            if tensor_index
+                .insert(info.name.clone(), tensors.len())
+                .is_some()
+            {
+                return Err(Error::format(
+                    self.path,
+                    info_at as u64,
+                    format!("duplicate tensor name '{}'", info.name),
+                ));
+            }
+            tensors.push(info);
+        }
+        Ok((tensors, tensor_index))
+    }
+
+    /// Tensor info `#i`: name, dimensions, type, data offset (sized and placed later).
+    fn tensor_info(&mut self, i: u64, alignment: u64) -> Result<GgufTensorInfo> {
+        let name_span = self.string(
+            MAX_TENSOR_NAME_LEN,
+            "MAX_TENSOR_NAME_LEN",
+            &format!("tensor #{i} name"),
+        )?;
+        let name = self.utf8(name_span, &format!("tensor #{i} name"))?;
+        let what = format!("tensor '{name}'");
+        let at = self.pos;
+        let n_dims = u64::from(self.u32(&what)?);
+        if n_dims > MAX_DIMS {
+            return Err(Error::format(
+                self.path,
+                at as u64,
+                format!("{what}: {n_dims} dimensions exceed MAX_DIMS = {MAX_DIMS}"),
+            ));
+        }
+        let mut ne = Vec::with_capacity(n_dims as usize);
+        let mut n_elements: u64 = 1;
+        for _ in 0..n_dims {
+            let at = self.pos;
+            let d = self.u64(&what)?;
+            n_elements = n_elements
+                .checked_mul(d)
+                .filter(|&n| n <= MAX_ELEMENTS)
+                .ok_or_else(|| {
+                    Error::format(
+                        self.path,
+                        at as u64,
+                        format!("{what}: element count overflows MAX_ELEMENTS = {MAX_ELEMENTS} (dimension {d})"),
+                    )
+                })?;
+            ne.push(d);
+        }
+        let at = self.pos;
+        let type_id = self.u32(&what)?;
+        let ggml_type = GgmlType::from_id(type_id).ok_or_else(|| Error::UnsupportedType {
+            file: self.path.display().to_string(),
+            tensor: name.clone(),
+            what: format!("ggml type id {type_id} (at byte offset {at})"),
+            supported: supported_types(),
+        })?;
+        let ne0 = ne.first().copied().unwrap_or(1);
+        // Id 42 may be the 128-block variant; checked against the span below.
+        let block = if type_id == 42 {
+            64
+        } else {
+            ggml_type.block_size()
+        };
+        if ne0 % block != 0 {
+            return Err(Error::format(
+                self.path,
+                at as u64,
+                format!(
+                    "{what}: ne[0] = {ne0} is not a multiple of the {} block size {block}",
+                    ggml_type.name()
+                ),
+            ));
+        }
+        let at = self.pos;
+        let offset = self.u64(&what)?;
+        if offset % alignment != 0 {
+            return Err(Error::format(
+                self.path,
+                at as u64,
+                format!(
+                    "{what}: data offset {offset} is not a multiple of the alignment {alignment}"
+                ),
+            ));
+        }
+        Ok(GgufTensorInfo {
+            name,
+            ne,
+            type_id,
+            ggml_type,
+            offset,
+            abs_offset: 0,
+            nbytes: 0,
+            n_elements,
+        })
+    }
+}
+
+/// Tensor indices in offset order, and the bytes from each tensor's offset to the next larger tensor
+/// offset (or the data end), in one backward pass: linear even when many (empty) tensors share an
+/// offset.
+fn byte_spans(tensors: &[GgufTensorInfo], data_len: u64) -> (Vec<usize>, Vec<u64>) {
+    let mut order: Vec<usize> = (0..tensors.len()).collect();
+    order.sort_by_key(|&i| tensors[i].offset);
+    let mut span = vec![0u64; tensors.len()];
+    let mut next_start = data_len;
+    for k in (0..order.len()).rev() {
+        let off = tensors[order[k]].offset;
+        if let Some(&j) = order.get(k + 1) {
+            if tensors[j].offset > off {
+                next_start = tensors[j].offset;
+            }
+        }
+        span[order[k]] = next_start.max(off) - off;
+    }
+
+    (order, span)
+}
+
+/// Id 42 is Q2_0 (g64) or Q2_0_G128: the variant whose size fills the tensor's byte span.
+fn resolve_type_42(
+    path: &Path,
+    tensors: &mut [GgufTensorInfo],
+    span: &[u64],
+    data_offset: u64,
+    alignment: u64,
+) -> Result<()> {
+    // Id 42: a variant fits when its size fills the span up to less than one alignment of padding.
+    let fits = |t: &GgufTensorInfo, ty: GgmlType, span: u64| {
+        ty.tensor_bytes(t.n_elements)
+            .is_some_and(|b| b <= span && span - b < alignment)
+    };
+    let mut votes = [0usize; 2];
+    for (i, t) in tensors.iter().enumerate() {
+        if t.type_id == 42 {
+            match (
+                fits(t, GgmlType::Q2_0, span[i]),
+                fits(t, GgmlType::Q2_0_G128, span[i]),
+            ) {
+                (true, false) => votes[0] += 1,
+                (false, true) => votes[1] += 1,
+                _ => {}
+            }
+        }
+    }
+    // Small tensors can fit both; they follow the file's unambiguous tensors (upstream if none).
+    let file_default = if votes[1] > votes[0] {
+        GgmlType::Q2_0_G128
+    } else {
+        GgmlType::Q2_0
+    };
+    for (i, t) in tensors.iter_mut().enumerate() {
+        if t.type_id != 42 {
+            continue;
+        }
+        t.ggml_type = match (
+            fits(t, GgmlType::Q2_0, span[i]),
+            fits(t, GgmlType::Q2_0_G128, span[i]),
+        ) {
+            (true, false) => GgmlType::Q2_0,
+            (false, true) => GgmlType::Q2_0_G128,
+            (true, true) => file_default,
+            (false, false) => {
+                let size = |ty: GgmlType| {
+                    ty.tensor_bytes(t.n_elements)
+                        .map_or_else(|| "n/a".to_string(), |b| b.to_string())
+                };
+                return Err(Error::format(
+                    path,
+                    data_offset.saturating_add(t.offset),
+                    format!(
+                        "tensor '{}': type id 42 byte span {} matches neither Q2_0 (g64: {} bytes) nor Q2_0_G128 (g128: {} bytes) within alignment {alignment}",
+                        t.name,
+                        span[i],
+                        size(GgmlType::Q2_0),
+                        size(GgmlType::Q2_0_G128)
+                    ),
+                ));
+            }
+        };
+    }
+
+    Ok(())
+}
+
+/// Each tensor's byte size, refused when it runs past the data section.
+fn size_within_data(
+    path: &Path,
+    tensors: &mut [GgufTensorInfo],
+    data_offset: u64,
+    data_len: u64,
+) -> Result<()> {
+    for t in tensors.iter_mut() {
+        t.nbytes = t.ggml_type.tensor_bytes(t.n_elements).ok_or_else(|| {
+            Error::format(
+                path,
+                data_offset.saturating_add(t.offset),
+                format!(
+                    "tensor '{}': {} elements are not a whole number of {} blocks",
+                    t.name, t.n_elements, t.ggml_type
+                ),
+            )
+        })?;
+        let end = t.offset.checked_add(t.nbytes);
+        if end.is_none_or(|e| e > data_len) {
+            return Err(Error::format(
+                path,
+                data_offset.saturating_add(t.offset),
+                format!(
+                    "tensor '{}': {} bytes at data offset {} run past the end of the file (data section holds {data_len} bytes)",
+                    t.name, t.nbytes, t.offset
+                ),
+            ));
+        }
+        t.abs_offset = data_offset + t.offset; // ≤ file length, checked above
+    }
+
+    Ok(())
+}
+
+/// Refuse tensors whose bytes overlap.
+fn check_overlaps(path: &Path, tensors: &[GgufTensorInfo], order: &mut [usize]) -> Result<()> {
+    // Overlaps: in offset order (empty tensors first at a shared offset), each must end before the next starts.
+    order.sort_by_key(|&i| (tensors[i].offset, tensors[i].nbytes));
+    for w in order.windows(2) {
+        let (a, b) = (&tensors[w[0]], &tensors[w[1]]);
+        if a.offset + a.nbytes > b.offset {
+            return Err(Error::format(
+                path,
+                b.abs_offset,
+                format!(
+                    "tensor '{}' (data offset {}, {} bytes) overlaps tensor '{}' (data offset {})",
+                    a.name, a.offset, a.nbytes, b.name, b.offset
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Bytes as messages show them: `0x47 0x47 0x55 0x46`.
@@ -431,6 +771,45 @@ fn hex_bytes(bytes: &[u8]) -> String {
         .map(|b| format!("{b:#04x}"))
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// `general.alignment` (a power of two up to MAX_ALIGNMENT), or the default.
+fn alignment(
+    path: &Path,
+    metadata: &Metadata,
+    metadata_index: &HashMap<String, usize>,
+) -> Result<u64> {
+    let alignment = match metadata_index
+        .get("general.alignment")
+        .map(|&i| &metadata[i].1)
+    {
+        None => DEFAULT_ALIGNMENT,
+        Some(GgufValue::U32(a)) => {
+            let a = u64::from(*a);
+            if a == 0 || !a.is_power_of_two() || a > MAX_ALIGNMENT {
+                return Err(Error::format(
+                        path,
+                        0,
+                        format!(
+                            "general.alignment = {a} must be a power of two between 1 and MAX_ALIGNMENT = {MAX_ALIGNMENT}"
+                        ),
+                    ));
+            }
+            a
+        }
+        Some(other) => {
+            return Err(Error::format(
+                path,
+                0,
+                format!(
+                    "general.alignment must be a u32, found a {}",
+                    other.value_type().name()
+                ),
+            ))
+        }
+    };
+
+    Ok(alignment)
 }
 
 fn align_up(v: u64, alignment: u64) -> Option<u64> {
@@ -454,206 +833,13 @@ impl GgufFile {
             order: ByteOrder::Little,
             path: &path,
         };
-        let magic = c.take(4, "magic")?;
-        if magic != GGUF_MAGIC {
-            return Err(Error::format(
-                &path,
-                0,
-                format!(
-                    "bad magic {}: not a GGUF file (expected \"GGUF\" = 0x47 0x47 0x55 0x46)",
-                    hex_bytes(magic)
-                ),
-            ));
-        }
-        let raw_version = c.u32("version")?;
-        // gguf-py: the version is small, so a byte-swapped file has its low 16 bits all zero.
-        let (version, byte_order) = if raw_version & 0xFFFF == 0 {
-            (raw_version.swap_bytes(), ByteOrder::Big)
-        } else {
-            (raw_version, ByteOrder::Little)
-        };
-        c.order = byte_order;
-        match version {
-            2 | 3 => {}
-            1 => {
-                return Err(Error::format(
-                    &path,
-                    4,
-                    "GGUF version 1 (32-bit counts) is not supported; only versions 2 and 3",
-                ))
-            }
-            v => {
-                return Err(Error::format(
-                    &path,
-                    4,
-                    format!("unsupported GGUF version {v} (raw {raw_version:#010x}); only 2 and 3"),
-                ))
-            }
-        }
-        let at = c.pos;
-        let n_tensors = c.u64("tensor count")?;
-        if n_tensors > MAX_TENSORS {
-            return Err(Error::format(
-                &path,
-                at as u64,
-                format!("tensor count {n_tensors} exceeds MAX_TENSORS = {MAX_TENSORS}"),
-            ));
-        }
-        let at = c.pos;
-        let n_kv = c.u64("metadata count")?;
-        if n_kv > MAX_KV {
-            return Err(Error::format(
-                &path,
-                at as u64,
-                format!("metadata count {n_kv} exceeds MAX_KV = {MAX_KV}"),
-            ));
-        }
-
-        // Metadata. Capacity is bounded by what the remaining bytes could hold (a KV takes ≥ 12 bytes).
-        let mut metadata = Vec::with_capacity((n_kv as usize).min(c.remaining() / 12));
-        let mut metadata_index = HashMap::with_capacity(metadata.capacity());
-        for i in 0..n_kv {
-            let at = c.pos;
-            let key_span = c.string(
-                MAX_STRING_LEN,
-                "MAX_STRING_LEN",
-                &format!("metadata key #{i}"),
-            )?;
-            let key = c.utf8(key_span, &format!("metadata key #{i}"))?;
-            let what = format!("metadata '{key}'");
-            let ty = c.value_type(&what)?;
-            let value = c.value(ty, 0, &what)?;
-            if metadata_index.insert(key.clone(), metadata.len()).is_some() {
-                return Err(Error::format(
-                    &path,
-                    at as u64,
-                    format!("duplicate metadata key '{key}'"),
-                ));
-            }
-            metadata.push((key, value));
-        }
-
-        let alignment = match metadata_index
-            .get("general.alignment")
-            .map(|&i| &metadata[i].1)
-        {
-            None => DEFAULT_ALIGNMENT,
-            Some(GgufValue::U32(a)) => {
-                let a = u64::from(*a);
-                if a == 0 || !a.is_power_of_two() || a > MAX_ALIGNMENT {
-                    return Err(Error::format(
-                        &path,
-                        0,
-                        format!(
-                            "general.alignment = {a} must be a power of two between 1 and MAX_ALIGNMENT = {MAX_ALIGNMENT}"
-                        ),
-                    ));
-                }
-                a
-            }
-            Some(other) => {
-                return Err(Error::format(
-                    &path,
-                    0,
-                    format!(
-                        "general.alignment must be a u32, found a {}",
-                        other.value_type().name()
-                    ),
-                ))
-            }
-        };
-
-        // Tensor infos. A tensor info takes at least 8 (name len) + 4 + 4 + 8 bytes.
-        let mut tensors: Vec<GgufTensorInfo> =
-            Vec::with_capacity((n_tensors as usize).min(c.remaining() / 24));
-        let mut tensor_index = HashMap::with_capacity(tensors.capacity());
-        for i in 0..n_tensors {
-            let info_at = c.pos;
-            let name_span = c.string(
-                MAX_TENSOR_NAME_LEN,
-                "MAX_TENSOR_NAME_LEN",
-                &format!("tensor #{i} name"),
-            )?;
-            let name = c.utf8(name_span, &format!("tensor #{i} name"))?;
-            let what = format!("tensor '{name}'");
-            let at = c.pos;
-            let n_dims = u64::from(c.u32(&what)?);
-            if n_dims > MAX_DIMS {
-                return Err(Error::format(
-                    &path,
-                    at as u64,
-                    format!("{what}: {n_dims} dimensions exceed MAX_DIMS = {MAX_DIMS}"),
-                ));
-            }
-            let mut ne = Vec::with_capacity(n_dims as usize);
-            let mut n_elements: u64 = 1;
-            for _ in 0..n_dims {
-                let at = c.pos;
-                let d = c.u64(&what)?;
-                n_elements = n_elements
-                    .checked_mul(d)
-                    .filter(|&n| n <= MAX_ELEMENTS)
-                    .ok_or_else(|| {
-                        Error::format(
-                            &path,
-                            at as u64,
-                            format!("{what}: element count overflows MAX_ELEMENTS = {MAX_ELEMENTS} (dimension {d})"),
-                        )
-                    })?;
-                ne.push(d);
-            }
-            let at = c.pos;
-            let type_id = c.u32(&what)?;
-            let ggml_type = GgmlType::from_id(type_id).ok_or_else(|| Error::UnsupportedType {
-                file: path.display().to_string(),
-                tensor: name.clone(),
-                what: format!("ggml type id {type_id} (at byte offset {at})"),
-                supported: supported_types(),
-            })?;
-            let ne0 = ne.first().copied().unwrap_or(1);
-            // Id 42 may be the 128-block variant; checked against the span below.
-            let block = if type_id == 42 {
-                64
-            } else {
-                ggml_type.block_size()
-            };
-            if ne0 % block != 0 {
-                return Err(Error::format(
-                    &path,
-                    at as u64,
-                    format!(
-                        "{what}: ne[0] = {ne0} is not a multiple of the {} block size {block}",
-                        ggml_type.name()
-                    ),
-                ));
-            }
-            let at = c.pos;
-            let offset = c.u64(&what)?;
-            if offset % alignment != 0 {
-                return Err(Error::format(
-                    &path,
-                    at as u64,
-                    format!("{what}: data offset {offset} is not a multiple of the alignment {alignment}"),
-                ));
-            }
-            if tensor_index.insert(name.clone(), tensors.len()).is_some() {
-                return Err(Error::format(
-                    &path,
-                    info_at as u64,
-                    format!("duplicate tensor name '{name}'"),
-                ));
-            }
-            tensors.push(GgufTensorInfo {
-                name,
-                ne,
-                type_id,
-                ggml_type,
-                offset,
-                abs_offset: 0,
-                nbytes: 0,
-                n_elements,
-            });
-        }
+        let version = c.magic_and_version()?;
+        let byte_order = c.order;
+        let n_tensors = c.count("tensor count", MAX_TENSORS, "MAX_TENSORS")?;
+        let n_kv = c.count("metadata count", MAX_KV, "MAX_KV")?;
+        let (metadata, metadata_index) = c.metadata(n_kv)?;
+        let alignment = alignment(&path, &metadata, &metadata_index)?;
+        let (mut tensors, tensor_index) = c.tensor_infos(n_tensors, alignment)?;
 
         let header_end = c.pos as u64;
         let data_offset = align_up(header_end, alignment)
@@ -682,118 +868,10 @@ impl GgufFile {
         data_len: u64,
         alignment: u64,
     ) -> Result<()> {
-        let mut order: Vec<usize> = (0..tensors.len()).collect();
-        order.sort_by_key(|&i| tensors[i].offset);
-        // Bytes from each tensor's offset to the next larger tensor offset (or the data end), in one
-        // backward pass: linear even when many (empty) tensors share an offset.
-        let mut span = vec![0u64; tensors.len()];
-        let mut next_start = data_len;
-        for k in (0..order.len()).rev() {
-            let off = tensors[order[k]].offset;
-            if let Some(&j) = order.get(k + 1) {
-                if tensors[j].offset > off {
-                    next_start = tensors[j].offset;
-                }
-            }
-            span[order[k]] = next_start.max(off) - off;
-        }
-
-        // Id 42: a variant fits when its size fills the span up to less than one alignment of padding.
-        let fits = |t: &GgufTensorInfo, ty: GgmlType, span: u64| {
-            ty.tensor_bytes(t.n_elements)
-                .is_some_and(|b| b <= span && span - b < alignment)
-        };
-        let mut votes = [0usize; 2];
-        for (i, t) in tensors.iter().enumerate() {
-            if t.type_id == 42 {
-                match (
-                    fits(t, GgmlType::Q2_0, span[i]),
-                    fits(t, GgmlType::Q2_0_G128, span[i]),
-                ) {
-                    (true, false) => votes[0] += 1,
-                    (false, true) => votes[1] += 1,
-                    _ => {}
-                }
-            }
-        }
-        // Small tensors can fit both; they follow the file's unambiguous tensors (upstream if none).
-        let file_default = if votes[1] > votes[0] {
-            GgmlType::Q2_0_G128
-        } else {
-            GgmlType::Q2_0
-        };
-        for (i, t) in tensors.iter_mut().enumerate() {
-            if t.type_id != 42 {
-                continue;
-            }
-            t.ggml_type = match (
-                fits(t, GgmlType::Q2_0, span[i]),
-                fits(t, GgmlType::Q2_0_G128, span[i]),
-            ) {
-                (true, false) => GgmlType::Q2_0,
-                (false, true) => GgmlType::Q2_0_G128,
-                (true, true) => file_default,
-                (false, false) => {
-                    let size = |ty: GgmlType| {
-                        ty.tensor_bytes(t.n_elements)
-                            .map_or_else(|| "n/a".to_string(), |b| b.to_string())
-                    };
-                    return Err(Error::format(
-                        path,
-                        data_offset.saturating_add(t.offset),
-                        format!(
-                            "tensor '{}': type id 42 byte span {} matches neither Q2_0 (g64: {} bytes) nor Q2_0_G128 (g128: {} bytes) within alignment {alignment}",
-                            t.name,
-                            span[i],
-                            size(GgmlType::Q2_0),
-                            size(GgmlType::Q2_0_G128)
-                        ),
-                    ));
-                }
-            };
-        }
-
-        for t in tensors.iter_mut() {
-            t.nbytes = t.ggml_type.tensor_bytes(t.n_elements).ok_or_else(|| {
-                Error::format(
-                    path,
-                    data_offset.saturating_add(t.offset),
-                    format!(
-                        "tensor '{}': {} elements are not a whole number of {} blocks",
-                        t.name, t.n_elements, t.ggml_type
-                    ),
-                )
-            })?;
-            let end = t.offset.checked_add(t.nbytes);
-            if end.is_none_or(|e| e > data_len) {
-                return Err(Error::format(
-                    path,
-                    data_offset.saturating_add(t.offset),
-                    format!(
-                        "tensor '{}': {} bytes at data offset {} run past the end of the file (data section holds {data_len} bytes)",
-                        t.name, t.nbytes, t.offset
-                    ),
-                ));
-            }
-            t.abs_offset = data_offset + t.offset; // ≤ file length, checked above
-        }
-
-        // Overlaps: in offset order (empty tensors first at a shared offset), each must end before the next starts.
-        order.sort_by_key(|&i| (tensors[i].offset, tensors[i].nbytes));
-        for w in order.windows(2) {
-            let (a, b) = (&tensors[w[0]], &tensors[w[1]]);
-            if a.offset + a.nbytes > b.offset {
-                return Err(Error::format(
-                    path,
-                    b.abs_offset,
-                    format!(
-                        "tensor '{}' (data offset {}, {} bytes) overlaps tensor '{}' (data offset {})",
-                        a.name, a.offset, a.nbytes, b.name, b.offset
-                    ),
-                ));
-            }
-        }
-        Ok(())
+        let (mut order, span) = byte_spans(tensors, data_len);
+        resolve_type_42(path, tensors, &span, data_offset, alignment)?;
+        size_within_data(path, tensors, data_offset, data_len)?;
+        check_overlaps(path, tensors, &mut order)
     }
 
     pub fn path(&self) -> &Path {

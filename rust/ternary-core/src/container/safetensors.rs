@@ -223,6 +223,178 @@ impl<'de> serde::Deserialize<'de> for RawHeader {
     }
 }
 
+/// The header length and the JSON text it covers, refused when the file cannot hold them, the text
+/// is not UTF-8 or not a JSON object.
+fn header_text<'b>(path: &Path, buf: &'b [u8]) -> Result<(u64, &'b str)> {
+    let err = |offset: u64, what: String| Error::format(path, offset, what);
+    if (buf.len() as u64) < HEADER_LEN_BYTES {
+        return Err(err(
+            0,
+            format!(
+                "file of {} bytes is too small for the 8-byte header length",
+                buf.len()
+            ),
+        ));
+    }
+    let n = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes"));
+    if n > MAX_HEADER_SIZE {
+        return Err(err(
+            0,
+            format!("header size {n} exceeds MAX_HEADER_SIZE = {MAX_HEADER_SIZE}"),
+        ));
+    }
+    let data_start = HEADER_LEN_BYTES + n; // n ≤ MAX_HEADER_SIZE: no overflow
+    if data_start > buf.len() as u64 {
+        return Err(err(
+            0,
+            format!(
+                "header size {n} runs past the end of the file ({} bytes)",
+                buf.len()
+            ),
+        ));
+    }
+    let text = std::str::from_utf8(&buf[8..data_start as usize]).map_err(|e| {
+        err(
+            8 + e.valid_up_to() as u64,
+            format!("header is not valid UTF-8: {e}"),
+        )
+    })?;
+    if !text.starts_with('{') {
+        return Err(err(
+            8,
+            "header does not start with '{' (not a JSON object)".into(),
+        ));
+    }
+    Ok((n, text))
+}
+
+fn parse_header(path: &Path, text: &str) -> Result<RawHeader> {
+    let err = |offset: u64, what: String| Error::format(path, offset, what);
+    // Typed parse (no intermediate JSON tree): this is most of the cost of opening a shard.
+    serde_json::from_str(text).map_err(|e| {
+        // Headers are one line in practice, so line 1's column is the byte offset in the JSON.
+        let at = if e.line() == 1 {
+            HEADER_LEN_BYTES + (e.column() as u64).saturating_sub(1)
+        } else {
+            HEADER_LEN_BYTES
+        };
+        err(
+            at,
+            format!("header is not a valid safetensors JSON header: {e}"),
+        )
+    })
+}
+
+/// One header entry, checked: a known dtype, at most MAX_SAFETENSORS_DIMS dims, and data offsets
+/// that span exactly its bytes.
+fn tensor_info(path: &Path, name: String, entry: RawTensor) -> Result<SafetensorsTensorInfo> {
+    let err = |offset: u64, what: String| Error::format(path, offset, what);
+    let bad = |what: &str| err(8, format!("tensor '{name}': {what}"));
+    let dtype = Dtype::from_name(&entry.dtype).ok_or_else(|| Error::UnsupportedType {
+        file: path.display().to_string(),
+        tensor: name.clone(),
+        what: format!("safetensors dtype '{}'", entry.dtype),
+        supported: ALL_DTYPES
+            .iter()
+            .map(|d| d.name())
+            .collect::<Vec<_>>()
+            .join(", "),
+    })?;
+    let shape = entry.shape;
+    if shape.len() > MAX_SAFETENSORS_DIMS {
+        return Err(bad(&format!(
+            "{} dims exceed MAX_SAFETENSORS_DIMS = {MAX_SAFETENSORS_DIMS}",
+            shape.len()
+        )));
+    }
+    let offs = entry.data_offsets;
+    let numel = shape
+        .iter()
+        .try_fold(1u64, |a, &d| {
+            a.checked_mul(d).filter(|&n| n <= MAX_ELEMENTS)
+        })
+        .ok_or_else(|| bad("element count overflows"))?;
+    let nbytes = dtype.bytes_for(numel).ok_or_else(|| {
+        bad(&format!(
+            "{numel} {} elements do not fill whole bytes",
+            dtype.name()
+        ))
+    })?;
+    if offs.1 < offs.0 || offs.1 - offs.0 != nbytes {
+        return Err(bad(&format!(
+            "data_offsets [{}, {}] do not span the {nbytes} bytes of {}{shape:?}",
+            offs.0,
+            offs.1,
+            dtype.name()
+        )));
+    }
+    Ok(SafetensorsTensorInfo {
+        name,
+        dtype,
+        shape,
+        data_start: offs.0,
+        abs_offset: 0,
+        nbytes,
+    })
+}
+
+fn check_unique_names(path: &Path, tensors: &[SafetensorsTensorInfo]) -> Result<()> {
+    let err = |offset: u64, what: String| Error::format(path, offset, what);
+    let mut seen = std::collections::HashSet::with_capacity(tensors.len());
+    if let Some(dup) = tensors.iter().find(|t| !seen.insert(t.name.as_str())) {
+        return Err(err(
+            8,
+            format!("duplicate tensor name '{}' in the header", dup.name),
+        ));
+    }
+
+    Ok(())
+}
+
+/// Sort the tensors by their data and check that they cover the data section contiguously from 0,
+/// without gaps or overlaps, ending exactly at the end of the file.
+fn place_contiguously(
+    path: &Path,
+    tensors: &mut [SafetensorsTensorInfo],
+    data_start: u64,
+    data_len: u64,
+) -> Result<()> {
+    let err = |offset: u64, what: String| Error::format(path, offset, what);
+    // By (start, end) like the safetensors crate, so an empty tensor sorts before one sharing its start.
+    tensors
+        .sort_by(|a, b| (a.data_start, a.nbytes, &a.name).cmp(&(b.data_start, b.nbytes, &b.name)));
+    let mut expected = 0u64;
+    for t in tensors.iter_mut() {
+        if t.data_start != expected {
+            return Err(err(
+                data_start.saturating_add(t.data_start),
+                format!(
+                    "tensor '{}': data starts at {} but the previous tensor ends at {expected} (offsets must be contiguous and non-overlapping)",
+                    t.name, t.data_start
+                ),
+            ));
+        }
+        expected = t.data_start + t.nbytes; // ≤ data_len checked next
+        if expected > data_len {
+            return Err(err(
+                data_start.saturating_add(t.data_start),
+                format!(
+                    "tensor '{}': {} bytes at data offset {} run past the end of the file (data section holds {data_len} bytes)",
+                    t.name, t.nbytes, t.data_start
+                ),
+            ));
+        }
+        t.abs_offset = data_start + t.data_start;
+    }
+    if expected != data_len {
+        return Err(err(
+            data_start + expected,
+            format!("tensors cover {expected} bytes but the data section holds {data_len} bytes"),
+        ));
+    }
+    Ok(())
+}
+
 impl SafetensorsFile {
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         Self::from_mapped(MappedFile::open(path)?)
@@ -230,158 +402,23 @@ impl SafetensorsFile {
 
     pub fn from_mapped(map: MappedFile) -> Result<Self> {
         let path = map.path().to_path_buf();
-        let err = |offset: u64, what: String| Error::format(&path, offset, what);
         let buf = map.bytes();
-        if (buf.len() as u64) < HEADER_LEN_BYTES {
-            return Err(err(
-                0,
-                format!(
-                    "file of {} bytes is too small for the 8-byte header length",
-                    buf.len()
-                ),
-            ));
-        }
-        let n = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes"));
-        if n > MAX_HEADER_SIZE {
-            return Err(err(
-                0,
-                format!("header size {n} exceeds MAX_HEADER_SIZE = {MAX_HEADER_SIZE}"),
-            ));
-        }
-        let data_start = HEADER_LEN_BYTES + n; // n ≤ MAX_HEADER_SIZE: no overflow
-        if data_start > buf.len() as u64 {
-            return Err(err(
-                0,
-                format!(
-                    "header size {n} runs past the end of the file ({} bytes)",
-                    buf.len()
-                ),
-            ));
-        }
-        let text = std::str::from_utf8(&buf[8..data_start as usize]).map_err(|e| {
-            err(
-                8 + e.valid_up_to() as u64,
-                format!("header is not valid UTF-8: {e}"),
-            )
-        })?;
-        if !text.starts_with('{') {
-            return Err(err(
-                8,
-                "header does not start with '{' (not a JSON object)".into(),
-            ));
-        }
-        // Typed parse (no intermediate JSON tree): this is most of the cost of opening a shard.
-        let header: RawHeader = serde_json::from_str(text).map_err(|e| {
-            // Headers are one line in practice, so line 1's column is the byte offset in the JSON.
-            let at = if e.line() == 1 {
-                HEADER_LEN_BYTES + (e.column() as u64).saturating_sub(1)
-            } else {
-                HEADER_LEN_BYTES
-            };
-            err(
-                at,
-                format!("header is not a valid safetensors JSON header: {e}"),
-            )
-        })?;
-
+        let (n, text) = header_text(&path, buf)?;
+        let header = parse_header(&path, text)?;
+        let data_start = HEADER_LEN_BYTES + n; // checked against the file length by header_text
         let metadata = header.metadata;
-        let mut tensors = Vec::with_capacity(header.tensors.len());
-        for (name, entry) in header.tensors {
-            let bad = |what: &str| err(8, format!("tensor '{name}': {what}"));
-            let dtype = Dtype::from_name(&entry.dtype).ok_or_else(|| Error::UnsupportedType {
-                file: path.display().to_string(),
-                tensor: name.clone(),
-                what: format!("safetensors dtype '{}'", entry.dtype),
-                supported: ALL_DTYPES
-                    .iter()
-                    .map(|d| d.name())
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            })?;
-            let shape = entry.shape;
-            if shape.len() > MAX_SAFETENSORS_DIMS {
-                return Err(bad(&format!(
-                    "{} dims exceed MAX_SAFETENSORS_DIMS = {MAX_SAFETENSORS_DIMS}",
-                    shape.len()
-                )));
-            }
-            let offs = entry.data_offsets;
-            let numel = shape
-                .iter()
-                .try_fold(1u64, |a, &d| {
-                    a.checked_mul(d).filter(|&n| n <= MAX_ELEMENTS)
-                })
-                .ok_or_else(|| bad("element count overflows"))?;
-            let nbytes = dtype.bytes_for(numel).ok_or_else(|| {
-                bad(&format!(
-                    "{numel} {} elements do not fill whole bytes",
-                    dtype.name()
-                ))
-            })?;
-            if offs.1 < offs.0 || offs.1 - offs.0 != nbytes {
-                return Err(bad(&format!(
-                    "data_offsets [{}, {}] do not span the {nbytes} bytes of {}{shape:?}",
-                    offs.0,
-                    offs.1,
-                    dtype.name()
-                )));
-            }
-            tensors.push(SafetensorsTensorInfo {
-                name,
-                dtype,
-                shape,
-                data_start: offs.0,
-                abs_offset: 0,
-                nbytes,
-            });
-        }
-
-        let mut seen = std::collections::HashSet::with_capacity(tensors.len());
-        if let Some(dup) = tensors.iter().find(|t| !seen.insert(t.name.as_str())) {
-            return Err(err(
-                8,
-                format!("duplicate tensor name '{}' in the header", dup.name),
-            ));
-        }
-        drop(seen);
-
-        // Contiguous from 0, no gaps or overlaps, ending exactly at the end of the file.
-        // By (start, end) like the safetensors crate, so an empty tensor sorts before one sharing its start.
-        tensors.sort_by(|a, b| {
-            (a.data_start, a.nbytes, &a.name).cmp(&(b.data_start, b.nbytes, &b.name))
-        });
-        let data_len = buf.len() as u64 - data_start;
-        let mut expected = 0u64;
-        for t in tensors.iter_mut() {
-            if t.data_start != expected {
-                return Err(err(
-                    data_start.saturating_add(t.data_start),
-                    format!(
-                        "tensor '{}': data starts at {} but the previous tensor ends at {expected} (offsets must be contiguous and non-overlapping)",
-                        t.name, t.data_start
-                    ),
-                ));
-            }
-            expected = t.data_start + t.nbytes; // ≤ data_len checked next
-            if expected > data_len {
-                return Err(err(
-                    data_start.saturating_add(t.data_start),
-                    format!(
-                        "tensor '{}': {} bytes at data offset {} run past the end of the file (data section holds {data_len} bytes)",
-                        t.name, t.nbytes, t.data_start
-                    ),
-                ));
-            }
-            t.abs_offset = data_start + t.data_start;
-        }
-        if expected != data_len {
-            return Err(err(
-                data_start + expected,
-                format!(
-                    "tensors cover {expected} bytes but the data section holds {data_len} bytes"
-                ),
-            ));
-        }
+        let mut tensors = header
+            .tensors
+            .into_iter()
+            .map(|(name, entry)| tensor_info(&path, name, entry))
+            .collect::<Result<Vec<_>>>()?;
+        check_unique_names(&path, &tensors)?;
+        place_contiguously(
+            &path,
+            &mut tensors,
+            data_start,
+            buf.len() as u64 - data_start,
+        )?;
         let index = tensors
             .iter()
             .enumerate()

@@ -10,8 +10,7 @@
 use half::f16;
 use rayon::prelude::*;
 
-use super::count_code3;
-use crate::canonical::{check_shape, CanonicalRef, CanonicalTernary};
+use crate::canonical::{check_shape, count_code3, merge_first, CanonicalRef, CanonicalTernary};
 use crate::{threads, Error, Result};
 
 /// Check an MLX pack for ternarity: shapes, finite scales, `bias == −scale`, no code 3.
@@ -105,14 +104,6 @@ pub fn validate(
         ));
     }
     Ok(group_size)
-}
-
-pub(crate) fn merge_first(a: (u64, Option<u64>), b: (u64, Option<u64>)) -> (u64, Option<u64>) {
-    let first = match (a.1, b.1) {
-        (Some(x), Some(y)) => Some(x.min(y)),
-        (x, y) => x.or(y),
-    };
-    (a.0 + b.0, first)
 }
 
 /// Validate and copy into an owned canonical tensor.

@@ -5,7 +5,8 @@
 //! size assertion, a plain scalar reference written straight from its docs/formats.md section (`decode_block_ref` /
 //! `encode_block_ref`, one value at a time) and a fast path (`unpack_block` / `pack_block`, lookup
 //! tables and 2-bit transposes on whole words) that the tests hold to the reference bit for bit.
-//! The tensor-level drivers (row-parallel, validating) live in [`crate::repack`].
+//! The generic tensor-level block drivers (row-parallel, validating) are [`blocks`]; the dispatch by
+//! format and regrouping live in [`crate::repack`].
 //!
 //! Formats that are not GGUF block formats (transformers BitNet, MLX affine packs, dense "unpacked"
 //! ternary and dense-float ternarization) take their companion tensors explicitly: see [`bitnet`],
@@ -13,6 +14,7 @@
 
 pub mod base3;
 pub mod bitnet;
+pub mod blocks;
 pub mod dense;
 pub mod i2_s;
 pub mod mlx;
@@ -189,23 +191,6 @@ pub const fn transpose_2bit_4x4(x: u32) -> u32 {
     x ^ t ^ (t << 12)
 }
 
-/// Whether the AVX-512 (F + BW) fast paths can run here (std caches the CPU check).
-#[inline]
-pub(crate) fn avx512bw_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-            && !cfg!(miri)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
-pub(crate) use crate::canonical::count_code3;
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -223,15 +208,6 @@ mod tests {
             }
             assert_eq!(transpose_2bit_4x4(y), x);
         }
-    }
-
-    #[test]
-    fn code3_counter_finds_first_and_all() {
-        let mut b = vec![0x55u8; 21];
-        b[9] = 0b0011_0101; // field 2 of byte 9 → element 38
-        b[20] = 0xFF; // 4 more
-        assert_eq!(count_code3(&b), (5, Some(38)));
-        assert_eq!(count_code3(&[0x55u8; 13]), (0, None));
     }
 
     #[test]

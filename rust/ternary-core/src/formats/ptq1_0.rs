@@ -11,7 +11,7 @@ base3_block!(BlockPtq1_0, Format::Ptq1_0, values: 128, bytes: 28, qs: 24, qh: 2,
 /// One block: AVX-512BW where the CPU has it, else the [`Base3Layout`](super::base3) table path.
 #[inline(always)]
 fn unpack(block: &[u8], canon: &mut [u8]) {
-    if super::avx512bw_available() {
+    if crate::cpu_features::avx512bw_available() {
         assert!(block.len() >= 26 && canon.len() == 32);
         // SAFETY: avx512f and avx512bw are present; the masked load reads the first 26 bytes of
         // `block` only, and `canon` holds 32 bytes.
@@ -27,7 +27,7 @@ fn unpack(block: &[u8], canon: &mut [u8]) {
 /// A run of whole blocks, two per register on the AVX-512BW path.
 #[inline(always)]
 fn unpack_run(blocks: &[u8], canon: &mut [u8]) {
-    let done = if super::avx512bw_available() {
+    let done = if crate::cpu_features::avx512bw_available() {
         for (b2, c2) in blocks.chunks_exact(56).zip(canon.chunks_exact_mut(64)) {
             // SAFETY: as in `unpack`, with 56 block bytes and 64 canonical bytes.
             #[cfg(target_arch = "x86_64")]

@@ -32,9 +32,10 @@
 use half::f16;
 use rayon::prelude::*;
 
+use super::blocks::{decode_blocks, encode_blocks};
 use super::{read_f16, transpose_2bit_4x4, BlockCodec, Format};
-use crate::canonical::{CanonicalRef, CanonicalTernary};
-use crate::{repack, threads, Error, Result};
+use crate::canonical::{CanonicalRef, CanonicalTernary, Regrouped};
+use crate::{threads, Error, Result};
 
 /// Byte offset of `sign[8]` and of `d` in a block.
 const SIGN_AT: usize = 32;
@@ -217,7 +218,7 @@ impl BlockCodec for BlockStq1_0 {
     }
     #[inline(always)]
     fn unpack_block(block: &[u8], canon: &mut [u8]) {
-        if super::avx512bw_available() {
+        if crate::cpu_features::avx512bw_available() {
             unpack_simd::block(block, &mut canon[..64]);
             return;
         }
@@ -329,7 +330,7 @@ pub fn first_unrepresentable(canon: CanonicalRef<'_>) -> (u64, Option<Unrepresen
 /// Decode a whole STQ1_0 tensor `[rows, cols]` to canonical form (group 256; validated: a NaN/Inf
 /// `d` is refused by block index).
 pub fn decode(tensor: &str, data: &[u8], rows: usize, cols: usize) -> Result<CanonicalTernary> {
-    repack::decode_blocks::<BlockStq1_0>(tensor, data, rows, cols)
+    decode_blocks::<BlockStq1_0>(tensor, data, rows, cols)
 }
 
 /// Encode a canonical tensor of group size 256 as STQ1_0 tensor data, refusing (with its row, group
@@ -358,12 +359,12 @@ pub fn encode(tensor: &str, canon: CanonicalRef<'_>) -> Result<Vec<u8>> {
             ));
         }
     }
-    repack::encode_blocks::<BlockStq1_0>(tensor, canon)
+    encode_blocks::<BlockStq1_0>(tensor, canon)
 }
 
 /// Encode a canonical tensor (any group size) as STQ1_0 for GGUF output: regrouped losslessly to
 /// 256 and encoded exactly where that is possible; otherwise the refusal of
-/// [`CanonicalRef::regroup`] or [`encode`] (naming the first merged group, or the row and group),
+/// [`Regrouped::exact_or_refuse`] or [`encode`] (naming the first merged group, or the row and group),
 /// unless `requantize`, which runs [`requantize`] on the tensor's dequantized weights instead.
 pub fn encode_gguf(tensor: &str, canon: CanonicalRef<'_>, requantize: bool) -> Result<Vec<u8>> {
     canon.validate(tensor)?;
@@ -371,15 +372,13 @@ pub fn encode_gguf(tensor: &str, canon: CanonicalRef<'_>, requantize: bool) -> R
     let exact = if canon.group_size == BlockStq1_0::BLOCK_VALUES {
         canon
     } else {
-        match canon.regroup(tensor, BlockStq1_0::BLOCK_VALUES, false) {
-            Ok(r) => {
-                regrouped = r;
-                regrouped.as_ref()
-            }
-            // Validation here is "the merged sub-groups have different scales": lossy.
-            Err(Error::Validation { .. }) if requantize => return self::requantize(tensor, canon),
-            Err(e) => return Err(e),
+        let lossless = canon.try_regroup(BlockStq1_0::BLOCK_VALUES)?;
+        if requantize && matches!(lossless, Regrouped::ScalesDiffer { .. }) {
+            return self::requantize(tensor, canon);
         }
+        regrouped =
+            lossless.exact_or_refuse(tensor, canon.group_size, BlockStq1_0::BLOCK_VALUES)?;
+        regrouped.as_ref()
     };
     match encode(tensor, exact) {
         // Codes are valid (checked above), so Validation is an unrepresentable group.
@@ -595,4 +594,4 @@ pub fn requantize(tensor: &str, canon: CanonicalRef<'_>) -> Result<Vec<u8>> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

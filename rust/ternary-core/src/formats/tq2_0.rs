@@ -134,7 +134,7 @@ impl BlockCodec for BlockTq2_0 {
     }
     #[inline(always)]
     fn unpack_block(block: &[u8], canon: &mut [u8]) {
-        if super::avx512bw_available() {
+        if crate::cpu_features::avx512bw_available() {
             unpack_simd::block(&block[..64], &mut canon[..64]);
             return;
         }
@@ -180,7 +180,7 @@ mod tests {
 
     #[test]
     fn simd_unpack_matches_portable_on_any_bytes() {
-        if !crate::formats::avx512bw_available() {
+        if !crate::cpu_features::avx512bw_available() {
             return;
         }
         let mut seed = 0x9E37_79B9_7F4A_7C15u64;

@@ -5,8 +5,10 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::formats::bitnet::{self, ScaleConvention};
+use crate::formats::blocks::{decode_blocks_ref, encode_blocks_ref};
 use crate::formats::dense::{self, DenseDtype, Method};
-use crate::formats::{i2_s, mlx};
+use crate::formats::stq1_0::tests::{canonical, representable_codes, unrepresentable_tensor};
+use crate::formats::{i2_s, mlx, BlockCodec};
 
 /// Running example of docs/formats.md#worked-examples: trits [+1, 0, −1, −1, 0, +1, +1, 0] → codes.
 const EXAMPLE_CODES: [u8; 8] = [2, 1, 0, 0, 1, 2, 2, 1];
@@ -267,23 +269,23 @@ fn regroup_rules() {
         scales: vec![f16::ONE, f16::ONE, f16::ONE, f16::from_f32(2.0)],
     };
     // Smaller: repeat scales, lossless.
-    let small = canon.as_ref().regroup("w", 32, false).unwrap();
+    let small = regroup(canon.as_ref(), "w", 32, false).unwrap();
     assert_eq!(small.scales.len(), 16);
     assert_eq!(
         small.as_ref().dequantize_f32().unwrap(),
         canon.as_ref().dequantize_f32().unwrap()
     );
     // Larger with unequal scales in row 1: refused naming merged group 1; requantize works.
-    match canon.as_ref().regroup("w", 256, false).unwrap_err() {
+    match regroup(canon.as_ref(), "w", 256, false).unwrap_err() {
         Error::Validation {
             first_index, count, ..
         } => assert_eq!((first_index, count), (1, 1)),
         e => panic!("{e}"),
     }
-    let rq = canon.as_ref().regroup("w", 256, true).unwrap();
+    let rq = regroup(canon.as_ref(), "w", 256, true).unwrap();
     assert_eq!(rq.scales[0], f16::ONE);
     // Back from 32 to 128: lossless.
-    assert_eq!(small.as_ref().regroup("w", 128, false).unwrap(), canon);
+    assert_eq!(regroup(small.as_ref(), "w", 128, false).unwrap(), canon);
     // TQ2_0 from g128 with unequal pairs: refused, unless requantize.
     assert!(encode_gguf(Format::Tq2_0, "w", canon.as_ref(), false).is_err());
     assert!(encode_gguf(Format::Tq2_0, "w", canon.as_ref(), true).is_ok());
@@ -493,7 +495,7 @@ fn timing_probe() {
         scales: vec![f16::from_f32(0.03); rows * cols / 256],
     };
     let tq2 = encode_gguf(Format::Tq2_0, "w", canon.as_ref(), false).unwrap();
-    let c128 = canon.as_ref().regroup("w", 128, false).unwrap();
+    let c128 = regroup(canon.as_ref(), "w", 128, false).unwrap();
     let ptq1 = encode_gguf(Format::Ptq1_0, "w", c128.as_ref(), false).unwrap();
     let best = |f: &dyn Fn()| {
         (0..5)
@@ -537,4 +539,76 @@ fn timing_probe() {
          TQ2_0 {t2:.1} ms, PTQ1_0 {p1:.1} ms, bf16 {bf:.1} ms, f32 {f32v:.1} ms"
     );
     crate::threads::set_num_threads(0).unwrap();
+}
+
+// ------------------------------------------------------------------------------------ STQ1_0 dispatch
+
+#[test]
+fn stq1_0_dispatch_decodes_encodes_and_regroups() {
+    let (rows, cols) = (3usize, 768usize);
+    assert_eq!(gguf_tensor_bytes(Format::Stq1_0, rows, cols).unwrap(), 378);
+    assert!(gguf_tensor_bytes(Format::Stq1_0, 1, 128).is_err());
+    let data = random_blocks::<BlockStq1_0>(rows * 3, 21, 40);
+    let t = decode_gguf(Format::Stq1_0, "w", &data, rows, cols, None, false).unwrap();
+    assert_eq!(t, stq1_0::decode("w", &data, rows, cols).unwrap());
+    assert_eq!(
+        encode_gguf(Format::Stq1_0, "w", t.as_ref(), false).unwrap(),
+        data
+    );
+    // Exact requests stay exact even with requantize allowed.
+    assert_eq!(
+        encode_gguf(Format::Stq1_0, "w", t.as_ref(), true).unwrap(),
+        data
+    );
+    // To a divisor and back: lossless.
+    let g64 = decode_gguf(Format::Stq1_0, "w", &data, rows, cols, Some(64), false).unwrap();
+    assert_eq!(g64.group_size, 64);
+    assert_eq!(
+        encode_gguf(Format::Stq1_0, "w", g64.as_ref(), false).unwrap(),
+        data
+    );
+    // A g128 tensor whose halves differ in scale cannot merge: the regroup refusal, unless requantize.
+    let codes = representable_codes(rows, cols, 4);
+    let mut c128 = canonical(rows, cols, &codes, vec![]);
+    c128.group_size = 128;
+    c128.scales = (0..rows * cols / 128)
+        .map(|i| f16::from_f32(0.5 + (i % 2) as f32 * 0.25))
+        .collect();
+    let e = encode_gguf(Format::Stq1_0, "w", c128.as_ref(), false).unwrap_err();
+    assert!(e.to_string().contains("cannot merge groups of 128"), "{e}");
+    let dense = c128.as_ref().dequantize_f32().unwrap();
+    assert_eq!(
+        encode_gguf(Format::Stq1_0, "w", c128.as_ref(), true).unwrap(),
+        stq1_0::quantize("w", &dense, rows, cols).unwrap()
+    );
+    // Other formats transcode to STQ1_0 only when representable, and back from it always.
+    let tq2 = encode_gguf(Format::Tq2_0, "w", t.as_ref(), false).unwrap();
+    assert_eq!(
+        transcode_gguf(Format::Tq2_0, Format::Stq1_0, "w", &tq2, rows, cols, false).unwrap(),
+        data
+    );
+    let back =
+        transcode_gguf(Format::Stq1_0, Format::Tq2_0, "w", &data, rows, cols, false).unwrap();
+    assert_eq!(back, tq2);
+    let zeros = CanonicalTernary::zeros(rows, cols, 256).unwrap();
+    let tq2 = encode_gguf(Format::Tq2_0, "w", zeros.as_ref(), false).unwrap();
+    let e =
+        transcode_gguf(Format::Tq2_0, Format::Stq1_0, "w", &tq2, rows, cols, false).unwrap_err();
+    assert!(e.to_string().contains("row 0 group 0"), "{e}");
+}
+
+#[test]
+fn stq1_0_dispatch_requantizes_only_when_asked() {
+    let (rows, cols) = (5usize, 512usize);
+    for g in [32usize, 128, 256] {
+        let t = unrepresentable_tensor(rows, cols, g);
+        let want = stq1_0::requantize("w", t.as_ref()).unwrap();
+        let e = encode_gguf(Format::Stq1_0, "w", t.as_ref(), false).unwrap_err();
+        assert!(matches!(e, Error::Validation { .. }), "g{g}: {e}");
+        assert!(e.to_string().contains("requantize"), "{e}");
+        assert_eq!(
+            encode_gguf(Format::Stq1_0, "w", t.as_ref(), true).unwrap(),
+            want
+        );
+    }
 }

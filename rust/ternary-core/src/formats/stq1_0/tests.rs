@@ -5,8 +5,7 @@ use half::f16;
 use proptest::prelude::*;
 
 use super::*;
-use crate::container::{GgmlType, GgufFile, GgufWriter};
-use crate::repack::{decode_blocks_ref, encode_blocks_ref};
+use crate::formats::blocks::{decode_blocks_ref, encode_blocks_ref};
 
 fn xorshift(seed: &mut u64) -> u64 {
     *seed ^= *seed << 13;
@@ -15,19 +14,19 @@ fn xorshift(seed: &mut u64) -> u64 {
     *seed
 }
 
-fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+pub(crate) fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
     let mut s = seed | 1;
     (0..n).map(|_| xorshift(&mut s) as u8).collect()
 }
 
 /// Canonical bytes → one code per value.
-fn unpack(q: &[u8]) -> Vec<u8> {
+pub(crate) fn unpack(q: &[u8]) -> Vec<u8> {
     q.iter()
         .flat_map(|&b| (0..4).map(move |j| (b >> (2 * j)) & 3))
         .collect()
 }
 
-fn pack(codes: &[u8]) -> Vec<u8> {
+pub(crate) fn pack(codes: &[u8]) -> Vec<u8> {
     codes
         .chunks_exact(4)
         .map(|c| c[0] | c[1] << 2 | c[2] << 4 | c[3] << 6)
@@ -50,7 +49,7 @@ fn random_blocks(n_blocks: usize, seed: u64) -> Vec<u8> {
 
 /// Codes of a representable `[rows, cols]` tensor, built group by group from its own rule (one
 /// zero lane, independent signs) and the documented lane placement.
-fn representable_codes(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+pub(crate) fn representable_codes(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
     let mut s = seed | 1;
     let mut codes = vec![0u8; rows * cols];
     for r in 0..rows {
@@ -73,7 +72,12 @@ fn representable_codes(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
     codes
 }
 
-fn canonical(rows: usize, cols: usize, codes: &[u8], scales: Vec<f16>) -> CanonicalTernary {
+pub(crate) fn canonical(
+    rows: usize,
+    cols: usize,
+    codes: &[u8],
+    scales: Vec<f16>,
+) -> CanonicalTernary {
     CanonicalTernary {
         rows,
         cols,
@@ -201,7 +205,7 @@ fn check_block_fast_paths(blk: &[u8]) {
     let mut canon = [0u8; 64];
     unpack_block_portable(blk, &mut canon);
     assert_eq!(unpack(&canon), codes, "portable {blk:02x?}");
-    if crate::formats::avx512bw_available() {
+    if crate::cpu_features::avx512bw_available() {
         let mut simd = [0u8; 64];
         unpack_simd::block(blk, &mut simd);
         assert_eq!(simd, canon, "AVX-512BW {blk:02x?}");
@@ -363,7 +367,7 @@ fn encode_needs_group_256_and_valid_codes() {
 // ------------------------------------------------------------------------------------ registration
 
 #[test]
-fn format_and_ggml_type_are_registered() {
+fn format_is_registered() {
     let f = Format::from_name("stq1_0").unwrap();
     assert_eq!(f, Format::Stq1_0);
     assert_eq!(
@@ -371,44 +375,6 @@ fn format_and_ggml_type_are_registered() {
         ("STQ1_0", Some(43), Some(256))
     );
     assert!(crate::formats::FORMAT_NAMES.contains("STQ1_0"));
-    let t = GgmlType::from_id(43).unwrap();
-    assert_eq!(
-        (t, t.name(), t.block_size(), t.type_size()),
-        (GgmlType::STQ1_0, "STQ1_0", 256, 42)
-    );
-    assert_eq!(GgmlType::from_name("STQ1_0"), Some(GgmlType::STQ1_0));
-    assert_eq!(t.tensor_bytes(256 * 10), Some(420));
-    assert_eq!(t.tensor_bytes(128), None);
-    // 1.3125 bits per weight.
-    assert_eq!(t.type_size() as f64 * 8.0 / t.block_size() as f64, 1.3125);
-}
-
-#[test]
-fn gguf_file_with_stq1_0_opens_lists_and_decodes() {
-    let dir = std::env::temp_dir().join(format!("ternary-core-stq1_0-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("stq.gguf");
-    let (rows, cols) = (3usize, 768usize);
-    let data = random_blocks(rows * cols / 256, 77);
-    let mut w = GgufWriter::create(&path, 32).unwrap();
-    w.add_tensor_info(
-        "blk.0.ffn_up.weight",
-        &[cols as u64, rows as u64],
-        43,
-        data.len() as u64,
-    )
-    .unwrap();
-    w.write_tensor_data("blk.0.ffn_up.weight", &data).unwrap();
-    w.finish().unwrap();
-    let f = GgufFile::open(&path).unwrap();
-    let info = f.tensor_info("blk.0.ffn_up.weight").unwrap();
-    assert_eq!(info.ggml_type, GgmlType::STQ1_0);
-    assert_eq!(info.nbytes, data.len() as u64);
-    let bytes = f.tensor_data_by_name("blk.0.ffn_up.weight").unwrap();
-    let t = decode("blk.0.ffn_up.weight", bytes, rows, cols).unwrap();
-    let (codes, _) = decode_blocks_ref::<BlockStq1_0>(&data, rows, cols);
-    assert_eq!(unpack(&t.qweight), codes);
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 // ------------------------------------------------------------------------------------ properties
@@ -600,98 +566,41 @@ fn quantize_refuses_non_finite_overflow_and_bad_shapes() {
     assert!(quantize("w", &[0.0; 256], 2, 256).is_err());
 }
 
-#[test]
-fn requantize_is_the_quantizer_on_dequantized_weights() {
-    let (rows, cols) = (5usize, 512usize);
-    for g in [32usize, 128, 256] {
-        let codes: Vec<u8> = random_bytes(rows * cols, g as u64)
-            .iter()
-            .map(|b| b % 3)
-            .collect();
-        let scales: Vec<f16> = (0..rows * cols / g)
-            .map(|i| {
-                f16::from_f32(if i % 3 == 2 {
-                    -0.02
-                } else {
-                    0.01 + i as f32 * 1e-3
-                })
+/// A `[rows, cols]` tensor of random codes 0..=2 at group `g` whose scales differ from group to group
+/// (every third negative): no STQ1_0 codebook pattern, so encoding it needs requantization.
+pub(crate) fn unrepresentable_tensor(rows: usize, cols: usize, g: usize) -> CanonicalTernary {
+    let codes: Vec<u8> = random_bytes(rows * cols, g as u64)
+        .iter()
+        .map(|b| b % 3)
+        .collect();
+    let scales: Vec<f16> = (0..rows * cols / g)
+        .map(|i| {
+            f16::from_f32(if i % 3 == 2 {
+                -0.02
+            } else {
+                0.01 + i as f32 * 1e-3
             })
-            .collect();
-        let t = CanonicalTernary {
-            rows,
-            cols,
-            group_size: g,
-            qweight: pack(&codes),
-            scales,
-        };
-        let dense = t.as_ref().dequantize_f32().unwrap();
-        let want = quantize("w", &dense, rows, cols).unwrap();
-        assert_eq!(requantize("w", t.as_ref()).unwrap(), want, "g{g}");
-        assert_eq!(quantize_ref(&dense), want);
-        // Through the GGUF dispatch: refused without requantize, the quantizer with it.
-        let e = repack::encode_gguf(Format::Stq1_0, "w", t.as_ref(), false).unwrap_err();
-        assert!(matches!(e, Error::Validation { .. }), "g{g}: {e}");
-        assert!(e.to_string().contains("requantize"), "{e}");
-        assert_eq!(
-            repack::encode_gguf(Format::Stq1_0, "w", t.as_ref(), true).unwrap(),
-            want
-        );
+        })
+        .collect();
+    CanonicalTernary {
+        rows,
+        cols,
+        group_size: g,
+        qweight: pack(&codes),
+        scales,
     }
 }
 
 #[test]
-fn gguf_dispatch_decodes_encodes_and_regroups() {
-    use crate::repack::{decode_gguf, encode_gguf, gguf_tensor_bytes, transcode_gguf};
-    let (rows, cols) = (3usize, 768usize);
-    assert_eq!(gguf_tensor_bytes(Format::Stq1_0, rows, cols).unwrap(), 378);
-    assert!(gguf_tensor_bytes(Format::Stq1_0, 1, 128).is_err());
-    let data = random_blocks(rows * 3, 21);
-    let t = decode_gguf(Format::Stq1_0, "w", &data, rows, cols, None, false).unwrap();
-    assert_eq!(t, decode("w", &data, rows, cols).unwrap());
-    assert_eq!(
-        encode_gguf(Format::Stq1_0, "w", t.as_ref(), false).unwrap(),
-        data
-    );
-    // Exact requests stay exact even with requantize allowed.
-    assert_eq!(
-        encode_gguf(Format::Stq1_0, "w", t.as_ref(), true).unwrap(),
-        data
-    );
-    // To a divisor and back: lossless.
-    let g64 = decode_gguf(Format::Stq1_0, "w", &data, rows, cols, Some(64), false).unwrap();
-    assert_eq!(g64.group_size, 64);
-    assert_eq!(
-        encode_gguf(Format::Stq1_0, "w", g64.as_ref(), false).unwrap(),
-        data
-    );
-    // A g128 tensor whose halves differ in scale cannot merge: the regroup refusal, unless requantize.
-    let codes = representable_codes(rows, cols, 4);
-    let mut c128 = canonical(rows, cols, &codes, vec![]);
-    c128.group_size = 128;
-    c128.scales = (0..rows * cols / 128)
-        .map(|i| f16::from_f32(0.5 + (i % 2) as f32 * 0.25))
-        .collect();
-    let e = encode_gguf(Format::Stq1_0, "w", c128.as_ref(), false).unwrap_err();
-    assert!(e.to_string().contains("cannot merge groups of 128"), "{e}");
-    let dense = c128.as_ref().dequantize_f32().unwrap();
-    assert_eq!(
-        encode_gguf(Format::Stq1_0, "w", c128.as_ref(), true).unwrap(),
-        quantize("w", &dense, rows, cols).unwrap()
-    );
-    // Other formats transcode to STQ1_0 only when representable, and back from it always.
-    let tq2 = encode_gguf(Format::Tq2_0, "w", t.as_ref(), false).unwrap();
-    assert_eq!(
-        transcode_gguf(Format::Tq2_0, Format::Stq1_0, "w", &tq2, rows, cols, false).unwrap(),
-        data
-    );
-    let back =
-        transcode_gguf(Format::Stq1_0, Format::Tq2_0, "w", &data, rows, cols, false).unwrap();
-    assert_eq!(back, tq2);
-    let zeros = CanonicalTernary::zeros(rows, cols, 256).unwrap();
-    let tq2 = encode_gguf(Format::Tq2_0, "w", zeros.as_ref(), false).unwrap();
-    let e =
-        transcode_gguf(Format::Tq2_0, Format::Stq1_0, "w", &tq2, rows, cols, false).unwrap_err();
-    assert!(e.to_string().contains("row 0 group 0"), "{e}");
+fn requantize_is_the_quantizer_on_dequantized_weights() {
+    let (rows, cols) = (5usize, 512usize);
+    for g in [32usize, 128, 256] {
+        let t = unrepresentable_tensor(rows, cols, g);
+        let dense = t.as_ref().dequantize_f32().unwrap();
+        let want = quantize("w", &dense, rows, cols).unwrap();
+        assert_eq!(requantize("w", t.as_ref()).unwrap(), want, "g{g}");
+        assert_eq!(quantize_ref(&dense), want);
+    }
 }
 
 proptest! {

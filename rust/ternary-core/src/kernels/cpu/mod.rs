@@ -262,7 +262,7 @@ impl Activation for bf16 {
     }
     fn from_f32_slice(src: &[f32], dst: &mut [bf16]) {
         #[cfg(target_arch = "x86_64")]
-        if crate::formats::avx512bw_available() {
+        if crate::cpu_features::avx512bw_available() {
             // SAFETY: AVX-512F is present (checked just above).
             return unsafe { avx512::f32_to_bf16(src, dst) };
         }
@@ -398,40 +398,29 @@ fn resize<T: Copy + Default>(v: &mut Vec<T>, n: usize) -> &mut [T] {
     v
 }
 
+/// Which kernels one [`gemm`] call runs: the instruction-set variant and the activation precision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelChoice {
+    pub variant: Variant,
+    pub precision: Precision,
+}
+
 /// `y[M, N] = x[M, K] · Wᵀ + bias` with the given variant and precision, on `par`'s threads.
 ///
 /// `x` is `M·K` row-major, `y` is `M·N`, `bias` (if any) is `N`; all share the activation type.
-#[allow(clippy::too_many_arguments)]
 pub fn gemm<T: Activation>(
     w: PreparedRef<'_>,
     x: &[T],
     m: usize,
     bias: Option<&[T]>,
     y: &mut [T],
-    variant: Variant,
-    precision: Precision,
+    choice: KernelChoice,
     par: &dyn ParallelFor,
 ) -> Result<()> {
     w.check()?;
-    let (n, k) = (w.rows, w.cols);
-    let x_len = m.checked_mul(k);
-    let y_len = m.checked_mul(n);
-    if Some(x.len()) != x_len || Some(y.len()) != y_len {
-        return Err(Error::invalid(format!(
-            "ternary GEMM [{m}, {k}] x [{n}, {k}]^T needs x of {x_len:?} and y of {y_len:?} elements, got {} and {}",
-            x.len(),
-            y.len()
-        )));
-    }
-    if let Some(b) = bias {
-        if b.len() != n {
-            return Err(Error::invalid(format!(
-                "bias has {} elements, expected out_features = {n}",
-                b.len()
-            )));
-        }
-    }
-    let kernels = variant.kernels()?;
+    check_gemm_lengths(w, x.len(), m, bias.map(<[T]>::len), y.len())?;
+    let kernels = choice.variant.kernels()?;
+    let n = w.rows;
     if m == 0 || n == 0 {
         return Ok(());
     }
@@ -451,74 +440,49 @@ pub fn gemm<T: Activation>(
     };
     SCRATCH.with(|s| {
         let mut s = s.borrow_mut();
-        let s = &mut *s;
-        let kp = layout::padded_cols(k);
-        if precision.is_int8() {
-            let gp = layout::padded_groups(k, w.group_size);
-            let (q, xs4, qsum4) = (
-                resize(&mut s.q, m * kp),
-                resize(&mut s.xs4, m * gp * ROWS),
-                resize(&mut s.qsum4, m * gp * ROWS),
-            );
-            let xf = resize(&mut s.xf, kp);
-            for mi in 0..m {
-                T::to_f32_slice(&x[mi * k..(mi + 1) * k], &mut xf[..k]);
-                let r = mi * gp * ROWS..(mi + 1) * gp * ROWS;
-                // SAFETY: `kernels` comes from `Variant::kernels`, which checked the CPU features.
-                unsafe {
-                    (kernels.quantize)(
-                        xf,
-                        &mut q[mi * kp..(mi + 1) * kp],
-                        w.group_size,
-                        precision == Precision::Int8Token,
-                        &mut xs4[r.clone()],
-                        &mut qsum4[r],
-                    )
-                };
-            }
-            #[cfg(target_arch = "x86_64")]
-            if kernels.amx_int8 && m >= AMX_MIN_M {
-                s.tiles.fill(q, xs4, qsum4, m, kp, gp);
-                job.int8_amx(&s.tiles, par);
-                return;
-            }
-            #[cfg(target_arch = "x86_64")]
-            if kernels.int8_wide && m >= wide_min_m() {
-                s.wide.fill(xs4, qsum4, m, gp);
-                job.int8_wide(q, &s.wide, par);
-                return;
-            }
-            job.int8(q, xs4, qsum4, par);
-        } else if let (Some(bits), Some(f), true) =
-            (T::bf16_bits(x), kernels.exact_bf16, m < GEMM_MIN_M)
-        {
-            let xb = resize(&mut s.xb, m * kp); // zero padded, like xf below
-            for (dst, src) in xb.chunks_exact_mut(kp).zip(bits.chunks_exact(k)) {
-                dst[..k].copy_from_slice(src);
-            }
-            job.rows_per_token(par, |block, scales, mi| {
-                // SAFETY: as above.
-                unsafe { f(block, scales, &xb[mi * kp..(mi + 1) * kp], w.group_size) }
-            });
+        if choice.precision.is_int8() {
+            job.run_int8(&mut s, x, choice.precision == Precision::Int8Token, par);
         } else {
-            // f32 copy of x, zero padded to whole superblocks (the kernels read whole 256-column chunks).
-            let xf = resize(&mut s.xf, m * kp);
-            for (dst, src) in xf.chunks_exact_mut(kp).zip(x.chunks_exact(k)) {
-                T::to_f32_slice(src, &mut dst[..k]);
-            }
-            if m >= GEMM_MIN_M {
-                job.exact_tiles(xf, par);
-            } else {
-                job.rows_per_token(par, |block, scales, mi| {
-                    // SAFETY: as above.
-                    unsafe {
-                        (kernels.exact)(block, scales, &xf[mi * kp..(mi + 1) * kp], w.group_size)
-                    }
-                });
-            }
+            job.run_exact(&mut s, x, par);
         }
     });
     Ok(())
+}
+
+/// Refuse an x, y or bias whose length does not match `[m, k]`, `[m, n]` and `[n]`.
+fn check_gemm_lengths(
+    w: PreparedRef<'_>,
+    x_len: usize,
+    m: usize,
+    bias_len: Option<usize>,
+    y_len: usize,
+) -> Result<()> {
+    let (n, k) = (w.rows, w.cols);
+    let want_x = m.checked_mul(k);
+    let want_y = m.checked_mul(n);
+    if Some(x_len) != want_x || Some(y_len) != want_y {
+        return Err(Error::invalid(format!(
+            "ternary GEMM [{m}, {k}] x [{n}, {k}]^T needs x of {want_x:?} and y of {want_y:?} elements, got {x_len} and {y_len}"
+        )));
+    }
+    if let Some(b) = bias_len {
+        if b != n {
+            return Err(Error::invalid(format!(
+                "bias has {b} elements, expected out_features = {n}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Where an AMX tile goes in y: tokens `m0 .. m0 + tokens`, rows `n0 .. n0 + rows`.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct TileAt {
+    m0: usize,
+    tokens: usize,
+    n0: usize,
+    rows: usize,
 }
 
 /// What every task of one [`gemm`] call shares.
@@ -533,6 +497,81 @@ struct Job<'a, T> {
 }
 
 impl<T: Activation> Job<'_, T> {
+    /// int8 activations: x quantized per row (per group, or per token when `per_token`), then the
+    /// AMX tiles, the wide kernel or the per-row int8 kernel, by what the CPU has and M.
+    fn run_int8(&self, s: &mut Scratch, x: &[T], per_token: bool, par: &dyn ParallelFor) {
+        let (w, m, kernels) = (self.w, self.m, self.kernels);
+        let k = w.cols;
+        let kp = layout::padded_cols(k);
+        let gp = layout::padded_groups(k, w.group_size);
+        let (q, xs4, qsum4) = (
+            resize(&mut s.q, m * kp),
+            resize(&mut s.xs4, m * gp * ROWS),
+            resize(&mut s.qsum4, m * gp * ROWS),
+        );
+        let xf = resize(&mut s.xf, kp);
+        for mi in 0..m {
+            T::to_f32_slice(&x[mi * k..(mi + 1) * k], &mut xf[..k]);
+            let r = mi * gp * ROWS..(mi + 1) * gp * ROWS;
+            // SAFETY: `kernels` comes from `Variant::kernels`, which checked the CPU features.
+            unsafe {
+                (kernels.quantize)(
+                    xf,
+                    &mut q[mi * kp..(mi + 1) * kp],
+                    w.group_size,
+                    per_token,
+                    &mut xs4[r.clone()],
+                    &mut qsum4[r],
+                )
+            };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if kernels.amx_int8 && m >= AMX_MIN_M {
+            s.tiles.fill(q, xs4, qsum4, m, kp, gp);
+            self.int8_amx(&s.tiles, par);
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if kernels.int8_wide && m >= wide_min_m() {
+            s.wide.fill(xs4, qsum4, m, gp);
+            self.int8_wide(q, &s.wide, par);
+            return;
+        }
+        self.int8(q, xs4, qsum4, par);
+    }
+
+    /// Exact activations: bf16 straight into the bf16 kernel for small M, else an f32 copy of x
+    /// through the tiled (large M) or per-row kernel.
+    fn run_exact(&self, s: &mut Scratch, x: &[T], par: &dyn ParallelFor) {
+        let (w, m, kernels) = (self.w, self.m, self.kernels);
+        let k = w.cols;
+        let kp = layout::padded_cols(k);
+        if let (Some(bits), Some(f), true) = (T::bf16_bits(x), kernels.exact_bf16, m < GEMM_MIN_M) {
+            let xb = resize(&mut s.xb, m * kp); // zero padded, like xf below
+            for (dst, src) in xb.chunks_exact_mut(kp).zip(bits.chunks_exact(k)) {
+                dst[..k].copy_from_slice(src);
+            }
+            self.rows_per_token(par, |block, scales, mi| {
+                // SAFETY: `kernels` comes from `Variant::kernels`, which checked the CPU features.
+                unsafe { f(block, scales, &xb[mi * kp..(mi + 1) * kp], w.group_size) }
+            });
+            return;
+        }
+        // f32 copy of x, zero padded to whole superblocks (the kernels read whole 256-column chunks).
+        let xf = resize(&mut s.xf, m * kp);
+        for (dst, src) in xf.chunks_exact_mut(kp).zip(x.chunks_exact(k)) {
+            T::to_f32_slice(src, &mut dst[..k]);
+        }
+        if m >= GEMM_MIN_M {
+            self.exact_tiles(xf, par);
+        } else {
+            self.rows_per_token(par, |block, scales, mi| {
+                // SAFETY: `kernels` comes from `Variant::kernels`, which checked the CPU features.
+                unsafe { (kernels.exact)(block, scales, &xf[mi * kp..(mi + 1) * kp], w.group_size) }
+            });
+        }
+    }
+
     /// Split `units` units of `unit_weights` weights each into tasks on `par` (one task when small).
     fn split(
         &self,
@@ -592,17 +631,13 @@ impl<T: Activation> Job<'_, T> {
     /// n0 + rows`, tokens `m0 .. m0 + tokens`) to y, plus bias: transposed and converted in one go per
     /// tile (per-token row writes were a sixth of an M = 512 call).
     #[cfg(target_arch = "x86_64")]
-    #[allow(clippy::too_many_arguments)]
-    fn store_tile(
-        &self,
-        m0: usize,
-        tokens: usize,
-        n0: usize,
-        rows: usize,
-        tile: &[f32],
-        fbuf: &mut [f32],
-        tbuf: &mut [T],
-    ) {
+    fn store_tile(&self, at: TileAt, tile: &[f32], fbuf: &mut [f32], tbuf: &mut [T]) {
+        let TileAt {
+            m0,
+            tokens,
+            n0,
+            rows,
+        } = at;
         let n = self.w.rows;
         let width = tile.len() / amx::GROUP_ROWS;
         assert!(n0 + rows <= n && m0 + tokens <= self.m && tokens <= width);
@@ -719,15 +754,13 @@ impl<T: Activation> Job<'_, T> {
                             let tile =
                                 &out[o * amx::GROUP_ROWS * width..][..amx::GROUP_ROWS * width];
                             let tokens = width.min(m - j * width);
-                            self.store_tile(
-                                j * width,
+                            let at = TileAt {
+                                m0: j * width,
                                 tokens,
                                 n0,
                                 rows,
-                                tile,
-                                &mut fbuf,
-                                &mut tbuf,
-                            );
+                            };
+                            self.store_tile(at, tile, &mut fbuf, &mut tbuf);
                         }
                     }
                     if self.stream_y {

@@ -114,7 +114,16 @@ impl Case {
         let m = x.len() / self.k;
         let mut y = vec![T::default(); m * self.n];
         let w = self.weight(prepared);
-        gemm(w, x, m, bias, &mut y, variant, precision, &Rayon).unwrap();
+        gemm(
+            w,
+            x,
+            m,
+            bias,
+            &mut y,
+            KernelChoice { variant, precision },
+            &Rayon,
+        )
+        .unwrap();
         y
     }
 }
@@ -403,8 +412,10 @@ fn rejects_bad_sizes_and_variants() {
         1,
         None,
         &mut y,
-        Variant::Scalar,
-        Precision::Exact,
+        KernelChoice {
+            variant: Variant::Scalar,
+            precision: Precision::Exact
+        },
         &Rayon
     )
     .is_err());
@@ -414,8 +425,10 @@ fn rejects_bad_sizes_and_variants() {
         1,
         Some(&c.bias[..3]),
         &mut y,
-        Variant::Scalar,
-        Precision::Exact,
+        KernelChoice {
+            variant: Variant::Scalar,
+            precision: Precision::Exact
+        },
         &Rayon
     )
     .is_err());
@@ -429,8 +442,10 @@ fn rejects_bad_sizes_and_variants() {
         1,
         None,
         &mut y,
-        Variant::Scalar,
-        Precision::Exact,
+        KernelChoice {
+            variant: Variant::Scalar,
+            precision: Precision::Exact
+        },
         &Rayon
     )
     .is_err());
@@ -444,8 +459,10 @@ fn rejects_bad_sizes_and_variants() {
         1,
         None,
         &mut y,
-        Variant::Scalar,
-        Precision::Exact,
+        KernelChoice {
+            variant: Variant::Scalar,
+            precision: Precision::Exact
+        },
         &Rayon
     )
     .is_err());
@@ -523,8 +540,7 @@ fn kernel_throughput() {
                 m,
                 None,
                 &mut y[..m * n],
-                variant,
-                precision,
+                KernelChoice { variant, precision },
                 &crate::threads::Serial,
             )
             .unwrap();
@@ -536,8 +552,10 @@ fn kernel_throughput() {
                     m,
                     None,
                     &mut y[..m * n],
-                    Variant::best(),
-                    precision,
+                    KernelChoice {
+                        variant: Variant::best(),
+                        precision,
+                    },
                     &crate::threads::Serial,
                 )
                 .unwrap();
@@ -654,7 +672,19 @@ fn amx_streamed_outputs_match_scalar() {
         for v in [Variant::Scalar, Variant::Amx] {
             let mut buf = aligned::<bf16>(m * n);
             let y = window(&mut buf, m * n);
-            gemm(w, &xb, m, Some(&bb), y, v, Precision::Int8Group, &Rayon).unwrap();
+            gemm(
+                w,
+                &xb,
+                m,
+                Some(&bb),
+                y,
+                KernelChoice {
+                    variant: v,
+                    precision: Precision::Int8Group,
+                },
+                &Rayon,
+            )
+            .unwrap();
             outs.push(y.to_vec());
             let mut buf = aligned::<f32>(m * n);
             let yf = window(&mut buf, m * n);
@@ -664,8 +694,10 @@ fn amx_streamed_outputs_match_scalar() {
                 m,
                 Some(&c.bias),
                 yf,
-                v,
-                Precision::Int8Group,
+                KernelChoice {
+                    variant: v,
+                    precision: Precision::Int8Group,
+                },
                 &Rayon,
             )
             .unwrap();

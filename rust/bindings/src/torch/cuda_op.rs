@@ -1,5 +1,5 @@
 //! The CUDA kernel of `torch.ops.ternary_rs.ternary_linear`, registered natively with torch's
-//! dispatcher like the CPU one (`torch_abi.rs`: same stable C ABI, same boxed calling convention), so
+//! dispatcher like the CPU one (`cpu_op.rs`: same stable C ABI, same boxed calling convention), so
 //! a call runs no Python.
 //!
 //! The torch functions the CUDA path needs beyond the CPU ones (the current stream, a device guard,
@@ -16,10 +16,12 @@ use std::sync::{Mutex, OnceLock};
 use ternary_core::kernels::gpu_layout as gpu;
 use ternary_cuda::{CallPlan, DType, LinearArgs, Quantize};
 
-use crate::torch_abi::{
-    self, check, AddmmOutFn, Api, Device, Handle, HandleFn, LoadedLib, MmOutFn, Status, Tensor,
+use super::abi::{self, AddmmOutFn, Api, Handle, HandleFn, LoadedLib, MmOutFn, Status};
+use super::policy::{
     ACTIVATIONS_AUTO, ACTIVATIONS_EXACT, ACTIVATIONS_INT8_GROUP, ACTIVATIONS_INT8_TOKEN,
 };
+use super::tensor::{check, Device, Tensor};
+use super::{register_boxed, run_boxed, LinearOp};
 
 extern "C" {
     fn ternary_rs_cuda_linear_entry(stack: *mut u64, num_args: u64, num_outputs: u64);
@@ -58,7 +60,7 @@ pub fn register(libtorch_cpu: &str, libtorch_cuda: &str) -> Result<(), String> {
     if !ternary_cuda::available() {
         return Err("this ternary_rs build has no CUDA kernels".into());
     }
-    let api = torch_abi::api(libtorch_cpu)?;
+    let api = abi::api(libtorch_cpu)?;
     if CUDA_API.get().is_none() {
         let zero_ = api
             .zero_
@@ -66,7 +68,7 @@ pub fn register(libtorch_cpu: &str, libtorch_cuda: &str) -> Result<(), String> {
         let c = load(libtorch_cuda, zero_)?;
         let _ = CUDA_API.set(c);
     }
-    let lib = torch_abi::register_boxed(api, c"CUDA", ternary_rs_cuda_linear_entry)?;
+    let lib = register_boxed(api, c"CUDA", ternary_rs_cuda_linear_entry)?;
     let _ = LIBRARY.set(lib);
     Ok(())
 }
@@ -108,7 +110,7 @@ fn load(path: &str, zero_: HandleFn) -> Result<CudaApi, String> {
 /// Entry point called by `csrc/torch_boxed.cpp` for CUDA tensors.
 ///
 /// # Safety
-/// As for `torch_abi::ternary_rs_cpu_linear_boxed`.
+/// As for `cpu_op::ternary_rs_cpu_linear_boxed`.
 #[no_mangle]
 pub unsafe extern "C" fn ternary_rs_cuda_linear_boxed(
     stack: *mut u64,
@@ -118,7 +120,7 @@ pub unsafe extern "C" fn ternary_rs_cuda_linear_boxed(
     err_len: usize,
 ) -> i32 {
     // SAFETY: forwarded from our caller's contract.
-    unsafe { torch_abi::run_boxed(stack, num_args, num_outputs, err, err_len, linear) }
+    unsafe { run_boxed(stack, num_args, num_outputs, err, err_len, linear) }
 }
 
 /// `at::cuda::CUDAGuard` for the call: makes the tensors' device current, restores the previous one.
@@ -251,40 +253,27 @@ struct Call {
     stream: u64,
 }
 
-#[allow(clippy::too_many_arguments)]
-fn linear<'a>(
-    api: &'a Api,
-    x: Tensor<'a>,
-    qweight: &Tensor<'a>,
-    scales: &Tensor<'a>,
-    n: usize,
-    k: usize,
-    g: usize,
-    bias: Option<Tensor<'a>>,
-    activations: i64,
-) -> Result<Tensor<'a>, String> {
-    let cuda = CUDA_API
-        .get()
-        .ok_or("ternary_rs: native CUDA kernel called before registration")?;
-    let x_dtype = dtype_of(api, x.dtype()?).ok_or(
-        "ternary_linear: x dtype is not supported on CUDA; use bfloat16, float16 or float32",
-    )?;
-    let quantize = match activations {
-        ACTIVATIONS_AUTO | ACTIVATIONS_EXACT => Quantize::None,
-        ACTIVATIONS_INT8_GROUP => Quantize::Groups,
-        ACTIVATIONS_INT8_TOKEN => Quantize::Tokens,
-        other => {
-            return Err(format!(
-                "ternary_linear: activations={other}: expected 0, 1, 2 or 3"
-            ))
-        }
-    };
-    let plan = CallPlan::new(x_dtype, quantize);
-    let device = x.device()?;
+/// The activation quantization an `activations` code asks for (auto is exact on CUDA).
+fn quantize_mode(activations: i64) -> Result<Quantize, String> {
+    match activations {
+        ACTIVATIONS_AUTO | ACTIVATIONS_EXACT => Ok(Quantize::None),
+        ACTIVATIONS_INT8_GROUP => Ok(Quantize::Groups),
+        ACTIVATIONS_INT8_TOKEN => Ok(Quantize::Tokens),
+        other => Err(format!(
+            "ternary_linear: activations={other}: expected 0, 1, 2 or 3"
+        )),
+    }
+}
+
+/// x's device, after refusing an x off CUDA, a weight on another device, an x whose last dimension
+/// is not `k` and a weight that is not the prepared CUDA layout for `[n, k]` in groups of `g`.
+fn check_operands(api: &Api, op: &LinearOp<'_>) -> Result<Device, String> {
+    let (n, k, g) = (op.n, op.k, op.g);
+    let device = op.x.device()?;
     if device.kind != api.device_cuda {
         return Err("ternary_linear (CUDA kernel): x is not a CUDA tensor".into());
     }
-    for (t, what) in [(qweight, "qweight"), (scales, "scales")] {
+    for (t, what) in [(&op.qweight, "qweight"), (&op.scales, "scales")] {
         if t.device()? != device {
             return Err(format!(
                 "ternary_linear: {what} is on another device than x (cuda:{})",
@@ -292,7 +281,7 @@ fn linear<'a>(
             ));
         }
     }
-    let xs = x.sizes()?.to_vec();
+    let xs = op.x.sizes()?;
     if xs.is_empty() || xs[xs.len() - 1] as usize != k {
         return Err(format!(
             "ternary_linear: x has {} features (shape {xs:?}), the layer expects {k}",
@@ -306,6 +295,7 @@ fn linear<'a>(
         (k_pad / gpu::CHUNK_K * gpu::CHUNK_BYTES) as i64,
     ];
     let want_s = [groups_pad as i64, n_pad as i64];
+    let (qweight, scales) = (&op.qweight, &op.scales);
     if qweight.dtype()? != api.dtype_u8 || qweight.sizes()? != want_q || !qweight.is_contiguous()? {
         return Err(format!(
             "ternary_linear: qweight must be the prepared CUDA layout uint8 {want_q:?} for [{n}, {k}] g{g}, \
@@ -319,27 +309,56 @@ fn linear<'a>(
             scales.sizes()?
         ));
     }
-    let bias_dtype = code_of(api, plan.bias_dtype());
-    let bias = match bias {
-        Some(b) => {
-            if b.sizes()? != [n as i64] {
-                return Err(format!(
-                    "ternary_linear: bias must have shape [{n}], got {:?}",
-                    b.sizes()?
-                ));
-            }
-            if b.device()? == device {
-                Some(b.contiguous_as(bias_dtype)?)
-            } else {
-                // As the Python path's `bias.to(device=x.device)`: copied over (and converted).
-                let moved = Tensor::empty_on(api, &[n as i64], bias_dtype, device)?;
-                // SAFETY: valid handles of one shape; copy_ moves and converts.
-                check!(unsafe { (api.copy_)(moved.h, b.h, 0) }, "copy_");
-                Some(moved)
-            }
-        }
-        None => None,
+    Ok(device)
+}
+
+/// The bias as a contiguous tensor of shape `[n]` in `dtype` on `device`.
+fn bias_on_device<'a>(
+    api: &'a Api,
+    bias: Option<Tensor<'a>>,
+    n: usize,
+    dtype: i32,
+    device: Device,
+) -> Result<Option<Tensor<'a>>, String> {
+    let Some(b) = bias else {
+        return Ok(None);
     };
+    if b.sizes()? != [n as i64] {
+        return Err(format!(
+            "ternary_linear: bias must have shape [{n}], got {:?}",
+            b.sizes()?
+        ));
+    }
+    if b.device()? == device {
+        return Ok(Some(b.contiguous_as(dtype)?));
+    }
+    // As the Python path's `bias.to(device=x.device)`: copied over (and converted).
+    let moved = Tensor::empty_on(api, &[n as i64], dtype, device)?;
+    // SAFETY: valid handles of one shape; copy_ moves and converts.
+    check!(unsafe { (api.copy_)(moved.h, b.h, 0) }, "copy_");
+    Ok(Some(moved))
+}
+
+fn linear<'a>(api: &'a Api, op: LinearOp<'a>) -> Result<Tensor<'a>, String> {
+    let cuda = CUDA_API
+        .get()
+        .ok_or("ternary_rs: native CUDA kernel called before registration")?;
+    let x_dtype = dtype_of(api, op.x.dtype()?).ok_or(
+        "ternary_linear: x dtype is not supported on CUDA; use bfloat16, float16 or float32",
+    )?;
+    let plan = CallPlan::new(x_dtype, quantize_mode(op.activations)?);
+    let device = check_operands(api, &op)?;
+    let LinearOp {
+        x,
+        qweight,
+        scales,
+        n,
+        k,
+        g,
+        bias,
+        ..
+    } = op;
+    let bias = bias_on_device(api, bias, n, code_of(api, plan.bias_dtype()), device)?;
 
     let _guard = DeviceGuard::new(cuda, device.index)?;
     let mut stream = std::ptr::null_mut();
@@ -348,6 +367,7 @@ fn linear<'a>(
         unsafe { (cuda.current_stream)(device.index, &mut stream) },
         "get_current_cuda_stream"
     );
+    let xs = x.sizes()?;
     let mut out_sizes = xs[..xs.len() - 1].to_vec();
     out_sizes.push(n as i64);
     let y = Tensor::empty_on(api, &out_sizes, x.dtype()?, device)?;
@@ -363,127 +383,157 @@ fn linear<'a>(
         device,
         stream: stream as u64,
     };
-    let compute = code_of(api, plan.compute);
+    let weight = Weight {
+        qweight: &qweight,
+        scales: &scales,
+    };
+    let device_call = DeviceCall { api, cuda, call };
     match plan.quantize {
         Quantize::None | Quantize::Groups => {
-            let xin = if plan.quantize == Quantize::Groups {
-                let xc = x.contiguous_as(code_of(api, x_dtype))?;
-                let xq = Tensor::empty_on(api, &[call.m, call.k], compute, device)?;
-                // SAFETY: live tensors of this device of [m, k] elements, on the current stream.
-                unsafe {
-                    ternary_cuda::quantize_groups(
-                        xc.data()? as u64,
-                        x_dtype,
-                        call.m,
-                        call.k,
-                        call.g,
-                        xq.data()? as u64,
-                        call.stream,
-                    )
-                }
-                .map_err(err)?;
-                xq
-            } else {
-                // The kernels read x with 16-byte loads.
-                x.contiguous_aligned(compute, 16)?
-            };
-            if plan.converts_output() {
-                let yc = Tensor::empty_on(api, &out_sizes, compute, device)?;
-                gemm(
-                    api,
-                    cuda,
-                    call,
-                    plan.compute,
-                    &xin,
-                    qweight,
-                    scales,
-                    bias.as_ref(),
-                    &yc,
-                )?;
-                // SAFETY: valid handles of one shape; copy_ converts the dtype on the current stream.
-                check!(unsafe { (api.copy_)(y.h, yc.h, 0) }, "copy_");
-            } else {
-                gemm(
-                    api,
-                    cuda,
-                    call,
-                    plan.compute,
-                    &xin,
-                    qweight,
-                    scales,
-                    bias.as_ref(),
-                    &y,
-                )?;
-            }
+            run_fused(device_call, plan, x, weight, bias.as_ref(), &y, &out_sizes)?
         }
         Quantize::Tokens => {
-            let xc = x.contiguous_as(code_of(api, x_dtype))?;
-            let codes = Tensor::empty_on(api, &[call.m, call.k], api.dtype_f16, device)?;
-            let token_scales = Tensor::empty_on(api, &[call.m], api.dtype_f32, device)?;
-            // SAFETY: live tensors of this device of the sizes given, on the current stream.
-            unsafe {
-                ternary_cuda::quantize_tokens(
-                    xc.data()? as u64,
-                    x_dtype,
-                    call.m,
-                    call.k,
-                    codes.data()? as u64,
-                    token_scales.data()? as u64,
-                    call.stream,
-                )
-            }
-            .map_err(err)?;
-            let y16 = Tensor::empty_on(api, &[call.m, call.n], api.dtype_f16, device)?;
-            gemm(
-                api,
-                cuda,
-                call,
-                DType::Fp16,
-                &codes,
-                qweight,
-                scales,
-                None,
-                &y16,
-            )?;
-            // SAFETY: as above; y has m·n elements of x's dtype.
-            unsafe {
-                ternary_cuda::scale_rows(
-                    y16.data()? as u64,
-                    token_scales.data()? as u64,
-                    match &bias {
-                        Some(b) => b.data()? as u64,
-                        None => 0,
-                    },
-                    y.data()? as u64,
-                    x_dtype,
-                    call.m,
-                    call.n,
-                    call.stream,
-                )
-            }
-            .map_err(err)?;
+            run_token_quantized(device_call, x_dtype, x, weight, bias.as_ref(), &y)?
         }
     }
     Ok(y)
 }
 
-/// `y[m, n] = x[m, k] @ Wᵀ (+ bias)` in `dtype`: the fused kernels, or from `DEQUANT_MIN_M` on W
-/// dequantized into a temporary and torch's cuBLAS GEMM (bias added by the same call).
-#[allow(clippy::too_many_arguments)]
-fn gemm(
-    api: &Api,
-    cuda: &CudaApi,
-    c: Call,
-    dtype: DType,
-    x: &Tensor<'_>,
-    qweight: &Tensor<'_>,
-    scales: &Tensor<'_>,
+/// What every launch of one call needs: the APIs and the call's sizes, device and stream.
+#[derive(Clone, Copy)]
+struct DeviceCall<'c> {
+    api: &'c Api,
+    cuda: &'c CudaApi,
+    call: Call,
+}
+
+/// The prepared weight of one call (GPU layout).
+#[derive(Clone, Copy)]
+struct Weight<'t> {
+    qweight: &'t Tensor<'t>,
+    scales: &'t Tensor<'t>,
+}
+
+/// Exact activations or int8 per group: x (quantized per group first if asked) through the fused
+/// kernels in the plan's compute dtype, converted into y when that differs from x's.
+fn run_fused(
+    d: DeviceCall<'_>,
+    plan: CallPlan,
+    x: Tensor<'_>,
+    weight: Weight<'_>,
+    bias: Option<&Tensor<'_>>,
+    y: &Tensor<'_>,
+    out_sizes: &[i64],
+) -> Result<(), String> {
+    let DeviceCall { api, call, .. } = d;
+    let compute = code_of(api, plan.compute);
+    let xin = if plan.quantize == Quantize::Groups {
+        let xc = x.contiguous_as(code_of(api, plan.x))?;
+        let xq = Tensor::empty_on(api, &[call.m, call.k], compute, call.device)?;
+        // SAFETY: live tensors of this device of [m, k] elements, on the current stream.
+        unsafe {
+            ternary_cuda::quantize_groups(
+                xc.data()? as u64,
+                plan.x,
+                call.m,
+                call.k,
+                call.g,
+                xq.data()? as u64,
+                call.stream,
+            )
+        }
+        .map_err(err)?;
+        xq
+    } else {
+        // The kernels read x with 16-byte loads.
+        x.contiguous_aligned(compute, 16)?
+    };
+    let operands = |y| Operands {
+        x: &xin,
+        weight,
+        bias,
+        y,
+    };
+    if plan.converts_output() {
+        let yc = Tensor::empty_on(api, out_sizes, compute, call.device)?;
+        gemm(d, plan.compute, operands(&yc))?;
+        // SAFETY: valid handles of one shape; copy_ converts the dtype on the current stream.
+        check!(unsafe { (api.copy_)(y.h, yc.h, 0) }, "copy_");
+    } else {
+        gemm(d, plan.compute, operands(y))?;
+    }
+    Ok(())
+}
+
+/// int8 per token: x quantized to f16 codes and one scale per token, multiplied in f16, then each
+/// row scaled (and the bias added) into y.
+fn run_token_quantized(
+    d: DeviceCall<'_>,
+    x_dtype: DType,
+    x: Tensor<'_>,
+    weight: Weight<'_>,
     bias: Option<&Tensor<'_>>,
     y: &Tensor<'_>,
 ) -> Result<(), String> {
+    let DeviceCall { api, call, .. } = d;
+    let xc = x.contiguous_as(code_of(api, x_dtype))?;
+    let codes = Tensor::empty_on(api, &[call.m, call.k], api.dtype_f16, call.device)?;
+    let token_scales = Tensor::empty_on(api, &[call.m], api.dtype_f32, call.device)?;
+    // SAFETY: live tensors of this device of the sizes given, on the current stream.
+    unsafe {
+        ternary_cuda::quantize_tokens(
+            xc.data()? as u64,
+            x_dtype,
+            call.m,
+            call.k,
+            codes.data()? as u64,
+            token_scales.data()? as u64,
+            call.stream,
+        )
+    }
+    .map_err(err)?;
+    let y16 = Tensor::empty_on(api, &[call.m, call.n], api.dtype_f16, call.device)?;
+    let operands = Operands {
+        x: &codes,
+        weight,
+        bias: None,
+        y: &y16,
+    };
+    gemm(d, DType::Fp16, operands)?;
+    // SAFETY: as above; y has m·n elements of x's dtype.
+    unsafe {
+        ternary_cuda::scale_rows(
+            y16.data()? as u64,
+            token_scales.data()? as u64,
+            match bias {
+                Some(b) => b.data()? as u64,
+                None => 0,
+            },
+            y.data()? as u64,
+            x_dtype,
+            call.m,
+            call.n,
+            call.stream,
+        )
+    }
+    .map_err(err)
+}
+
+/// The tensors of one GEMM: `y = x · Wᵀ (+ bias)`.
+struct Operands<'t> {
+    x: &'t Tensor<'t>,
+    weight: Weight<'t>,
+    bias: Option<&'t Tensor<'t>>,
+    y: &'t Tensor<'t>,
+}
+
+/// `y[m, n] = x[m, k] @ Wᵀ (+ bias)` in `dtype`: the fused kernels, or from `DEQUANT_MIN_M` on W
+/// dequantized into a temporary and torch's cuBLAS GEMM (bias added by the same call).
+fn gemm(d: DeviceCall<'_>, dtype: DType, o: Operands<'_>) -> Result<(), String> {
+    let DeviceCall { api, cuda, call: c } = d;
     let dequant_min_m = DEQUANT_MIN_M.load(Ordering::Relaxed);
     if dequant_min_m > 0 && c.m >= dequant_min_m {
-        return dequantized_gemm(api, cuda, c, dtype, x, qweight, scales, bias, y);
+        return dequantized_gemm(d, dtype, o);
     }
     let sms = sm_count(c.device.index)?;
     let p = ternary_cuda::plan(c.m, c.n, c.k, c.g, sms).map_err(err)?;
@@ -497,14 +547,14 @@ fn gemm(
         (counters_ptr, counters_len) = counters(api, cuda, c.device, c.stream, p.counters, sms)?;
     }
     let args = LinearArgs {
-        x: x.data()? as u64,
-        qweight: qweight.data()? as u64,
-        scales: scales.data()? as u64,
-        bias: match bias {
+        x: o.x.data()? as u64,
+        qweight: o.weight.qweight.data()? as u64,
+        scales: o.weight.scales.data()? as u64,
+        bias: match o.bias {
             Some(b) => b.data()? as u64,
             None => 0,
         },
-        y: y.data()? as u64,
+        y: o.y.data()? as u64,
         partials,
         partials_len,
         counters: counters_ptr,
@@ -522,18 +572,9 @@ fn gemm(
     unsafe { ternary_cuda::linear(&args) }.map_err(err)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn dequantized_gemm(
-    api: &Api,
-    cuda: &CudaApi,
-    c: Call,
-    dtype: DType,
-    x: &Tensor<'_>,
-    qweight: &Tensor<'_>,
-    scales: &Tensor<'_>,
-    bias: Option<&Tensor<'_>>,
-    y: &Tensor<'_>,
-) -> Result<(), String> {
+/// W dequantized into a temporary `[n, k]` of `dtype`, then torch's cuBLAS GEMM.
+fn dequantized_gemm(d: DeviceCall<'_>, dtype: DType, o: Operands<'_>) -> Result<(), String> {
+    let DeviceCall { api, cuda, call: c } = d;
     let (Some(mm_out), Some(addmm_out)) = (cuda.mm_out, cuda.addmm_out) else {
         return Err(
             "ternary_linear: the dequantize path needs torch's cuBLAS GEMM through the stable ABI \
@@ -545,8 +586,8 @@ fn dequantized_gemm(
     // SAFETY: live tensors of this device in the GPU layout for (n, k, g) and [n, k] of `dtype`.
     unsafe {
         ternary_cuda::dequantize(
-            qweight.data()? as u64,
-            scales.data()? as u64,
+            o.weight.qweight.data()? as u64,
+            o.weight.scales.data()? as u64,
             w.data()? as u64,
             c.n,
             c.k,
@@ -557,10 +598,10 @@ fn dequantized_gemm(
     }
     .map_err(err)?;
     // 2-D views of the contiguous x and y (which may have more dimensions) and Wᵀ.
-    let xv = x.view(&[c.m, c.k], &[c.k, 1])?;
+    let xv = o.x.view(&[c.m, c.k], &[c.k, 1])?;
     let wt = w.view(&[c.k, c.n], &[1, c.k])?;
-    let out = y.view(&[c.m, c.n], &[c.n, 1])?;
-    match bias {
+    let out = o.y.view(&[c.m, c.n], &[c.n, 1])?;
+    match o.bias {
         // The 1-D bias, as `F.linear` passes it (cuBLASLt's bias epilogue).
         // SAFETY: valid handles; out = 1·bias + 1·(x · wt).
         Some(b) => check!(

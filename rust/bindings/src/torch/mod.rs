@@ -1,0 +1,200 @@
+//! The native kernels of `torch.ops.ternary_rs.ternary_linear`, registered with torch's dispatcher
+//! through PyTorch's stable C ABI (torch ≥ 2.10), so a call runs no Python.
+//!
+//! Registration is what `STABLE_TORCH_LIBRARY_IMPL(ternary_rs, <key>, m)` expands to:
+//! `aoti_torch_library_init_impl` + `torch_library_impl` with a boxed kernel (`csrc/torch_boxed.cpp`
+//! turns our error code into the C++ exception torch expects).
+//!
+//! Boxed calling convention (`torch/csrc/stable/library.h`): the stack holds one 64-bit StableIValue per
+//! argument — tensors as owned `AtenTensorHandle`s (the kernel must free them), ints as `i64`, an
+//! optional as a pointer to a heap StableIValue (or null for None; the kernel frees it) — and the
+//! kernel writes its outputs (a new owned tensor handle) to the front of the stack.
+//!
+//! * [`abi`] — the C functions, resolved at run time from the loaded torch libraries;
+//! * [`tensor`] — the owned tensor handle;
+//! * [`policy`] — the CPU kernel variant and activation precision the Python side sets;
+//! * [`pool`] — torch's intra-op pool as the core's `ParallelFor`;
+//! * [`cpu_op`] / [`cuda_op`] — the two device kernels and their registration.
+
+mod abi;
+mod cpu_op;
+mod cuda_op;
+mod policy;
+mod pool;
+mod tensor;
+
+use std::ffi::{c_char, CStr, CString};
+
+pub(crate) use cpu_op::register as register_cpu;
+pub(crate) use cuda_op::{register as register_cuda, set_dequant_min_m};
+pub(crate) use policy::{
+    resolve_precision, set_default_int8, set_variant, ACTIVATIONS_AUTO, ACTIVATIONS_EXACT,
+    ACTIVATIONS_INT8_GROUP, ACTIVATIONS_INT8_TOKEN,
+};
+
+use abi::{registered_api, Api, BoxedFn, Handle};
+use tensor::Tensor;
+
+extern "C" {
+    /// `csrc/torch_boxed.cpp`: frees a heap StableIValue on a torch without `torch_delete_stable_ivalue`.
+    fn ternary_rs_delete_stable_ivalue(p: *mut u64);
+}
+
+/// The schema's argument count: x, qweight, scales, out_features, in_features, group_size, bias,
+/// activations.
+pub const NUM_ARGS: u64 = 8;
+/// torch 2.10.0 as `TORCH_ABI_VERSION` encodes it (`torch/headeronly/version.h`): the stable-ABI
+/// conventions this kernel was written for.
+const BUILD_ABI_VERSION: u64 = (2 << 56) | (10 << 48);
+
+/// `STABLE_TORCH_LIBRARY_IMPL(ternary_rs, <key>, m) { m.impl("ternary_linear", entry); }`: returns the
+/// new `torch::Library`, which the caller keeps for the life of the process.
+/// The registration names the caller's source line (`torch._C._dispatch_dump` shows it).
+#[track_caller]
+pub(crate) fn register_boxed(api: &Api, key: &CStr, entry: BoxedFn) -> Result<usize, String> {
+    let at = std::panic::Location::caller();
+    let file = CString::new(at.file()).unwrap_or_default();
+    let mut lib: Handle = std::ptr::null_mut();
+    // SAFETY: valid C strings; `lib` receives a new heap torch::Library the caller keeps forever.
+    let status = unsafe {
+        (api.library_init_impl)(
+            c"ternary_rs".as_ptr(),
+            key.as_ptr(),
+            file.as_ptr(),
+            at.line(),
+            &mut lib,
+        )
+    };
+    if status != 0 || lib.is_null() {
+        return Err(format!(
+            "aoti_torch_library_init_impl(ternary_rs, {}) failed",
+            key.to_string_lossy()
+        ));
+    }
+    // SAFETY: `lib` is the library just created; the entry point follows the boxed convention.
+    let status =
+        unsafe { (api.library_impl)(lib, c"ternary_linear".as_ptr(), entry, BUILD_ABI_VERSION) };
+    if status != 0 {
+        return Err("torch_library_impl(ternary_linear) failed (is the schema defined?)".into());
+    }
+    Ok(lib as usize)
+}
+
+/// One `ternary_linear` call's arguments, unboxed from torch's stack; the handles are owned (freed
+/// on drop).
+pub(crate) struct LinearOp<'a> {
+    pub(crate) x: Tensor<'a>,
+    pub(crate) qweight: Tensor<'a>,
+    pub(crate) scales: Tensor<'a>,
+    /// out_features, in_features, group_size.
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+    pub(crate) g: usize,
+    pub(crate) bias: Option<Tensor<'a>>,
+    /// One of the `ACTIVATIONS_*` codes.
+    pub(crate) activations: i64,
+}
+
+/// The device kernel behind a boxed entry point: the op's arguments and its result.
+pub(crate) type LinearFn = for<'a> fn(&'a Api, LinearOp<'a>) -> Result<Tensor<'a>, String>;
+
+/// Unbox the stack, run `kernel`, box its result; an error or panic becomes a message in `err`.
+///
+/// # Safety
+/// As for [`ternary_rs_cpu_linear_boxed`].
+pub(crate) unsafe fn run_boxed(
+    stack: *mut u64,
+    num_args: u64,
+    num_outputs: u64,
+    err: *mut c_char,
+    err_len: usize,
+    kernel: LinearFn,
+) -> i32 {
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: forwarded from our caller's contract.
+        unsafe { boxed(stack, num_args, num_outputs, kernel) }
+    }));
+    let msg = match result {
+        Ok(Ok(())) => return 0,
+        Ok(Err(msg)) => msg,
+        Err(_) => "ternary_rs::ternary_linear: internal error (panic)".to_string(),
+    };
+    if err_len > 0 {
+        let bytes = msg.as_bytes();
+        let n = bytes.len().min(err_len - 1);
+        // SAFETY: n + 1 ≤ err_len bytes are written.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), err.cast::<u8>(), n);
+            *err.add(n) = 0;
+        }
+    }
+    1
+}
+
+unsafe fn boxed(
+    stack: *mut u64,
+    num_args: u64,
+    num_outputs: u64,
+    kernel: LinearFn,
+) -> Result<(), String> {
+    let api = registered_api().ok_or("ternary_rs: native kernel called before registration")?;
+    if num_args != NUM_ARGS || num_outputs != 1 {
+        return Err(format!(
+            "ternary_rs::ternary_linear: the registered schema has {num_args} arguments and {num_outputs} outputs, \
+             this kernel expects {NUM_ARGS} and 1 (ternary_rs's ops.py and _core are from different versions?)"
+        ));
+    }
+    // SAFETY: the stack holds NUM_ARGS entries.
+    let arg = |i: usize| unsafe { *stack.add(i) };
+    // Take ownership of every handle first, so all are freed whatever fails below.
+    let x = Tensor {
+        api,
+        h: arg(0) as Handle,
+    };
+    let qweight = Tensor {
+        api,
+        h: arg(1) as Handle,
+    };
+    let scales = Tensor {
+        api,
+        h: arg(2) as Handle,
+    };
+    let bias_box = arg(6) as *mut u64;
+    let bias = if bias_box.is_null() {
+        None
+    } else {
+        // SAFETY: a non-null optional is a heap StableIValue holding an owned tensor handle.
+        let h = unsafe { *bias_box } as Handle;
+        match api.delete_stable_ivalue {
+            Some(del) => unsafe { del(bias_box) },
+            None => {
+                unsafe { ternary_rs_delete_stable_ivalue(bias_box) };
+                0
+            }
+        };
+        Some(Tensor { api, h })
+    };
+    let int_arg = |i: usize, name: &str| -> Result<usize, String> {
+        let v = arg(i) as i64;
+        usize::try_from(v).map_err(|_| format!("ternary_linear: {name}={v} must be non-negative"))
+    };
+    let n = int_arg(3, "out_features")?;
+    let k = int_arg(4, "in_features")?;
+    let g = int_arg(5, "group_size")?;
+    let activations = arg(7) as i64;
+
+    let op = LinearOp {
+        x,
+        qweight,
+        scales,
+        n,
+        k,
+        g,
+        bias,
+        activations,
+    };
+    let out = kernel(api, op)?;
+    // SAFETY: outputs go to the front of the stack; ownership passes to torch.
+    unsafe { *stack = out.into_raw() as u64 };
+    Ok(())
+}

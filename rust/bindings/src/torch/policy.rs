@@ -1,0 +1,82 @@
+//! The global CPU-kernel settings the Python side sets and how an op call's `activations` argument
+//! resolves against them.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use ternary_core::kernels::cpu::{dense, Precision, Variant};
+
+/// Values of the op's `activations` argument.
+pub const ACTIVATIONS_AUTO: i64 = 0;
+pub const ACTIVATIONS_EXACT: i64 = 1;
+pub const ACTIVATIONS_INT8_GROUP: i64 = 2;
+pub const ACTIVATIONS_INT8_TOKEN: i64 = 3;
+
+/// Global CPU-kernel settings the Python side sets (`_ops_cpu.set_kernel_variant`, the
+/// `TERNARY_RS_CPU_INT8` default), read by every native call.
+static VARIANT: AtomicU8 = AtomicU8::new(0); // 0 auto, 1 scalar, 2 avx2, 3 avx512, 4 amx
+static DEFAULT_MODE: AtomicU8 = AtomicU8::new(0); // 0 by dtype, 1 exact, 2 int8
+
+pub fn set_variant(v: Option<Variant>) {
+    let code = match v {
+        None => 0,
+        Some(Variant::Scalar) => 1,
+        Some(Variant::Avx2) => 2,
+        Some(Variant::Avx512) => 3,
+        Some(Variant::Amx) => 4,
+    };
+    VARIANT.store(code, Ordering::Relaxed);
+}
+
+pub(crate) fn variant() -> Variant {
+    match VARIANT.load(Ordering::Relaxed) {
+        1 => Variant::Scalar,
+        2 => Variant::Avx2,
+        3 => Variant::Avx512,
+        4 => Variant::Amx,
+        _ => Variant::best(),
+    }
+}
+
+/// `None`: the dtype decides (int8 for bf16/fp16, exact for f32); `Some(false)`: exact for every
+/// dtype; `Some(true)`: int8 for every dtype.
+pub fn set_default_int8(v: Option<bool>) {
+    DEFAULT_MODE.store(
+        match v {
+            None => 0,
+            Some(false) => 1,
+            Some(true) => 2,
+        },
+        Ordering::Relaxed,
+    );
+}
+
+/// The precision an `activations` argument resolves to for activations of `dtype_is_f32`.
+pub fn resolve_precision(activations: i64, dtype_is_f32: bool) -> Result<Precision, String> {
+    Ok(match activations {
+        ACTIVATIONS_AUTO => match DEFAULT_MODE.load(Ordering::Relaxed) {
+            1 => Precision::Exact,
+            2 => Precision::Int8Group,
+            _ => Precision::default_for(dtype_is_f32),
+        },
+        ACTIVATIONS_EXACT => Precision::Exact,
+        ACTIVATIONS_INT8_GROUP => Precision::Int8Group,
+        ACTIVATIONS_INT8_TOKEN => Precision::Int8Token,
+        other => {
+            return Err(format!(
+                "activations={other}: expected 0 (auto), 1 (exact), 2 (int8 per group) or 3 (int8 per token)"
+            ))
+        }
+    })
+}
+
+/// Whether a bf16 call of `m` tokens runs the dense prefill (decoded bf16 chunks through torch's
+/// GEMM). Without AMX-INT8 that beats the VNNI kernel (dense.rs docs); with it the int8 AMX tiles beat
+/// both (cpu::amx docs), so they keep the default. Only in the default mode: an explicit activations
+/// mode or TERNARY_RS_CPU_INT8 keeps its numerics.
+pub(crate) fn prefers_dense_prefill(is_bf16: bool, activations: i64, m: usize) -> bool {
+    is_bf16
+        && activations == ACTIVATIONS_AUTO
+        && DEFAULT_MODE.load(Ordering::Relaxed) == 0
+        && m >= dense::DENSE_MIN_M
+        && variant() != Variant::Amx
+}
