@@ -406,35 +406,44 @@ impl GgufWriter {
         if !self.header_written {
             self.write_header()?;
         }
-        let pending = self
-            .tensors
-            .get(self.current)
-            .map(|t| (t.name.as_str(), t.nbytes));
         finish_stream(
             &self.path,
             &mut self.out,
-            pending,
-            self.current_written,
+            &self.tensors,
             self.current,
-            self.tensors.len(),
+            self.current_written,
         )
     }
 }
 
-/// The end of a streaming writer's `finish` (GGUF and safetensors): refuse while a declared tensor is
-/// incomplete (`pending`: its name and declared bytes, of which `written` arrived; `complete` of `total`
-/// tensors are done), else flush and close `out`.
-pub(super) fn finish_stream(
+/// A tensor a streaming writer declared up front: its name and byte count.
+pub(super) trait Declared {
+    fn name(&self) -> &str;
+    fn nbytes(&self) -> u64;
+}
+
+impl Declared for PlannedTensor {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn nbytes(&self) -> u64 {
+        self.nbytes
+    }
+}
+
+/// Flush and close a streaming writer, refusing when tensor `current` of `tensors` has not received all
+/// its bytes (`written` so far): a file with a short tensor must never look finished.
+pub(super) fn finish_stream<T: Declared>(
     path: &Path,
     out: &mut Option<BufWriter<File>>,
-    pending: Option<(&str, u64)>,
+    tensors: &[T],
+    current: usize,
     written: u64,
-    complete: usize,
-    total: usize,
 ) -> Result<()> {
-    if let Some((name, nbytes)) = pending {
+    if let Some(t) = tensors.get(current) {
+        let (name, nbytes, total) = (t.name(), t.nbytes(), tensors.len());
         return Err(Error::invalid(format!(
-            "{}: tensor '{name}' received {written} of its {nbytes} bytes ({complete} of {total} tensors complete)",
+            "{}: tensor '{name}' received {written} of its {nbytes} bytes ({current} of {total} tensors complete)",
             path.display(),
         )));
     }

@@ -11,7 +11,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-use super::gguf_writer::finish_stream;
+use super::gguf_writer::{finish_stream, Declared};
 use super::limits::*;
 use super::safetensors::Dtype;
 use crate::{Error, Result};
@@ -20,6 +20,15 @@ use crate::{Error, Result};
 struct Planned {
     name: String,
     nbytes: u64,
+}
+
+impl Declared for Planned {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn nbytes(&self) -> u64 {
+        self.nbytes
+    }
 }
 
 pub struct SafetensorsWriter {
@@ -170,17 +179,12 @@ impl SafetensorsWriter {
 
     /// Flush and close; errors if any tensor is incomplete.
     pub fn finish(&mut self) -> Result<()> {
-        let pending = self
-            .tensors
-            .get(self.current)
-            .map(|t| (t.name.as_str(), t.nbytes));
         finish_stream(
             &self.path,
             &mut self.out,
-            pending,
-            self.current_written,
+            &self.tensors,
             self.current,
-            self.tensors.len(),
+            self.current_written,
         )
     }
 }

@@ -13,18 +13,16 @@ use std::arch::x86_64::*;
 use half::f16;
 
 use super::layout::{CHUNK_BYTES, ROWS, SUB_K, SUPER_K};
-use super::{quant, Int8Tile, Kernels, ACC_STRIDE, INT8_TILE, LANES, MICRO_M};
+use super::{Int8Tile, Kernels, ACC_STRIDE, INT8_TILE, LANES, MICRO_M};
 
+/// The scalar table with its hot loops replaced (the row quantizer and the flags stay the scalar ones).
 pub(crate) static KERNELS: Kernels = Kernels {
     int8: [int8::<1>, int8::<2>, int8::<3>, int8::<4>],
     prepass,
     exact,
-    exact_bf16: None,
     decode,
     micro,
-    quantize: quant::quantize_row_fn,
-    amx_int8: false,
-    int8_wide: false,
+    ..super::scalar::KERNELS
 };
 
 pub(crate) fn is_supported() -> bool {
@@ -169,10 +167,7 @@ unsafe fn decode(
     out: &mut [f32],
     stride: usize,
 ) {
-    let kp = block.len();
-    let kc = out.len() + stride - ROWS * stride;
-    assert!(k0.is_multiple_of(SUPER_K) && kc.is_multiple_of(SUPER_K) && k0 + kc <= kp);
-    assert!(scales.len() * g >= kp * ROWS && kc <= stride);
+    let kc = super::decode_span(block, scales, g, k0, out, stride);
     let bp = block.as_ptr();
     let mask = _mm256_set1_epi8(3);
     let one = _mm256_set1_epi8(1);

@@ -352,10 +352,7 @@ unsafe fn decode(
     out: &mut [f32],
     stride: usize,
 ) {
-    let kp = block.len();
-    let kc = out.len() + stride - ROWS * stride;
-    assert!(k0.is_multiple_of(SUPER_K) && kc.is_multiple_of(SUPER_K) && k0 + kc <= kp);
-    assert!(scales.len() * g >= kp * ROWS && kc <= stride);
+    let kc = super::decode_span(block, scales, g, k0, out, stride);
     let bp = block.as_ptr();
     let mask = _mm512_set1_epi8(3);
     let one = _mm512_set1_epi8(1);

@@ -342,6 +342,25 @@ pub(crate) type ExactBf16Fn = unsafe fn(&[u8], &[f16], &[u16], usize) -> [f32; R
 /// `k0` and the stride are multiples of 256 within `Kp`.
 pub(crate) type DecodeFn = unsafe fn(&[u8], &[f16], usize, usize, &mut [f32], usize);
 
+/// The columns a SIMD [`DecodeFn`] writes (`kc`), after checking every bound its unchecked loads and
+/// stores rely on: whole superblocks from `k0` inside the block, a scale for every group, and
+/// `ROWS` rows of `kc` within `out` at `stride`. Panics (never reads out of bounds) otherwise.
+pub(crate) fn decode_span(
+    block: &[u8],
+    scales: &[f16],
+    g: usize,
+    k0: usize,
+    out: &[f32],
+    stride: usize,
+) -> usize {
+    let kp = block.len();
+    let kc = out.len() + stride - ROWS * stride;
+    let sk = layout::SUPER_K;
+    assert!(k0.is_multiple_of(sk) && kc.is_multiple_of(sk) && k0 + kc <= kp);
+    assert!(scales.len() * g >= kp * ROWS && kc <= stride);
+    kc
+}
+
 /// `acc[i · ACC_STRIDE + r · LANES + lane] += Σ_{j ≡ lane} x[i][j] · w[r][j]` (lane-partial sums)
 /// for a [`MICRO_M`] × [`ROWS`] block; every `x[i]`, `w[r]` is `kc` long (a multiple of 64) and `acc`
 /// is [`ACC_WINDOW`] long.

@@ -10,7 +10,7 @@ use half::f16;
 use super::layout::{code, padded_groups, ROWS, SUPER_K};
 use super::{quant, Int8Tile, Kernels, ACC_STRIDE, INT8_TILE, LANES, MICRO_M};
 
-pub(crate) static KERNELS: Kernels = Kernels {
+pub(crate) const KERNELS: Kernels = Kernels {
     int8: [int8::<1>, int8::<2>, int8::<3>, int8::<4>],
     prepass,
     exact,
