@@ -40,7 +40,8 @@ import time
 import torch
 
 import ternary_rs
-from ternary_rs import _core, _ops_cpu, ops
+from ternary_rs import _core
+from ternary_rs.serving import _ops_cpu, ops
 
 SHAPES = [(5120, 17408), (17408, 5120), (5120, 6144), (5120, 151936)]
 GROUP = 128

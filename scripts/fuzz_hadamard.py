@@ -2,7 +2,7 @@
 
     python3 scripts/fuzz_hadamard.py [--seconds 120] [--min-execs 1000000] [--artifacts DIR] [--seed 0]
 
-The parsers are Python (``ternary_rs.hadamard.HadamardSpec``): ``from_prism`` reads GGUF
+The parsers are Python (``ternary_rs.core.hadamard.HadamardSpec``): ``from_prism`` reads GGUF
 ``prism.hadamard.*`` metadata (values as the GGUF reader returns them: ints, floats, bools, str, bytes,
 lists), ``from_config`` the ``quantization_config["hadamard"]`` entry of a converted checkpoint (JSON
 values). Each execution mutates a valid seed (PrismML's key set as tests/bonsai2_model.py writes it, and
@@ -32,7 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from ternary_rs import hadamard as H  # noqa: E402
+from ternary_rs.core import hadamard as H  # noqa: E402
 from ternary_rs._core import ValidationError  # noqa: E402
 
 # A parse of these tiny inputs taking longer than this is a hang.

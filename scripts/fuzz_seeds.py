@@ -102,7 +102,7 @@ def container_seeds(out: Path, tmp: Path) -> None:
         _put(out, "gguf_open", f"gguf-py-{i}", p.read_bytes())
     # ternary_rs's own writer, with the PrismML types gguf-py does not have.
     import ternary_rs
-    from ternary_rs.io import GGUFWriter
+    from ternary_rs.sinks.writers import GGUFWriter
 
     p = tmp / "ours.gguf"
     w = GGUFWriter(p)

@@ -23,8 +23,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers' BitNet quantizer refuses to load without it
 
 import ternary_rs
-from ternary_rs import ops
-from ternary_rs.checkpoint import ConversionError
+from ternary_rs.serving import ops
+from ternary_rs.sinks.checkpoint import ConversionError
 
 from bitnet_model import LINEAR_SUFFIXES, build_tiny_bitnet, load_reference, write_bitnet_gguf
 from contract_writer import unpack_codes_lsb_first
@@ -120,7 +120,7 @@ def test_op_int8_token_mode_equals_transformers_bitlinear():
     torch.testing.assert_close(got, want_auto, **tol)
     torch.testing.assert_close(got_bias, want_bitlinear, **tol)
     # The global default does not matter: the mode is asked for explicitly.
-    from ternary_rs import _ops_cpu
+    from ternary_rs.serving import _ops_cpu
 
     with _ops_cpu.kernel_options(int8=False):
         assert torch.equal(ops.ternary_linear(x, qk, sk, n, k, g, None, ops.INT8_TOKEN), got)

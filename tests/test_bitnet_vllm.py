@@ -42,7 +42,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("accelerate")
 
 import ternary_rs
-from ternary_rs import ops
+from ternary_rs.serving import ops
 
 from bitnet_model import build_tiny_bitnet, load_reference, write_bitnet_gguf
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from ternary_rs.arch import ARCHES, arch_for_config, arch_for_gguf
 from ternary_rs.arch.base import llama_qk_permutation
-from ternary_rs.checkpoint import (
+from ternary_rs.sinks.checkpoint import (
     TMP_MARK,
     Job,
     OutTensor,
@@ -29,9 +29,9 @@ from ternary_rs.checkpoint import (
     write_manifest,
 )
 from ternary_rs import ValidationError
-from ternary_rs import tensor as tensor_module
-from ternary_rs.storage import dense_ternary_group, float_view
-from ternary_rs.tensor import decode_bytes, recover_dense
+from ternary_rs.core import tensor as tensor_module
+from ternary_rs.core.formats import dense_ternary_group, float_view
+from ternary_rs.core.tensor import decode_bytes, recover_dense
 
 import contract_writer as cw
 

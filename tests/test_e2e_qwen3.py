@@ -200,7 +200,7 @@ def test_transformers_reads_our_gguf_config_and_tokenizer(models):
 
 def _assert_converter_tokenizer_is_autotokenizers(gguf_path: Path) -> None:
     """convert builds the tokenizer without AutoTokenizer's slow config step: same result."""
-    from ternary_rs.hf_gguf import _transformers_gguf_tokenizer
+    from ternary_rs.sources.hf_gguf import _transformers_gguf_tokenizer
 
     md = ternary_rs.open(gguf_path).metadata
     ours = _transformers_gguf_tokenizer(gguf_path, md)

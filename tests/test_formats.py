@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import ternary_rs
 import format_reference as ref
-from ternary_rs.tensor import TernaryTensor, decode_bytes, encode
+from ternary_rs.core.tensor import TernaryTensor, decode_bytes, encode
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402

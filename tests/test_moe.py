@@ -145,7 +145,7 @@ def test_gguf_output_of_moe_refused(moe, tmp_path):
 # the op and the quant config (no vLLM start)
 # ---------------------------------------------------------------------------------------------------
 def _random_experts(torch, n_expert, hidden, inter, g, seed=0):
-    from ternary_rs import ops
+    from ternary_rs.serving import ops
 
     gen = torch.Generator().manual_seed(seed)
     dense, prepared = {"w13": [], "w2": []}, {"w13": [], "w2": []}
@@ -168,7 +168,7 @@ def test_moe_op_matches_dense_experts():
     import torch
     import torch.nn.functional as F
 
-    from ternary_rs import ops  # noqa: F401  (registers the op)
+    from ternary_rs.serving import ops  # noqa: F401  (registers the op)
 
     n_expert, hidden, inter, g, m, k = 6, 256, 128, 128, 9, 2
     dense, (w13q, w13s, w2q, w2s) = _random_experts(torch, n_expert, hidden, inter, g)

@@ -188,7 +188,7 @@ def test_directory_with_single_file_and_config(tmp_path, rng):
 
 
 def test_gguf_directory_and_missing_config(tmp_path):
-    from ternary_rs.io import GGUFWriter
+    from ternary_rs.sinks.writers import GGUFWriter
 
     with GGUFWriter(tmp_path / "m.gguf") as w:
         w.add_metadata("general.architecture", "llama")

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import ternary_rs
 import format_reference as ref
-from ternary_rs.tensor import TernaryTensor, decode_bytes, encode
+from ternary_rs.core.tensor import TernaryTensor, decode_bytes, encode
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as VT
 from gguf.quants import quantize
 from safetensors import safe_open
-from ternary_rs.io import GGUFWriter, SafetensorsWriter
+from ternary_rs.sinks.writers import GGUFWriter, SafetensorsWriter
 
 VT_NAMES = {
     "u8": VT.UINT8, "i8": VT.INT8, "u16": VT.UINT16, "i16": VT.INT16, "u32": VT.UINT32, "i32": VT.INT32,

@@ -26,7 +26,7 @@ import time
 
 def cpu_env(tp: int) -> None:
     """vLLM CPU settings for a small shared machine. For TP > 1 the reserved cores and the per-rank
-    thread binding are left to the plugin's defaults (``ternary_rs.cpu_serving``), as a user gets them:
+    thread binding are left to the plugin's defaults (``ternary_rs.serving.cpu``), as a user gets them:
     vLLM's own ``auto`` binding refuses two ranks on this one-NUMA-node machine."""
     ncpu = os.cpu_count() or 1
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -79,7 +79,7 @@ def moe_expert_weights(layer):
     ``[E, H, I]``, each expert's prepared weight applied to the identity in the op's exact mode."""
     import numpy as np
     import torch
-    from ternary_rs import ops
+    from ternary_rs.serving import ops
 
     hidden, inter = layer.ternary_hidden_size, layer.ternary_intermediate_size
 

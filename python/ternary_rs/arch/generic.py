@@ -384,7 +384,7 @@ class GenericDecoderArch:
 
     def values_from_gguf(self, hf_name: str, raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray | None:
         """A float tensor's bytes after transformers' processor (same dtype and shape), or None: unchanged."""
-        from ..storage import float_view
+        from ..core.formats import float_view
 
         kind, _ = self._effect(hf_name, tuple(shape))
         if kind == SAME:
@@ -401,7 +401,7 @@ class GenericDecoderArch:
     def values_to_gguf(self, hf_name: str, raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray | None:
         """The inverse of :meth:`values_from_gguf` (GGUF output), or None: unchanged. Row reorders and
         ``a·x + b`` invert exactly; any other processor effect is refused."""
-        from ..storage import float_view
+        from ..core.formats import float_view
 
         kind, detail = self._effect(hf_name, tuple(shape))
         if kind == SAME:

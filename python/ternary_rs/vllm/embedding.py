@@ -19,8 +19,8 @@ import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-from .. import ops as ternary_ops
-from .config import CODES_PER_BYTE
+from ..serving import ops as ternary_ops
+from .params import CODES_PER_BYTE
 from .linear import TernaryMethodBase, validate_loaded
 
 # Attribute cached on a canonical qweight Parameter shared by embed_tokens and a tied lm_head.

@@ -7,7 +7,7 @@
 * :func:`make_embedding_transform` for the embedding: rows stored inverse-rotated come back as
   ``fwht(row) · s``.
 
-The rotation description is parsed and validated once (:class:`ternary_rs.hadamard.HadamardSpec`); anything
+The rotation description is parsed and validated once (:class:`ternary_rs.core.hadamard.HadamardSpec`); anything
 malformed or of an unknown version raises :class:`ternary_rs.ValidationError` while the model loads, so a
 rotated checkpoint is never served without its rotation.
 
@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .. import hadamard as _h
+from ..core import hadamard as _h
 from .._core import ValidationError
 
 # vLLM fused layer → the checkpoint (Hugging Face) layers it is made of (Qwen3.5 / Qwen3 / Llama names).

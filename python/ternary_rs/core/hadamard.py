@@ -29,8 +29,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from . import _core
-from ._core import ValidationError
+from .. import _core
+from .._core import ValidationError
 
 LIB = "ternary_rs"
 

@@ -180,7 +180,7 @@ def reserved_cpus_choice(env: dict[str, str], cores: int) -> Choice | None:
 def _sizes(model: str | os.PathLike, max_model_len: int | None, kv_dtype: str,
            available: int) -> tuple[int, int, int, int]:
     """``(context, KV bytes per token, recurrent state per sequence, everything else)`` from ``plan``."""
-    from .planner import plan
+    from ..inspection.planner import plan
 
     p = plan(model, context=max_model_len or 2048, concurrency=1, gpu_memory=f"{available}B", kv_dtype=kv_dtype,
              gpu_memory_utilization=1.0)

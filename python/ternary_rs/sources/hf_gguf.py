@@ -7,7 +7,7 @@ compare both). Only other tokenizers go through transformers (``AutoTokenizer`` 
 ``gguf_file=``), on a *metadata-only copy* of the GGUF (same key/value bytes, zero tensors), so
 transformers never touches tensor data (it could not decode PQ2_0/PTQ1_0, and would be slow).
 
-HF -> GGUF metadata lives in ``ternary_rs.gguf_metadata``.
+HF -> GGUF metadata lives in ``ternary_rs.sinks.gguf_metadata``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ._core import FormatError, UnsupportedTypeError
+from .._core import FormatError, UnsupportedTypeError
 
 log = logging.getLogger("ternary_rs.convert")
 
@@ -35,7 +35,7 @@ TOKENIZER_FILES = (
     "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
 )
 GENERATION_CONFIG = "generation_config.json"
-# A metadata-only copy of the GGUF a checkpoint was converted from (see ternary_rs.gguf_metadata); travels
+# A metadata-only copy of the GGUF a checkpoint was converted from (see ternary_rs.sinks.gguf_metadata); travels
 # with the tokenizer files. Not named *.gguf so that nothing globbing for model files takes it for one.
 SOURCE_GGUF_METADATA = "ternary_rs.gguf_metadata"
 SIDE_FILES = TOKENIZER_FILES + (GENERATION_CONFIG, SOURCE_GGUF_METADATA)

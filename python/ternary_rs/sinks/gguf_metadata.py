@@ -19,7 +19,7 @@ One deliberate difference: upstream picks ``tokenizer.ggml.pre`` by hashing the 
 string against a table of published models; we read the pre-tokenizer's split regex from
 ``tokenizer.json`` (``tokenizer_pre``), which also recognises locally trained tokenizers.
 
-Entries are ``(key, value, type)`` with ``type`` a ``ternary_rs.io.GGUFWriter.add_metadata`` type name
+Entries are ``(key, value, type)`` with ``type`` a ``ternary_rs.sinks.writers.GGUFWriter.add_metadata`` type name
 (``"u32"``, ``"string"``, ``"array[i32]"`` …). Architectures without a dense-decoder writer (qwen35)
 call ``hf_metadata`` / ``stored_source_metadata`` / ``metadata_for_gguf_output`` with their own
 hyper-parameter hook.
@@ -33,9 +33,9 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._core import UnsupportedTypeError
+from .._core import UnsupportedTypeError
 from .checkpoint import GGUF_MARK_KEY
-from .hf_gguf import SOURCE_GGUF_METADATA, write_metadata_only_gguf
+from ..sources.hf_gguf import SOURCE_GGUF_METADATA, write_metadata_only_gguf
 
 log = logging.getLogger("ternary_rs.convert")
 
@@ -46,7 +46,7 @@ SOURCE_METADATA_FILE = SOURCE_GGUF_METADATA
 # Keys that describe one file rather than the model: never copied from a source.
 FILE_KEYS = ("general.alignment", "general.file_type", GGUF_MARK_KEY)
 
-# gguf-py value types -> ternary_rs.io type names.
+# gguf-py value types -> ternary_rs.sinks.writers type names.
 _IO_TYPE_NAMES = {0: "u8", 1: "i8", 2: "u16", 3: "i16", 4: "u32", 5: "i32", 6: "f32", 7: "bool",
                   8: "string", 10: "u64", 11: "i64", 12: "f64"}
 _GGUF_ARRAY = 9
@@ -86,7 +86,7 @@ def stored_source_metadata(ckpt_dir: str | Path, config: dict[str, Any], gguf_ar
                            file_type: int | None) -> list[Entry] | None:
     """The keys of the GGUF a checkpoint was converted from (``None``: no stored copy, or one that no
     longer matches ``config.json``; a mismatch is logged)."""
-    from .io import open as open_checkpoint
+    from ..sources.reader import open as open_checkpoint
 
     path = Path(ckpt_dir) / SOURCE_METADATA_FILE
     if not path.is_file():

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from . import _core
+from .. import _core
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 AUTO, EXACT, INT8_GROUP, INT8_TOKEN = (

@@ -28,9 +28,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ._core import InvalidArgumentError, UnsupportedTypeError
-from .io import ternary_errors
-from .report import _build_report
+from .._core import InvalidArgumentError, UnsupportedTypeError
+from ..sources.reader import ternary_errors
+from .report import build_report
 
 GPU_MEMORY_UTILIZATION = 0.9
 RUNTIME_OVERHEAD = 1 << 30
@@ -108,7 +108,7 @@ def plan(path, context: int = 8192, concurrency: int = 8, gpu_memory: int | floa
         raise InvalidArgumentError("context and concurrency must be positive")
     if kv_dtype not in KV_DTYPE_BYTES:
         raise InvalidArgumentError(f"kv_dtype {kv_dtype!r}: expected one of {sorted(KV_DTYPE_BYTES)}")
-    report, _, _ = _build_report(Path(path), "sample")  # float weights: would convert store them ternary?
+    report, _, _ = build_report(Path(path), "sample")  # float weights: would convert store them ternary?
     if report.get("not_ternary"):  # convert refuses it and ternary_rs cannot serve it: no plan to make
         raise UnsupportedTypeError(f"{path}: {report['not_ternary']}; ternary_rs serves ternary models only, so "
                                    "there is nothing to plan")

@@ -23,11 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from ._core import InvalidArgumentError, TernaryError, ValidationError
-from .checkpoint import INDEX_NAME, MANIFEST_NAME, sha256_file
-from .io import not_found, ternary_errors
-from .storage import (
+from .._core import InvalidArgumentError, TernaryError, ValidationError
+from ..sinks.checkpoint import INDEX_NAME, MANIFEST_NAME, sha256_file
+from ..sources.reader import not_found, ternary_errors
+from ..core.formats import (
     FLOAT_BYTES,
+    GGUF_BLOCKS,
     GGUF_TERNARY_GROUPS,
     dense_ternary_group,
     describe_non_ternary_types,
@@ -44,18 +45,6 @@ LEVELS = ("header", "sample", "full")
 MAX_PLAUSIBLE_SCALE = 1000.0
 # Files a tokenizer lives in; a vLLM directory without any needs --tokenizer to be served.
 TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-# Where the fp16 scale sits in each block: (values per block, bytes per block, scale byte offset,
-# (first, last) byte range of 2-bit code fields or None for base-3 packings, where every byte is valid).
-GGUF_BLOCKS = {
-    "TQ2_0": (256, 66, 64, (0, 64)),
-    "TQ1_0": (256, 54, 52, None),
-    "PQ2_0": (128, 34, 0, (2, 34)),
-    "Q2_0_G128": (128, 34, 0, (2, 34)),
-    "Q2_0": (64, 18, 0, (2, 18)),
-    "PTQ1_0": (128, 28, 26, None),
-    "Q1_0": (128, 18, 0, None),
-    "STQ1_0": (256, 42, 40, None),
-}
 CLAIM_PATTERN = re.compile(r"ternary|bonsai|1\.58|b1_58|bitnet|tq[12]_0|pq2_0|ptq1_0|q2_0", re.IGNORECASE)
 ROLE_PATTERNS = {
     # Fused projections (Phi-3's qkv_proj / gate_up_proj, llama.cpp's attn_qkv) first: their names end like
@@ -89,7 +78,7 @@ def _linear_candidate(name: str, shape) -> bool:
 def _dense_embeddings_by_design(architecture) -> bool:
     """Whether the architecture (GGUF ``general.architecture`` / config ``model_type``, looked up by that name
     in ``ternary_rs.arch``, which imports only its module) keeps embed_tokens / lm_head dense (BitNet)."""
-    from .arch import ARCHES
+    from ..arch import ARCHES
 
     try:
         return bool(getattr(ARCHES[str(architecture)], "dense_embeddings", False))
@@ -323,7 +312,8 @@ class _Skip(Exception):
 def _api_error(f, name: str, pack: str, base: str) -> dict[str, Any] | None:
     """What the decoding API reports for a tensor a scan found bad (message, first index, count), so
     verify names the same first index a user of ``ternary_rs.decode`` would see."""
-    from .tensor import TernaryTensor, decode
+    from ..core.tensor import TernaryTensor
+    from ..sources.decode import decode
 
     try:
         if pack == "canonical":
@@ -331,7 +321,7 @@ def _api_error(f, name: str, pack: str, base: str) -> dict[str, Any] | None:
             s = np.asarray(f.raw(f"{base}.scales")).view(np.float16).reshape(f.tensors[f"{base}.scales"].shape)
             TernaryTensor(q, s, name=name)
         else:
-            from . import _core
+            from .. import _core
 
             t = decode(f, name)
             _core.validate(*t._args(), tensor=name)
@@ -422,8 +412,8 @@ def _hadamard_summary(f, cfg_qc: Any) -> dict[str, Any] | None:
     return None
 
 
-def _build_report(path, level: str) -> tuple[dict[str, Any], list[str], list[str]]:
-    from .io import open as open_checkpoint
+def build_report(path, level: str) -> tuple[dict[str, Any], list[str], list[str]]:
+    from ..sources.reader import open as open_checkpoint
 
     if level not in LEVELS:
         raise InvalidArgumentError(f"level {level!r}: expected one of {LEVELS}")
@@ -570,7 +560,7 @@ def _build_report(path, level: str) -> tuple[dict[str, Any], list[str], list[str
 def inspect(path, scan: bool = False) -> dict[str, Any]:
     """A summary of a checkpoint (see module doc): headers only, or with ``scan`` every byte (scale
     statistics, code 3, exactly-ternary float weights). ``problems`` / ``warnings`` list what looks wrong."""
-    report, problems, warnings = _build_report(path, "full" if scan else "header")
+    report, problems, warnings = build_report(path, "full" if scan else "header")
     report["problems"], report["warnings"] = problems, warnings
     return report
 
@@ -709,7 +699,7 @@ def _check_tokenizer(path: Path, details: dict[str, Any], warnings: list[str]) -
 
 
 def _gguf_keys(path: Path) -> list[str]:
-    from .io import open as open_checkpoint
+    from ..sources.reader import open as open_checkpoint
 
     with open_checkpoint(path) as f:
         return list(f.metadata)
@@ -740,13 +730,13 @@ def verify(path) -> VerifyReport:
     else:
         not_checked = f"a single file carries no manifest, and there is no {MANIFEST_NAME} next to it"
     try:
-        details, p2, w2 = _build_report(path, "full")
+        details, p2, w2 = build_report(path, "full")
         problems += p2
         warnings += w2
         _check_vllm_contract(root, details, problems)
         _check_tokenizer(path, details, warnings)
     except (TernaryError, OSError, ValueError) as e:
-        from .checkpoint import describe_error
+        from ..sinks.checkpoint import describe_error
 
         text = describe_error(e)
         if not any(f"'{name}'" in text or f" {name} " in text for name in missing):  # said once already

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import MANIFEST_FORMAT_VERSION, MANIFEST_NAME, QUANT_FORMAT_VERSION, ConversionError
+from ..sinks.checkpoint import MANIFEST_FORMAT_VERSION, MANIFEST_NAME, QUANT_FORMAT_VERSION, ConversionError
 
 # Bump when conversion output changes in a way a cached entry should not survive.
 CACHE_FORMAT_VERSION = 1
@@ -221,8 +221,8 @@ def check_options(path: Path, report: dict[str, Any], vllm_args: list[str]) -> N
 
 
 def _has_tokenizer(path: Path) -> bool:
-    from .io import open as open_checkpoint
-    from .report import TOKENIZER_FILE_NAMES
+    from ..sources.reader import open as open_checkpoint
+    from ..inspection.report import TOKENIZER_FILE_NAMES
 
     gguf = _single_gguf(path)
     if gguf is not None:
@@ -247,10 +247,10 @@ def _single_gguf(path: Path) -> Path | None:
 def check_model(path: Path, vllm_args: list[str]) -> dict[str, Any]:
     """Refuse (``ServeError``) a model without ternary weights, options vLLM would refuse, or a model that
     does not fit; returns the plan (``{"fits": None}`` when the memory is unknown) and, on vLLM CPU, the
-    settings chosen for it (``"cpu_settings"``: :class:`ternary_rs.cpu_serving.CpuSettings`)."""
-    from ._core import TernaryError
-    from .planner import plan
-    from .report import inspect
+    settings chosen for it (``"cpu_settings"``: :class:`ternary_rs.serving.cpu.CpuSettings`)."""
+    from .._core import TernaryError
+    from ..inspection.planner import plan
+    from ..inspection.report import inspect
 
     try:
         report = inspect(path)
@@ -286,7 +286,7 @@ def check_model(path: Path, vllm_args: list[str]) -> dict[str, Any]:
 def _check_cpu(path: Path, vllm_args: list[str], context: int, kv_dtype: str) -> dict[str, Any]:
     """vLLM CPU: the fast settings (reserved cores, KV space sized from the plan), refusing a model whose
     weights and one ``context``-token sequence leave no room in the available RAM."""
-    from . import cpu_serving
+    from . import cpu as cpu_serving
 
     max_seqs = _parse_count(option_value(vllm_args, "--max-num-seqs"), "--max-num-seqs")
     try:
@@ -315,7 +315,7 @@ def default_cache_root() -> Path:
 
 def source_files(path: Path) -> list[Path]:
     """The files a conversion of ``path`` reads (its identity)."""
-    from .convert import ConvertOptions, Source
+    from ..convert import ConvertOptions, Source
 
     return Source(path, ConvertOptions()).source_files()
 
@@ -468,7 +468,7 @@ def clear_cache(root: Path) -> tuple[list[Path], list[Path]]:
 def prepared_checkpoint(opts: ServeOptions, scratch: list[Path]):
     """The ternary_rs checkpoint to serve: MODEL itself, a reused cache entry, or a fresh conversion. A
     cache entry is held (shared lock) while the body runs, so ``--clear-cache`` and pruning leave it."""
-    from .convert import convert
+    from ..convert import convert
 
     src = opts.model
     if _is_ternary_rs_checkpoint(src):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._core import GROUP_SIZES, InvalidArgumentError, TernaryError, TernaryFileExistsError, __version__
+from .._core import GROUP_SIZES, InvalidArgumentError, TernaryError, TernaryFileExistsError, __version__
 
 MANIFEST_NAME = "ternary_rs.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -204,7 +204,7 @@ def is_ternary_rs_output(path: str | os.PathLike) -> bool:
         return present <= listed
     if p.is_file():
         try:
-            from .io import open as open_checkpoint
+            from ..sources.reader import open as open_checkpoint
 
             with open_checkpoint(p) as f:
                 return f.format == "gguf" and GGUF_MARK_KEY in f.metadata
@@ -537,7 +537,7 @@ def write_shards(out_dir: Path, jobs: Sequence[Job], shard_size: int, progress=N
         if hash_pool is not None:
             digests[files[s]] = hash_pool.submit(sha256_file, out_dir / files[s], stop_hashing)
 
-    from .io import SafetensorsWriter
+    from .writers import SafetensorsWriter
 
     shards = plan_shards(jobs, shard_size)
     count = len(shards)

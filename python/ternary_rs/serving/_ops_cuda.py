@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import _core
+from .. import _core
 
 CHUNK_N = 32
 CHUNK_K = 64
