@@ -5,7 +5,7 @@
 The parsers are Python (``ternary_rs.core.hadamard.HadamardSpec``): ``from_prism`` reads GGUF
 ``prism.hadamard.*`` metadata (values as the GGUF reader returns them: ints, floats, bools, str, bytes,
 lists), ``from_config`` the ``quantization_config["hadamard"]`` entry of a converted checkpoint (JSON
-values). Each execution mutates a valid seed (PrismML's key set as tests/bonsai2_model.py writes it, and
+values). Each execution mutates a valid seed (PrismML's key set as tests/support/bonsai2_model.py writes it, and
 its converted form) a few times — values replaced by other types and edge values, keys dropped or added,
 lists cut, grown or nested — and parses it. Allowed outcomes: a spec, or ``ValidationError``. A spec must
 survive ``to_config`` → ``from_config`` unchanged. Anything else (another exception, a parse slower than
@@ -46,7 +46,7 @@ EDGE_STRS = ["", "x", "grouped", "tiled", H.PRISM_TRANSFORM, H.PRISM_AXIS, H.PRI
 
 def _tiny_spec_inputs():
     """PrismML keys for a tiny model (as bonsai2_model.prism_metadata writes them) and a resolver."""
-    from bonsai2_model import gguf_name, prism_metadata
+    from support.bonsai2_model import gguf_name, prism_metadata
 
     rng = np.random.default_rng(0)
     hf = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",

@@ -3,7 +3,7 @@
 References (none of them ternary_rs code): transformers' own BitNet — ``pack_weights`` / ``unpack_weights``,
 ``BitLinear``, ``AutoBitLinear``, ``WeightQuant`` (``transformers/integrations/bitnet.py``) and the model
 loaded by ``from_pretrained``; gguf-py (writer, quantizers, reader); bitnet.cpp's I2_S layout written from
-docs/formats.md#i2_s in ``tests/bitnet_model.py``; ``tests/contract_writer.py``'s NumPy unpacking. The vLLM
+docs/formats.md#i2_s in ``tests/support/bitnet_model.py``; ``tests/support/contract_writer.py``'s NumPy unpacking. The vLLM
 engines serving these checkpoints are in ``tests/test_bitnet_vllm.py``.
 """
 
@@ -26,8 +26,8 @@ import ternary_rs
 from ternary_rs.serving import ops
 from ternary_rs.sinks.checkpoint import ConversionError
 
-from bitnet_model import LINEAR_SUFFIXES, build_tiny_bitnet, load_reference, write_bitnet_gguf
-from contract_writer import unpack_codes_lsb_first
+from support.bitnet_model import LINEAR_SUFFIXES, build_tiny_bitnet, load_reference, write_bitnet_gguf
+from support.contract_writer import unpack_codes_lsb_first
 
 CLI = [sys.executable, "-m", "ternary_rs"]
 

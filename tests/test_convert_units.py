@@ -1,6 +1,6 @@
 """Unit tests of the conversion pieces that need no container/codec: naming, permutations, dense
 ternary detection, staging, shards, manifest. References: gguf-py's tensor map, llama.cpp's
-``LlamaModel.permute`` (copied below), transformers' GGUF reverse permute, ``tests/contract_writer.py``."""
+``LlamaModel.permute`` (copied below), transformers' GGUF reverse permute, ``tests/support/contract_writer.py``."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from ternary_rs.core import tensor as tensor_module
 from ternary_rs.core.formats import dense_ternary_group, float_view
 from ternary_rs.core.tensor import decode_bytes, recover_dense
 
-import contract_writer as cw
+from support import contract_writer as cw
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:

@@ -1,7 +1,7 @@
 """``ternary_rs.decode(file_or_path, name)`` on real files: GGUF written by gguf-py's own writer (TQ1_0,
 TQ2_0, Q1_0) and by a minimal GGUF v3 writer in this file (ids gguf-py 0.19 does not know: 42, 142, 143,
 36), and safetensors checkpoints (BitNet with config.json, MLX packs, dense unpacked) written with the
-``safetensors`` package. Expected values come from the NumPy references in ``tests/format_reference.py``.
+``safetensors`` package. Expected values come from the NumPy references in ``tests/support/format_reference.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ternary_rs
-import format_reference as ref
+from support import format_reference as ref
 
 gguf = pytest.importorskip("gguf")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")

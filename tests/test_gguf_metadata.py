@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from gguf_models import build_model
-from llama_cpp import gguf_contents
+from support.gguf_models import build_model
+from support.llama_cpp import gguf_contents
 
 CLI = [sys.executable, "-m", "ternary_rs"]
 

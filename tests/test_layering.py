@@ -145,4 +145,4 @@ def test_cycle_finder_finds_a_cycle():
 def test_test_only_code_is_not_in_the_package():
     # The NumPy reference codecs are the tests' oracle; the wheel ships what the package needs only.
     assert not (PACKAGE_DIR / "_reference.py").exists()
-    assert (Path(__file__).parent / "format_reference.py").is_file()
+    assert (Path(__file__).parent / "support" / "format_reference.py").is_file()

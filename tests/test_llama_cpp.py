@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from gguf_models import build_model
-from llama_cpp import complete, gguf_contents, reference_convert, require_binary, require_converter
+from support.gguf_models import build_model
+from support.llama_cpp import complete, gguf_contents, reference_convert, require_binary, require_converter
 
 pytestmark = pytest.mark.slow
 

@@ -340,7 +340,7 @@ def _post(url: str, body: dict) -> dict:
 
 def _cpu_env() -> dict:
     sys.path.insert(0, str(TESTS))
-    from vllm_runner import cpu_env
+    from support.vllm_runner import cpu_env
 
     saved = dict(os.environ)
     try:

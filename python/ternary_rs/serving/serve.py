@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .health import is_healthy
 from ..sinks.checkpoint import MANIFEST_FORMAT_VERSION, MANIFEST_NAME, QUANT_FORMAT_VERSION, ConversionError
 
 # Bump when conversion output changes in a way a cached entry should not survive.
@@ -610,11 +611,7 @@ def run_server(cmd: list[str], name: str, vllm_args: list[str], env: dict[str, s
             if code is not None:
                 break
             if not ready:
-                try:
-                    with urllib.request.urlopen(probe + "/health", timeout=5) as r:
-                        ready = r.status == 200
-                except OSError:
-                    pass
+                ready = is_healthy(probe)
                 if ready:
                     print(f"ternary-rs: serving {name!r} at {shown} (OpenAI API: {shown}/completions, "
                           f"{shown}/chat/completions; Ctrl-C stops)", file=sys.stderr, flush=True)

@@ -12,7 +12,7 @@ TIE_GAP = 1e-4
 
 def check_greedy(outputs: list[dict], model, max_tokens: int, *, every_logprob: bool = False,
                  label: str = "") -> None:
-    """Each of the runner's ``outputs`` (tests/vllm_runner.py) generated ``max_tokens`` tokens, each the
+    """Each of the runner's ``outputs`` (tests/support/vllm_runner.py) generated ``max_tokens`` tokens, each the
     reference's argmax or a near tie, with the chosen token's log-probability (``every_logprob``: each one
     vLLM returned) within ``LOGPROB_ATOL`` of the reference's."""
     import torch

@@ -1,6 +1,6 @@
 """A tiny Qwen3-MoE (``Qwen3MoeForCausalLM``) built locally with transformers, its weights made exactly
 ternary, and written as a ``qwen3moe`` TQ2_0 GGUF — by llama.cpp's own ``convert_hf_to_gguf.py`` when
-``tests/llama_cpp.py`` finds it, otherwise by :func:`write_qwen3moe_gguf` with the pip ``gguf`` package (the
+``tests/support/llama_cpp.py`` finds it, otherwise by :func:`write_qwen3moe_gguf` with the pip ``gguf`` package (the
 same tensor names, types and metadata keys llama.cpp's converter writes; ``tests/test_moe.py`` compares the
 two when both are available).
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gguf_models import TQ_GROUP, train_qwen2_tokenizer
-from models import ternarize_absmax
+from .gguf_models import TQ_GROUP, train_qwen2_tokenizer
+from .models import ternarize_absmax
 
 EXPERT_SUFFIXES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 ATTENTION_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models import train_tokenizer
+from .models import train_tokenizer
 
 GDN = "linear_attn"
 # HF module suffix → GGUF tensor suffix (qwen35, gguf-py constants).

@@ -4,7 +4,7 @@ Plain NumPy + ``safetensors.numpy``; shares no code with ``ternary_rs``. Used by
 checkpoints, and to cross-check ``ternary_rs.convert``'s output.
 
 From an HF directory whose selected 2-D weights are already ternary per group (``w = t · a``, a the group
-absmax, as ``tests/models.py`` builds them) it writes, for each such ``<prefix>.weight [N, K]``:
+absmax, as ``tests/support/models.py`` builds them) it writes, for each such ``<prefix>.weight [N, K]``:
 
 * ``<prefix>.qweight``: ``uint8 [N, K/4]``, code ``t + 1`` of ``W[n, k]`` at bits ``2·(k % 4)`` of byte
   ``k // 4`` (least significant first);

@@ -1,8 +1,9 @@
-"""Runs vLLM (CPU build) in its own process for tests/test_vllm.py and benches/bench_vllm.py.
+"""Runs vLLM (CPU build) in its own process for the vLLM tests and benches (test_vllm.py, bench_vllm.py, …).
 
-    python tests/vllm_runner.py --model DIR [DIR …] --out OUT.json [--tp 2] [--eager] [--dtype float32]
+    python tests/support/vllm_runner.py --model DIR [DIR …] --out OUT.json [--tp 2] [--eager] [--dtype float32]
         [--prompts-json FILE] [--max-tokens 12] [--dump-weights DIR] [--quantization ternary]
         [--speculative-config JSON]
+    python tests/support/vllm_runner.py --load-probe --model DIR [DIR …] --out OUT.json
 
 Several models are served one after another in this one process (each engine shut down before the next
 starts: the imports and process start, ~30 s on 2 cores, are paid once); OUT.json then holds
@@ -13,15 +14,22 @@ lm_head: ``quant_method.apply(layer, I_K)`` = W_shard.T through the real op; emb
 every row of the shard; MoE experts: ``<layer>.w13`` ``[E, 2I, H]`` and ``<layer>.w2`` ``[E, H, I]``, each
 expert through the op's exact mode on the identity) to ``DIR/rank<r>.npz``. The ``__main__`` guard is required: vLLM starts worker
 processes with ``spawn``.
+
+With --load-probe (tests/test_vllm_hostile.py): for each directory, in order, one ``vllm.LLM(...)`` in this
+process (engine in-process) and, if it loads, one greedy token: OUT.json gets ``[{"model", "ok", "error",
+"text"}]``, rewritten after every case so a crash keeps the earlier results. ``error`` is
+``"<type>: <message>"`` of the exception and its causes.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import time
+import traceback
 
 
 def cpu_env(tp: int) -> None:
@@ -121,7 +129,12 @@ def main() -> None:
     # Benchmark mode: decode throughput for a batch of prompts.
     ap.add_argument("--bench-batch", default="", help="comma-separated batch sizes, e.g. 1,16")
     ap.add_argument("--bench-tokens", type=int, default=64)
+    ap.add_argument("--load-probe", action="store_true", help="only load each model and record what happened")
     args = ap.parse_args()
+    if args.load_probe:
+        cpu_env(1)
+        probe_loads(args.model, args.out)
+        return
     if args.dump_weights and len(args.model) > 1:
         ap.error("--dump-weights takes one --model")
     cpu_env(args.tp)
@@ -137,8 +150,6 @@ def main() -> None:
 def free_process_state() -> None:
     """After an engine was shut down and dropped: free what vLLM keeps per process (distributed groups,
     cached memory), so that another ``LLM`` can start in this process."""
-    import gc
-
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     gc.collect()
@@ -214,6 +225,36 @@ def serve_model(args, model: str, last: bool = True) -> dict:
         if engine_core is not None:
             engine_core.shutdown()
     return result
+
+
+def describe(e: BaseException) -> str:
+    parts, seen = [], set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        parts.append(f"{type(e).__name__}: {e}")
+        e = e.__cause__ or e.__context__
+    return " <- ".join(parts)
+
+
+def probe_loads(models: list[str], out_path: str) -> None:
+    """--load-probe: load each model in this process, one greedy token if it loads; record every outcome."""
+    from vllm import LLM, SamplingParams
+
+    results = []
+    for model in models:
+        entry = {"model": model, "ok": False, "error": None, "text": None}
+        try:
+            llm = LLM(model=model, max_model_len=128, enforce_eager=True, dtype="float32", max_num_seqs=4, seed=0)
+            out = llm.generate(["Hello"], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+            entry.update(ok=True, text=out[0].outputs[0].text)
+            del llm
+        except BaseException as e:  # noqa: BLE001 - recording every outcome is the point
+            entry["error"] = describe(e)
+            entry["traceback"] = traceback.format_exc()[-4000:]
+        gc.collect()
+        results.append(entry)
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import pytest
 COMPLETION_TIMEOUT_S = 300
 CONVERT_TIMEOUT_S = 600
 # Where scripts/fetch_llama_cpp_converter.sh puts the converter by default.
-FETCHED_CONVERTER = Path(__file__).resolve().parent.parent / ".cache" / "llama_cpp_converter"
+FETCHED_CONVERTER = Path(__file__).resolve().parents[2] / ".cache" / "llama_cpp_converter"
 
 # Runs llama.cpp's converter with its own gguf-py, once per job of a JSON list (one process, so torch and
 # the converter are imported once); a job may pin tokenizer.ggml.pre. The converter picks the pre-tokenizer
@@ -185,9 +185,7 @@ def greedy_tokens(gguf_path: Path, prompt: str, n_predict: int = 24) -> Greedy:
     Token ids rather than text: a model whose vocabulary is padded (``[PAD{i}]`` tokens, type UNUSED) may
     generate padding tokens, which llama.cpp detokenizes to nothing, so text would hide a difference.
     The end-of-generation token is ignored so that every run generates ``n_predict`` tokens."""
-    import time
-    import urllib.error
-    import urllib.request
+    from ternary_rs.serving.health import ServerNotHealthy, wait_healthy
 
     exe = require_binary("llama-server")
     port = _free_port()
@@ -199,21 +197,11 @@ def greedy_tokens(gguf_path: Path, prompt: str, n_predict: int = 24) -> Greedy:
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                log_file.seek(0)
-                raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n"
-                                     f"{log_file.read()[-4000:].decode(errors='replace')}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{' '.join(cmd)}: no /health answer in {SERVER_START_TIMEOUT_S} s")
-            time.sleep(0.2)
+        try:
+            wait_healthy(proc, base, SERVER_START_TIMEOUT_S, poll_s=0.2)
+        except ServerNotHealthy as e:
+            log_file.seek(0)
+            raise AssertionError(f"{' '.join(cmd)}: {e}:\n{log_file.read()[-4000:].decode(errors='replace')}") from None
         prompt_ids = _post(base + "/tokenize", {"content": prompt, "add_special": True})["tokens"]
         out = _post(base + "/completion", {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0,
                                            "top_k": 1, "seed": 0, "ignore_eos": True, "cache_prompt": False,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models import SENTENCES, TERNARY_SUFFIXES, ternarize_absmax, train_tokenizer
+from .models import SENTENCES, TERNARY_SUFFIXES, ternarize_absmax, train_tokenizer
 
 TQ_GROUP = 256
 # The split regex of Qwen2/Qwen3's tokenizer.json (the pre-tokenizer llama.cpp calls "qwen2").

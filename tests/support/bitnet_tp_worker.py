@@ -1,6 +1,6 @@
 """One rank of a 2-process vLLM tensor-parallel world (gloo, CPU) for tests/test_bitnet_vllm.py:
 
-    python tests/bitnet_tp_worker.py --rank R --world 2 --init file:///tmp/x --inputs in.npz --out out_R.npz
+    python tests/support/bitnet_tp_worker.py --rank R --world 2 --init file:///tmp/x --inputs in.npz --out out_R.npz
 
 Builds the end of a BitNet attention block the way ``ternary_rs.vllm.bitnet`` does — ``attn_sub_norm``
 (:class:`~ternary_rs.vllm.bitnet.ShardedRMSNorm`) then ``o_proj`` (a ``RowParallelLinear`` with the ternary

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gguf_models import TQ_GROUP, train_qwen2_tokenizer
-from models import ternarize_absmax, train_tokenizer
+from .gguf_models import TQ_GROUP, train_qwen2_tokenizer
+from .models import ternarize_absmax, train_tokenizer
 
 ARCHITECTURES = ("phi3", "gemma3", "qwen2")
 # tokenizer.ggml.pre pinned for llama.cpp's converter (it cannot hash-identify a locally trained tokenizer).
