@@ -128,8 +128,8 @@ def tensor_list(layers: int) -> tuple[dict[str, tuple[int, int]], dict[str, tupl
 def build(out_dir: Path, layers: int, seed: int = 0, rotation: bool = True) -> Path:
     """Stream the synthetic checkpoint into ``out_dir`` (config.json, shards, index); ``rotation=False``
     leaves out the Hadamard rotation description (a plain ternary qwen35, as upstream llama.cpp runs)."""
-    from ternary_rs.sinks.checkpoint import Job, OutTensor, quantization_config, write_shards
     from ternary_rs.core.hadamard import HadamardSpec
+    from ternary_rs.sinks.checkpoint import Job, OutTensor, quantization_config, write_shards
 
     ternary, dense = tensor_list(layers)
     jobs = []
@@ -199,11 +199,11 @@ def serve(model: Path, tokens: int, batch: int, max_model_len: int, compile_: bo
     ncpu = os.cpu_count() or 1
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}" if ncpu > 1 else "0")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    import torch  # noqa: F401  (imported before the baseline, as vLLM will)
+    import vllm.model_executor.models.qwen3_5  # noqa: F401
     from vllm import LLM, SamplingParams
 
-    import torch  # noqa: F401  (imported before the baseline, as vLLM will)
     import ternary_rs.vllm.plugin  # noqa: F401
-    import vllm.model_executor.models.qwen3_5  # noqa: F401
 
     before = _status()
     t0 = time.perf_counter()

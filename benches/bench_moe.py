@@ -67,8 +67,9 @@ def _tq2(q: np.ndarray, s: np.ndarray) -> np.ndarray:
 
 def write_synthetic(tern: Path, dense: Path, gguf_path: Path | None, c: dict, seed: int = 0) -> None:
     import torch
-    from support.gguf_models import train_qwen2_tokenizer
     from safetensors.torch import save_file
+
+    from support.gguf_models import train_qwen2_tokenizer
 
     rng = np.random.default_rng(seed)
     for d in (tern, dense):

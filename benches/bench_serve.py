@@ -32,7 +32,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -41,6 +40,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+
 from ternary_rs.serving.health import ServerNotHealthy, wait_healthy
 
 HERE = Path(__file__).resolve().parent
@@ -71,6 +71,7 @@ def build_27b(work: Path) -> Path:
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE.parent / "tests"))
     import bench_27b
+
     from support.models import train_tokenizer
 
     ckpt = work / "bonsai2-27b-norot"

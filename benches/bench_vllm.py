@@ -52,8 +52,9 @@ def write_synthetic(tern: Path, dense: Path | None, c: dict, seed: int = 0) -> i
     """Both checkpoints (``dense=None``: the ternary one only), one safetensors shard per layer; returns the
     parameter count."""
     import torch
-    from support.models import train_tokenizer
     from safetensors.torch import save_file
+
+    from support.models import train_tokenizer
 
     g = c["group_size"]
     rng = np.random.default_rng(seed)

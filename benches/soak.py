@@ -48,6 +48,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
 from ternary_rs.serving.health import ServerNotHealthy, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -267,7 +268,7 @@ async def run_one(session, base: str, rng: random.Random, disconnect_share: floa
                 if disconnect and chunks >= 2:
                     r.close()  # drop the connection mid-stream; the server must cope
                     return {"kind": "disconnect", "ok": True, "latency": time.perf_counter() - t0}
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as e:
         return {"kind": kind, "ok": False, "error": f"{type(e).__name__}: {e}"}
     latency = time.perf_counter() - t0
     if disconnect:  # the stream was too short to cut

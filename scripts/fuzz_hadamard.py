@@ -32,8 +32,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from ternary_rs.core import hadamard as H  # noqa: E402
 from ternary_rs._core import ValidationError  # noqa: E402
+from ternary_rs.core import hadamard as H  # noqa: E402
 
 # A parse of these tiny inputs taking longer than this is a hang.
 HANG_S = 2.0

@@ -23,11 +23,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers' BitNet quantizer refuses to load without it
 
 import ternary_rs
-from ternary_rs.serving import ops
-from ternary_rs.sinks.checkpoint import ConversionError
-
 from support.bitnet_model import LINEAR_SUFFIXES, build_tiny_bitnet, load_reference, write_bitnet_gguf
 from support.contract_writer import unpack_codes_lsb_first
+from ternary_rs.serving import ops
+from ternary_rs.sinks.checkpoint import ConversionError
 
 CLI = [sys.executable, "-m", "ternary_rs"]
 

@@ -42,9 +42,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("accelerate")
 
 import ternary_rs
-from ternary_rs.serving import ops
-
 from support.bitnet_model import build_tiny_bitnet, load_reference, write_bitnet_gguf
+from ternary_rs.serving import ops
 
 pytestmark = pytest.mark.vllm
 

@@ -21,8 +21,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import ternary_rs
-from ternary_rs.sinks.checkpoint import MANIFEST_NAME
 from ternary_rs.demo import write_demo_gguf
+from ternary_rs.sinks.checkpoint import MANIFEST_NAME
 from ternary_rs.sinks.writers import GGUFWriter
 
 CLI = [sys.executable, "-m", "ternary_rs"]
@@ -60,7 +60,7 @@ def _rewrite(src: Path, dst: Path, weight) -> Path:
             data[t.name] = (t.shape, *(new or (t.type_id, np.asarray(f.raw(t.name)))))
         for name, (shape, tid, b) in data.items():
             w.add_tensor_info(name, shape, tid, np.asarray(b).nbytes)
-        for name, (shape, tid, b) in data.items():
+        for name, (_, _, b) in data.items():
             w.write_tensor_data(name, b)
         w.close()
     return dst

@@ -11,9 +11,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import ternary_rs
-from support.models import build_tiny_model
-
 from support import contract_writer as cw
+from support.models import build_tiny_model
 
 pytest.importorskip("torch")
 

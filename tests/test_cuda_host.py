@@ -45,8 +45,8 @@ def test_cuda_int8_emulation_quantizes_like_the_cpu_kernel(per_token):
     bit. The CPU op shows it exactly with ``W = I`` (scale 1) and codes that sum to zero in every group
     (``x`` antisymmetric in pairs, so the kernel's code-offset correction is 0): then ``y[n] = fl(xs · q[n])``."""
     torch = pytest.importorskip("torch")
-    from ternary_rs.serving import _ops_cuda, ops
     from ternary_rs import pack_codes
+    from ternary_rs.serving import _ops_cuda, ops
 
     g = 128
     k = 4 * g
@@ -77,8 +77,8 @@ def test_cuda_int8_token_path_with_a_host_stand_in_kernel(monkeypatch):
     fp16 output rounding — also for a row whose integer sum ``Σ q·W`` (≈ 1.4e6 here) would overflow fp16
     if the codes were fed unscaled."""
     torch = pytest.importorskip("torch")
-    from ternary_rs.serving import _ops_cuda, ops
     from ternary_rs import pack_codes
+    from ternary_rs.serving import _ops_cuda, ops
 
     n, k, g = 8, 4096, 128
     gen = torch.Generator().manual_seed(3)

@@ -16,9 +16,8 @@ import pytest
 from safetensors.numpy import load_file
 
 import ternary_rs
-from support.models import SENTENCES, build_tiny_model
-
 from support import contract_writer as cw
+from support.models import SENTENCES, build_tiny_model
 from test_convert_units import llama_cpp_permute
 
 torch = pytest.importorskip("torch")

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 import ternary_rs
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -39,7 +39,7 @@ def write_gguf(path, tensors):
     header += b"\0" * (-len(header) % align)
     with open(path, "wb") as f:
         f.write(header)
-        for (_, _, _, data), off in zip(tensors, offsets):
+        for (_, _, _, data), _off in zip(tensors, offsets):
             f.write(bytes(data))
             f.write(b"\0" * (-len(data) % align))
 

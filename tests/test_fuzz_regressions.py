@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("torch")  # ternary_rs.core.hadamard registers a torch op
 
-from ternary_rs.core import hadamard as H  # noqa: E402
 from ternary_rs._core import ValidationError  # noqa: E402
+from ternary_rs.core import hadamard as H  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 SIGNS8 = [1, -1, 1, 1, -1, -1, 1, -1]

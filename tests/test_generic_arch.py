@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 import ternary_rs
-from support.greedy_reference import check_greedy
 from support.generic_arch_models import ARCHITECTURES, TOKENIZER_PRE, build_generic_model
+from support.greedy_reference import check_greedy
 from support.llama_cpp import ConvertJob, gguf_contents, reference_convert_many, require_converter
 
 pytest.importorskip("transformers")

@@ -11,10 +11,11 @@ import time
 import gguf
 import numpy as np
 import pytest
-import ternary_rs
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as VT
 from gguf.quants import quantize
+
+import ternary_rs
 
 # gguf-py value type -> the type name ternary_rs reports.
 TYPE_NAMES = {

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from support.gguf_models import build_model
-from support.llama_cpp import greedy_tokens, gguf_contents, reference_convert, require_binary, require_converter
+from support.llama_cpp import gguf_contents, greedy_tokens, reference_convert, require_binary, require_converter
 
 pytestmark = pytest.mark.slow
 

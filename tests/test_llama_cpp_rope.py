@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 import ternary_rs
-
 from support.gguf_models import build_model
 from support.llama_cpp import complete, gguf_contents, reference_convert, require_binary, require_converter
 

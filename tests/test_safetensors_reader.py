@@ -11,11 +11,12 @@ import struct
 import ml_dtypes
 import numpy as np
 import pytest
-import ternary_rs
 import torch
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from safetensors.torch import save_file as save_file_torch
+
+import ternary_rs
 
 
 def header_offsets(path):

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ternary_rs.sinks.checkpoint import SLEEP_ENV
 from ternary_rs.demo import DEMO_SHAPE, demo_tokenizer, qwen3_metadata, write_demo_gguf
 from ternary_rs.serving.serve import split_args
+from ternary_rs.sinks.checkpoint import SLEEP_ENV
 
 CLI = [sys.executable, "-m", "ternary_rs", "serve"]
 SERVER_START_TIMEOUT_S = 900

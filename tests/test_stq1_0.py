@@ -25,8 +25,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from support import format_reference as ref
 import ternary_rs
+from support import format_reference as ref
 from ternary_rs import _core
 from ternary_rs.core.tensor import _from_core
 from ternary_rs.sinks.writers import GGUFWriter

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import types
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -28,8 +27,8 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from support.greedy_reference import check_greedy
 from support.contract_writer import dequantize, pack_codes_lsb_first, ternarize_groups, write_contract
+from support.greedy_reference import check_greedy
 from support.models import build_tiny_model
 from ternary_rs.serving.health import ServerNotHealthy, wait_healthy
 
@@ -194,9 +193,10 @@ def quant_config(group_size=32, **extra):
 @pytest.fixture(scope="module")
 def vllm_world():
     """A single-process vLLM distributed world, enough to build layers and load weights in this process."""
-    from ternary_rs.vllm.plugin import register
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+    from ternary_rs.vllm.plugin import register
 
     register()
     with tempfile.NamedTemporaryFile() as f, set_current_vllm_config(VllmConfig()):
@@ -265,8 +265,9 @@ def test_linear_method_loads_fused_and_row_parallel(vllm_world):
 
 
 def test_shard_shape_refused_with_clear_error(vllm_world):
-    from ternary_rs.vllm.linear import load_group_size
     from vllm.model_executor.layers.linear import RowParallelLinear
+
+    from ternary_rs.vllm.linear import load_group_size
 
     # A K shard splitting checkpoint groups is served at gcd(g, shard) (scales repeated, lossless) ...
     assert load_group_size("model.layers.0.mlp.down_proj", 192, 256, 384, 128, 2) == 64

@@ -8,11 +8,12 @@ import gguf
 import ml_dtypes
 import numpy as np
 import pytest
-import ternary_rs
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as VT
 from gguf.quants import quantize
 from safetensors import safe_open
+
+import ternary_rs
 from ternary_rs.sinks.writers import GGUFWriter, SafetensorsWriter
 
 VT_NAMES = {

@@ -28,12 +28,12 @@ from ._core import (
     get_num_threads,
     set_num_threads,
 )
-from .sources.reader import TernaryFile, TensorInfo, open
-from .core.tensor import TernaryTensor, decode_bytes, encode, pack_codes, repack, ternarize, unpack_codes
-from .sources.decode import decode
 from .convert import convert, dequantize_checkpoint
+from .core.tensor import TernaryTensor, decode_bytes, encode, pack_codes, repack, ternarize, unpack_codes
 from .inspection.planner import plan
 from .inspection.report import inspect, verify
+from .sources.decode import decode
+from .sources.reader import TensorInfo, TernaryFile, open
 
 __all__ = [
     "FormatError",

@@ -365,8 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------------------ commands
 def _convert(args, ap: argparse.ArgumentParser) -> int:
-    from .sinks.checkpoint import check_disjoint, describe_error
     from .convert import BulkConversionError, convert, output_kind
+    from .sinks.checkpoint import check_disjoint, describe_error
 
     bulk = len(args.src) > 1 or any(glob.has_magic(s) for s in args.src)
     if not bulk:  # a destination that is or holds the source is refused before anything else

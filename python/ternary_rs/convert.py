@@ -36,26 +36,6 @@ import numpy as np
 
 from ._core import FormatError, InvalidArgumentError, TernaryError, UnsupportedTypeError, ValidationError, __version__
 from .arch import arch_for_config, arch_for_gguf
-from .sinks.checkpoint import (
-    GGUF_MARK_KEY,
-    INDEX_NAME,
-    SUPPORTED_GROUP_SIZES,
-    TMP_MARK,
-    ConversionError,
-    Job,
-    OutTensor,
-    SourceHasher,
-    Staging,
-    parse_size,
-    quantization_config,
-    check_destination_folder,
-    check_disjoint,
-    describe_error,
-    warn_literal_tilde,
-    run_jobs,
-    write_manifest,
-    write_shards,
-)
 from .core.formats import (
     DETECT_GROUP,
     FLOAT_BYTES,
@@ -69,7 +49,27 @@ from .core.formats import (
     non_ternary_gguf_tensors,
     packed_safetensors,
 )
-from .sources.reader import not_found, ternary_errors
+from .sinks.checkpoint import (
+    GGUF_MARK_KEY,
+    INDEX_NAME,
+    SUPPORTED_GROUP_SIZES,
+    TMP_MARK,
+    ConversionError,
+    Job,
+    OutTensor,
+    SourceHasher,
+    Staging,
+    check_destination_folder,
+    check_disjoint,
+    describe_error,
+    parse_size,
+    quantization_config,
+    run_jobs,
+    warn_literal_tilde,
+    write_manifest,
+    write_shards,
+)
+from .sinks.gguf_metadata import keep_source_metadata, keys_from_gguf, metadata_for_gguf_output
 from .sources.hf_gguf import (
     GENERATION_CONFIG,
     SIDE_FILES,
@@ -79,7 +79,7 @@ from .sources.hf_gguf import (
     generation_config_from_gguf,
     tokenizer_from_gguf,
 )
-from .sinks.gguf_metadata import keep_source_metadata, keys_from_gguf, metadata_for_gguf_output
+from .sources.reader import not_found, ternary_errors
 
 log = logging.getLogger("ternary_rs.convert")
 
@@ -570,8 +570,8 @@ def _derived_gguf_jobs(source: Source) -> list[Job]:
 
 
 def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> dict[str, Any]:
-    from .sinks.writers import GGUFWriter
     from .core.tensor import encode, repack
+    from .sinks.writers import GGUFWriter
 
     source.classify()
     if any(st.expert is not None for st in source.tensors):  # llama.cpp wants the experts stacked again

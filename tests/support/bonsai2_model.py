@@ -435,9 +435,9 @@ def gguf_name(hf_name: str, num_layers: int = 0) -> str:
         layer, module = num_layers + int(parts[2]), ".".join(parts[3:])
         return f"blk.{layer}.{LAYER_NAMES[module]}.{suffix}"
     if hf_name.endswith("linear_attn.A_log"):
-        return "blk.%s.ssm_a" % hf_name.split(".")[2]
+        return f"blk.{hf_name.split('.')[2]}.ssm_a"
     if hf_name.endswith("linear_attn.dt_bias"):
-        return "blk.%s.ssm_dt.bias" % hf_name.split(".")[2]
+        return f"blk.{hf_name.split('.')[2]}.ssm_dt.bias"
     layer, module = parts[2], ".".join(parts[3:])
     return f"blk.{layer}.{LAYER_NAMES[module]}.{suffix}"
 

@@ -82,9 +82,9 @@ def decode_tq2_0(data: np.ndarray, shape):
     b = np.asarray(data, np.uint8).reshape(-1, 66)
     codes = np.zeros((b.shape[0], QK_K), np.uint8)
     for j in (0, 32):
-        for l in range(4):
+        for lane in range(4):
             for m in range(32):
-                codes[:, j * 4 + 32 * l + m] = (b[:, j + m] >> (2 * l)) & 3
+                codes[:, j * 4 + 32 * lane + m] = (b[:, j + m] >> (2 * lane)) & 3
     d = b[:, 64:66].copy().view("<f2").reshape(n, k // QK_K)
     return codes.reshape(n, k), d
 

@@ -52,10 +52,11 @@ def dump_weights(model, out_dir: str):
     """Worker side: each ternary layer's shard as dequantized by the serving path."""
     import numpy as np
     import torch
-    from ternary_rs.vllm.embedding import TernaryEmbeddingMethod
-    from ternary_rs.vllm.linear import TernaryLinearMethod
     from vllm.distributed import get_tensor_model_parallel_rank
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    from ternary_rs.vllm.embedding import TernaryEmbeddingMethod
+    from ternary_rs.vllm.linear import TernaryLinearMethod
 
     rank = get_tensor_model_parallel_rank()
     arrays, methods, activations = {}, {}, {}
@@ -87,6 +88,7 @@ def moe_expert_weights(layer):
     ``[E, H, I]``, each expert's prepared weight applied to the identity in the op's exact mode."""
     import numpy as np
     import torch
+
     from ternary_rs.serving import ops
 
     hidden, inter = layer.ternary_hidden_size, layer.ternary_intermediate_size

@@ -107,7 +107,7 @@ class _Registry(dict):
                 return dict.__getitem__(self, key)
         raise KeyError(key)
 
-    def load_all(self) -> "_Registry":
+    def load_all(self) -> _Registry:
         for name in _MODULES:
             if name not in self:
                 self[name]  # noqa: B018 - loads it

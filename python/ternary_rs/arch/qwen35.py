@@ -194,7 +194,7 @@ class Qwen35Arch:
         _write_gguf(_plan_for(src, options), Path(out_path), options)
 
 
-def _plan_for(src, options) -> "_Plan":
+def _plan_for(src, options) -> _Plan:
     if getattr(src, "format", None) == "gguf":
         return _plan_from_gguf(src, options)
     root = Path(getattr(src, "path", src))
@@ -245,7 +245,7 @@ def gguf_to_hf(name: str, n_layers: int | None = None) -> str:
         if kind in BLOCK_TENSORS:
             return f"{prefix}.{BLOCK_TENSORS[kind]}.{suffix}"
     if re.match(r"^blk\.\d+\.ssm_a$", name):
-        return "model.layers.%s.linear_attn.A_log" % name.split(".")[1]
+        return f"model.layers.{name.split('.')[1]}.linear_attn.A_log"
     raise KeyError(f"qwen35 GGUF tensor {name!r} has no Hugging Face counterpart this converter knows")
 
 
@@ -434,8 +434,8 @@ def _gdn_permute_for(cfg: dict, grouped: bool):
 
 
 def _plan_from_gguf(src, options) -> _Plan:
-    from ..sources.decode import decode
     from ..core.tensor import repack
+    from ..sources.decode import decode
 
     path = str(getattr(src, "path", "") or "qwen35 GGUF")
     md = dict(src.metadata)
@@ -659,7 +659,7 @@ def _plan_from_mlx(src, options) -> _Plan:
                 f"{had_name} does not list it with block {plan.spec.block_size}"
             )
     # Each module's own sign vector must be the one of its width in hadamard.json.
-    for module, sname in pack_signs.items():
+    for sname in pack_signs.values():
         s = _float_array(src, tensors[sname]).ravel()
         want = plan.spec.signs.get(s.size)
         if want is None or not np.array_equal(s, want.astype(np.float32)):
@@ -679,9 +679,9 @@ def _plan_from_mlx(src, options) -> _Plan:
 def _plan_from_checkpoint(src, options) -> _Plan:
     """A ternary_rs Bonsai 2 checkpoint (``model_type qwen3_5_text``, canonical ``qweight``/``scales``,
     float32 dense tensors, ``quantization_config.hadamard``) — to GGUF, or re-grouped into a new checkpoint."""
+    from ..core.tensor import TernaryTensor, repack
     from ..sinks.checkpoint import SUPPORTED_GROUP_SIZES
     from ..sources.hf_gguf import copy_hf_side_files
-    from ..core.tensor import TernaryTensor, repack
 
     root = Path(getattr(src, "path", src))
     root = root if root.is_dir() else root.parent
@@ -793,11 +793,11 @@ def _write_gguf(plan: _Plan, out_path: Path, options) -> None:
     """Write the plan as a qwen35 GGUF: ternary tensors re-encoded (group 128, llama.cpp row order), dense
     tensors float32 with PrismML's conventions restored (norms ``w + 1``, ``ssm_a = −exp(A_log)``, tiled GDN
     rows, 2-D conv1d), hyper-parameters, tokenizer and ``prism.hadamard.*``. Streams tensor by tensor."""
+    from .._core import __version__
+    from ..core.tensor import TernaryTensor, encode, repack
     from ..sinks.checkpoint import GGUF_MARK_KEY, Job, OutTensor, run_jobs
     from ..sinks.gguf_metadata import metadata_for_gguf_output
     from ..sinks.writers import GGUFWriter
-    from ..core.tensor import TernaryTensor, encode, repack
-    from .._core import __version__
 
     gtype = (options.gguf_type or "PQ2_0").upper()
     if gtype not in QWEN35_GGUF_OUTPUT:
@@ -831,7 +831,7 @@ def _write_gguf(plan: _Plan, out_path: Path, options) -> None:
                                       f"block of {block}")
             gname = hf_to_gguf(module + ".weight", n_layers)
 
-            def produce(module=module, rows=_tiled_rows(module + ".weight", cfg)):
+            def produce(module=module, rows=_tiled_rows(module + ".weight", cfg)):  # noqa: B008 - bound per module
                 q, sc = plan.ternary[module]()
                 t = TernaryTensor(q, sc, g, name=module, validate=False)
                 # To a divisor: scales repeat; to a multiple: lossless or --requantize (else raises). STQ1_0
@@ -851,7 +851,8 @@ def _write_gguf(plan: _Plan, out_path: Path, options) -> None:
             gname = hf_to_gguf(hf, n_layers)
             out_shape = (shape[0], shape[2]) if hf.endswith("conv1d.weight") and len(shape) == 3 else tuple(shape)
 
-            def produce(hf=hf, produce_dense=produce_dense, rows=_tiled_rows(hf, cfg), out_shape=out_shape):
+            def produce(hf=hf, produce_dense=produce_dense, rows=_tiled_rows(hf, cfg),  # noqa: B008 - bound per tensor
+                        out_shape=out_shape):
                 x = np.asarray(produce_dense(), dtype=np.float32)
                 if hf.endswith("norm.weight") and not hf.endswith("linear_attn.norm.weight"):
                     x = x + np.float32(1.0)  # llama.cpp's Qwen3.5 norms are x·w with w = 1 + HF's weight

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -298,7 +299,7 @@ class HadamardSpec:
         resolve: Callable[[str], tuple[str, int] | None],
         gdn_permute_for: Callable[[str], GdnPermute | None] = lambda name: None,
         source: str = "",
-    ) -> "HadamardSpec":
+    ) -> HadamardSpec:
         """Read PrismML's keys (``kv`` without the ``prism.hadamard.`` prefix).
 
         ``resolve(weight_name)`` maps a listed source tensor name to ``(checkpoint module, input width)``, or
@@ -367,7 +368,7 @@ class HadamardSpec:
         }
 
     @classmethod
-    def from_config(cls, cfg: Any, source: str = "quantization_config.hadamard") -> "HadamardSpec":
+    def from_config(cls, cfg: Any, source: str = "quantization_config.hadamard") -> HadamardSpec:
         """Parse and validate the checkpoint entry; anything unknown or malformed raises ValidationError."""
         where = source
         if not isinstance(cfg, Mapping):
@@ -499,7 +500,7 @@ def is_rotated(metadata: Mapping[str, Any]) -> bool:
     )
 
 
-def unrotate_weight(w: np.ndarray, spec: "HadamardSpec", module: str) -> np.ndarray:
+def unrotate_weight(w: np.ndarray, spec: HadamardSpec, module: str) -> np.ndarray:
     """The dense weight a rotated checkpoint module stands for, in the order its input arrives.
 
     ``W = W'·H·D`` per row (FWHT then signs; the Rust transform, float32), and for a layer with a GDN

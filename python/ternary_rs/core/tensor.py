@@ -17,9 +17,8 @@ per-block scales.
 
 from __future__ import annotations
 
-import os
 import warnings
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -91,7 +90,7 @@ def _scale_bits(scales: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(scales).view(np.uint16)
 
 
-def _from_core(result, name: str, *, validate: bool = False) -> "TernaryTensor":
+def _from_core(result, name: str, *, validate: bool = False) -> TernaryTensor:
     qweight, scale_bits, group = result
     return TernaryTensor(qweight, scale_bits.view(np.float16), group, name=name, validate=validate)
 
@@ -148,7 +147,7 @@ class TernaryTensor:
     def __repr__(self) -> str:
         return f"TernaryTensor({self.name!r}, shape={self.shape}, group_size={self.group_size})"
 
-    def equal(self, other: "TernaryTensor") -> bool:
+    def equal(self, other: TernaryTensor) -> bool:
         """Bitwise equality of codes and scales (same group size)."""
         return (self.group_size == other.group_size
                 and np.array_equal(self.qweight, other.qweight)
@@ -198,7 +197,7 @@ class TernaryTensor:
         """``(qweight, scales)`` as torch tensors sharing memory with this tensor (no copy)."""
         return _to_torch(self.qweight), _to_torch(self.scales)
 
-    def regroup(self, group_size: int, requantize: bool = False) -> "TernaryTensor":
+    def regroup(self, group_size: int, requantize: bool = False) -> TernaryTensor:
         return repack(self, group_size, requantize=requantize)
 
 
@@ -290,7 +289,7 @@ DENSE_CHUNK_BYTES = 64 << 20
 
 
 def recover_dense(raw: np.ndarray, dtype: str, rows: int, cols: int, group_size: int, *, name: str = "<bytes>",
-                  stop=None) -> "TernaryTensor":
+                  stop=None) -> TernaryTensor:
     """The one dense → canonical recovery (``decode_bytes("DENSE")`` and ``convert`` both use it).
 
     Every group of ``group_size`` values must be exactly ``{-a, 0, +a}`` with ``a = max|group|`` exactly

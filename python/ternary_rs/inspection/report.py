@@ -24,8 +24,6 @@ from typing import Any
 import numpy as np
 
 from .._core import InvalidArgumentError, TernaryError, ValidationError
-from ..sinks.checkpoint import INDEX_NAME, MANIFEST_NAME, sha256_file
-from ..sources.reader import not_found, ternary_errors
 from ..core.formats import (
     FLOAT_BYTES,
     GGUF_BLOCKS,
@@ -36,6 +34,8 @@ from ..core.formats import (
     non_ternary_gguf_tensors,
     packed_safetensors,
 )
+from ..sinks.checkpoint import INDEX_NAME, MANIFEST_NAME, sha256_file
+from ..sources.reader import not_found, ternary_errors
 
 INSPECT_SAMPLE_ROWS = 256
 SCAN_CHUNK_BYTES = 64 << 20

@@ -32,13 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .health import is_healthy
 from ..sinks.checkpoint import MANIFEST_FORMAT_VERSION, MANIFEST_NAME, QUANT_FORMAT_VERSION, ConversionError
+from .health import is_healthy
 
 # Bump when conversion output changes in a way a cached entry should not survive.
 CACHE_FORMAT_VERSION = 1
@@ -222,8 +221,8 @@ def check_options(path: Path, report: dict[str, Any], vllm_args: list[str]) -> N
 
 
 def _has_tokenizer(path: Path) -> bool:
-    from ..sources.reader import open as open_checkpoint
     from ..inspection.report import TOKENIZER_FILE_NAMES
+    from ..sources.reader import open as open_checkpoint
 
     gguf = _single_gguf(path)
     if gguf is not None:

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from .._core import UnsupportedTypeError
-from .checkpoint import GGUF_MARK_KEY
 from ..sources.hf_gguf import SOURCE_GGUF_METADATA, write_metadata_only_gguf
+from .checkpoint import GGUF_MARK_KEY
 
 log = logging.getLogger("ternary_rs.convert")
 

@@ -21,7 +21,7 @@ import errno
 import json
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, Self
 

@@ -33,7 +33,6 @@ from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMPa
 from ..serving import ops as ternary_ops  # registers torch.ops.ternary_rs.*
 from .params import CODES_PER_BYTE, SUPPORTED_GROUP_SIZES, k_shard_multiple
 
-
 # Smallest K shard a row-parallel rank may hold: the smallest group of the contract (whole bytes of codes too).
 MIN_K_SHARD = min(SUPPORTED_GROUP_SIZES)
 

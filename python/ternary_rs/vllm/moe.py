@@ -33,8 +33,8 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.utils import set_weight_attrs
 
 from ..serving import ops as ternary_ops  # registers torch.ops.ternary_rs.*
-from .params import CODES_PER_BYTE
 from .linear import load_group_size, validate_loaded
+from .params import CODES_PER_BYTE
 
 # RoutedExperts.weight_loader treats a parameter with this quant_method as group-wise scales.
 _GROUP_SCALES = "group"
