@@ -444,7 +444,7 @@ def build_report(path, level: str) -> tuple[dict[str, Any], list[str], list[str]
     unchecked = [e["name"] for e in linear if e["kind"] == "float" and not e.get("checked_rows")]
     groups = sorted({e["group_size"] for e in ternary if e["group_size"]})
     stats = None
-    # The rule convert, verify, inspect and plan share (storage.non_ternary_gguf_tensors): a GGUF tensor of a
+    # The rule convert, verify, inspect and plan share (core.formats.non_ternary_gguf_tensors): a GGUF tensor of a
     # type that is neither ternary nor float makes the file not a ternary model.
     foreign = non_ternary_gguf_tensors(f.tensors) if f.format == "gguf" else []
     not_ternary = describe_non_ternary_types(foreign) if foreign else None
