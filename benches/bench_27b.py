@@ -9,7 +9,7 @@
    vocab 248320, attention heads 24 / kv 4 × 256, GDN 16 key / 48 value heads × 128, conv 4; every linear,
    the embedding and lm_head ternary at group 128 with the Hadamard rotation description of the real
    file: block 1024, one ±1 sign vector per input width 5120 / 6144 / 17408). Weights are random codes
-   drawn tensor by tensor and streamed into the shards (``ternary_rs.checkpoint.write_shards``): the model
+   drawn tensor by tensor and streamed into the shards (``ternary_rs.sinks.checkpoint.write_shards``): the model
    is never in memory, only a couple of tensors (the largest, the embedding, is 0.34 GB packed).
    The bf16 model would be 54 GB; this checkpoint is about 7.2 GB.
 2. Serves it with vLLM CPU in a fresh process (the engine in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
@@ -136,8 +136,8 @@ def tensor_list(layers: int) -> tuple[dict[str, tuple[int, int]], dict[str, tupl
 def build(out_dir: Path, layers: int, seed: int = 0, rotation: bool = True) -> Path:
     """Stream the synthetic checkpoint into ``out_dir`` (config.json, shards, index); ``rotation=False``
     leaves out the Hadamard rotation description (a plain ternary qwen35, as upstream llama.cpp runs)."""
-    from ternary_rs.checkpoint import Job, OutTensor, quantization_config, write_shards
-    from ternary_rs.hadamard import HadamardSpec
+    from ternary_rs.core.hadamard import HadamardSpec
+    from ternary_rs.sinks.checkpoint import Job, OutTensor, quantization_config, write_shards
 
     ternary, dense = tensor_list(layers)
     jobs = []
@@ -207,11 +207,11 @@ def serve(model: Path, tokens: int, batches: list[int], max_model_len: int, comp
     ncpu = os.cpu_count() or 1
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}" if ncpu > 1 else "0")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    import torch  # noqa: F401  (imported before the baseline, as vLLM will)
+    import vllm.model_executor.models.qwen3_5  # noqa: F401
     from vllm import LLM, SamplingParams
 
-    import torch  # noqa: F401  (imported before the baseline, as vLLM will)
     import ternary_rs.vllm.plugin  # noqa: F401
-    import vllm.model_executor.models.qwen3_5  # noqa: F401
 
     before = _status()
     t0 = time.perf_counter()

@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 import ternary_rs
-from ternary_rs.tensor import TernaryTensor, decode_bytes, encode
+from ternary_rs.core.tensor import TernaryTensor, decode_bytes, encode
 
 LAYER = [(5120, 6144), (6144, 5120), (17408, 5120), (5120, 17408)]  # [N, K] = [out, in]
 QUICK = [(5120, 6144), (6144, 5120)]

@@ -69,9 +69,8 @@ def tensor_list(layers: int) -> list[tuple[str, tuple[int, ...], int]]:
 
 
 def write_gguf(path: Path, layers: int) -> int:
-    from ternary_rs.io import GGUFWriter
-
     from ternary_rs.demo import demo_tokenizer, qwen3_metadata
+    from ternary_rs.sinks.writers import GGUFWriter
 
     s = SHAPE
     rng = np.random.default_rng(0)

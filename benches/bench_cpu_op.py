@@ -40,7 +40,8 @@ import time
 import torch
 
 import ternary_rs
-from ternary_rs import _core, _ops_cpu, ops
+from ternary_rs import _core
+from ternary_rs.serving import _ops_cpu, ops
 
 SHAPES = [(5120, 17408), (17408, 5120), (5120, 6144), (5120, 151936)]
 GROUP = 128
@@ -239,7 +240,7 @@ def main() -> None:
                 _ops_cpu.set_kernel_variant("auto")
                 t_bf16, t_bf16_min = got.get("bf16", (None, None))
                 t_m1, t_m1_min = got.get("m1", (None, None))
-                for mode, act, cps, kernel in variants:
+                for mode, act, _cps, _kernel in variants:
                     t, t_min = got[mode]
                     row = {"k": k, "n": n, "m": m, "threads": th, "mode": mode, "seconds": t,
                            "G_weights_per_s": n * k / t / 1e9, "G_weight_tokens_per_s": m * n * k / t / 1e9,

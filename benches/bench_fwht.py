@@ -1,7 +1,7 @@
 """FWHT benchmark: ``torch.ops.ternary_rs.fwht`` (Rust, CPU) against two plain-torch ways of doing the same
 Bonsai 2 activation rotation, measured side by side in one run:
 
-* ``torch-butterfly``: :func:`ternary_rs.hadamard.fwht_torch` (log2(b) reshape/stack stages),
+* ``torch-butterfly``: :func:`ternary_rs.core.hadamard.fwht_torch` (log2(b) reshape/stack stages),
 * ``torch-matmul``: ``(x·s).view(-1, b) @ H_b/√b`` (dense Hadamard matrix, what a naive port does).
 
 Shapes are Bonsai 2's input widths (5120, 6144, 17408; block 1024) for decode (1 row) to prefill batches.
@@ -21,7 +21,7 @@ import time
 import torch
 
 import ternary_rs
-from ternary_rs import hadamard as H
+from ternary_rs.core import hadamard as H
 
 
 def timed(fn, repeat: int, sync=lambda: None) -> float:

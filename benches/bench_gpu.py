@@ -27,7 +27,8 @@ import time
 
 import torch
 
-from ternary_rs import _core, _ops_cuda, ops
+from ternary_rs import _core
+from ternary_rs.serving import _ops_cuda, ops
 
 SHAPES = [(5120, 6144), (5120, 17408), (17408, 5120), (5120, 151936)]
 M_VALUES = [1, 4, 16, 64, 512, 2048]

@@ -7,7 +7,7 @@ Writes a synthetic ``Qwen3MoeForCausalLM`` — random ternary codes and fp16 sca
 experts included, a dense bf16 router, tied ternary embeddings — as a ternary_rs checkpoint (one
 ``qweight``/``scales`` pair per expert), the same weights dequantized to a dense bf16 Hugging Face directory
 and, when ``LLAMA_CPP_BIN`` names a llama.cpp build, a ``qwen3moe`` TQ2_0 GGUF (experts stacked as
-llama.cpp stacks them; the same bytes). Each runs in its own vLLM process (tests/vllm_runner.py, bf16
+llama.cpp stacks them; the same bytes). Each runs in its own vLLM process (tests/support/vllm_runner.py, bf16
 activations); llama.cpp runs ``llama-bench -p 0 -n TOKENS`` (batch 1) with as many threads.
 
 Printed per batch size (best of ``--repeats`` timed runs): decode tokens/s of each and the ternary/bf16
@@ -67,8 +67,9 @@ def _tq2(q: np.ndarray, s: np.ndarray) -> np.ndarray:
 
 def write_synthetic(tern: Path, dense: Path, gguf_path: Path | None, c: dict, seed: int = 0) -> None:
     import torch
-    from gguf_models import train_qwen2_tokenizer
     from safetensors.torch import save_file
+
+    from support.gguf_models import train_qwen2_tokenizer
 
     rng = np.random.default_rng(seed)
     for d in (tern, dense):
@@ -145,7 +146,7 @@ def write_synthetic(tern: Path, dense: Path, gguf_path: Path | None, c: dict, se
         if f.suffix in (".json", ".jinja") and f.name not in ("config.json", "model.safetensors.index.json"):
             (dense / f.name).write_bytes(f.read_bytes())
     if gguf_path is not None:
-        from moe_model import write_gguf_tensors
+        from support.moe_model import write_gguf_tensors
 
         write_gguf_tensors(tern, config, typed, gguf_path)
 
@@ -168,7 +169,7 @@ def run_vllm(model_dir: Path, out: Path, batches: str, tokens: int, eager: bool,
     """One engine; every batch size timed ``repeats`` times, the best run kept (a shared machine's noise
     only ever slows a run down)."""
     sizes = [int(b) for b in batches.split(",")]
-    cmd = [sys.executable, str(TESTS / "vllm_runner.py"), "--model", str(model_dir), "--out", str(out),
+    cmd = [sys.executable, str(TESTS / "support" / "vllm_runner.py"), "--model", str(model_dir), "--out", str(out),
            "--dtype", "bfloat16", "--bench-batch", ",".join(str(b) for b in sizes for _ in range(repeats)),
            "--bench-tokens", str(tokens), "--max-model-len", str(512 + tokens)]
     if eager:

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-import ternary_rs
 from safetensors import safe_open
 from safetensors.numpy import save_file
+
+import ternary_rs
 
 
 def build_gguf(path: Path, n_tensors: int, cols: int, vocab: int) -> None:
@@ -111,7 +112,9 @@ def main() -> None:
         assert sorted(ternary_list(st_small)()) == sorted(
             (n, s, t) for n, s, t in safe_open_list(st_small)())
 
-        size = lambda p: sum(f.stat().st_size for f in ([p] if p.is_file() else p.iterdir()))
+        def size(p):
+            return sum(f.stat().st_size for f in ([p] if p.is_file() else p.iterdir()))
+
         print(f"{args.tensors} tensors, GGUF vocab {args.vocab}, best of {args.repeats} runs (open + list every tensor)")
         print(f"{'case':44s} {'data':>9s} {'ternary_rs':>11s} {'reference':>11s} {'ratio':>8s}")
         rows = []

@@ -32,7 +32,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -41,6 +40,8 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+
+from ternary_rs.serving.health import ServerNotHealthy, wait_healthy
 
 HERE = Path(__file__).resolve().parent
 START_TIMEOUT_S = 1800
@@ -70,7 +71,8 @@ def build_27b(work: Path) -> Path:
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE.parent / "tests"))
     import bench_27b
-    from models import train_tokenizer
+
+    from support.models import train_tokenizer
 
     ckpt = work / "bonsai2-27b-norot"
     if not (ckpt / "config.json").exists():
@@ -97,21 +99,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(base: str, proc: subprocess.Popen, log: Path, timeout: float = START_TIMEOUT_S) -> float:
-    """Seconds until ``base/health`` answers 200; exits with the log's tail if the server dies."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        if proc.poll() is not None:
-            sys.exit(f"server exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return time.perf_counter() - t0
-        except OSError:
-            pass
-        time.sleep(1)
-    stop(proc)
-    sys.exit(f"server not healthy after {timeout} s:\n{log.read_text(errors='replace')[-4000:]}")
+def wait_server(base: str, proc: subprocess.Popen, log: Path, timeout: float = START_TIMEOUT_S) -> float:
+    """Seconds until ``base/health`` answers 200; exits with the log's tail if the server dies or is late."""
+    try:
+        return wait_healthy(proc, base, timeout)
+    except ServerNotHealthy as e:
+        if e.returncode is None:
+            stop(proc)
+        sys.exit(f"{e}:\n{log.read_text(errors='replace')[-4000:]}")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -132,7 +127,7 @@ def start_ours(gguf: Path, work: Path, max_len: int) -> tuple[subprocess.Popen, 
            str(work / "serve-cache"), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_len)]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
-    return proc, base, log, wait_healthy(base, proc, log)
+    return proc, base, log, wait_server(base, proc, log)
 
 
 def start_llama(gguf: Path, work: Path, bin_dir: Path, slots: int, ctx_per_slot: int
@@ -143,7 +138,7 @@ def start_llama(gguf: Path, work: Path, bin_dir: Path, slots: int, ctx_per_slot:
            "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", str(os.cpu_count() or 1), "--no-warmup"]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    return proc, base, log, wait_healthy(base, proc, log)
+    return proc, base, log, wait_server(base, proc, log)
 
 
 # ------------------------------------------------------------------------------------------ clients

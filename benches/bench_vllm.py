@@ -5,7 +5,7 @@
 
 Writes a synthetic ternary Qwen3 checkpoint (random codes and fp16 scales, streamed tensor by tensor: a
 1.7B model never sits in memory) in the checkpoint contract, and the same weights dequantized to a dense
-bf16 Hugging Face directory; then runs each in its own vLLM process (tests/vllm_runner.py, bf16
+bf16 Hugging Face directory; then runs each in its own vLLM process (tests/support/vllm_runner.py, bf16
 activations, the same machine settings) and prints, per batch size, decode tokens/s and the
 ternary/bf16 ratio, plus each engine's start-up time (model load + compile + warm-up).
 
@@ -52,8 +52,9 @@ def write_synthetic(tern: Path, dense: Path | None, c: dict, seed: int = 0) -> i
     """Both checkpoints (``dense=None``: the ternary one only), one safetensors shard per layer; returns the
     parameter count."""
     import torch
-    from models import train_tokenizer
     from safetensors.torch import save_file
+
+    from support.models import train_tokenizer
 
     g = c["group_size"]
     rng = np.random.default_rng(seed)
@@ -119,7 +120,7 @@ def write_synthetic(tern: Path, dense: Path | None, c: dict, seed: int = 0) -> i
 
 
 def run(model_dir: Path, out: Path, batches: str, tokens: int, eager: bool, max_len: int) -> dict:
-    cmd = [sys.executable, str(TESTS / "vllm_runner.py"), "--model", str(model_dir), "--out", str(out),
+    cmd = [sys.executable, str(TESTS / "support" / "vllm_runner.py"), "--model", str(model_dir), "--out", str(out),
            "--dtype", "bfloat16", "--bench-batch", batches, "--bench-tokens", str(tokens),
            "--max-model-len", str(max_len)]
     if eager:

@@ -3,8 +3,8 @@
     python benches/soak.py [--model qwen3|bonsai2|DIR] [--duration 600] [--clients 64] [--out soak.json]
                            [--disconnect-share 0.1] [--bad-share 0.05] [--no-prefix-caching] [--seed 0]
 
-Builds the model locally (``qwen3``: tests/models.py's tiny ternarized Qwen3; ``bonsai2``: the Bonsai 2
-style Qwen3.5 hybrid of tests/bonsai2_model.py as PrismML's PQ2_0 GGUF), converts it with ``ternary_rs``
+Builds the model locally (``qwen3``: tests/support/models.py's tiny ternarized Qwen3; ``bonsai2``: the Bonsai 2
+style Qwen3.5 hybrid of tests/support/bonsai2_model.py as PrismML's PQ2_0 GGUF), converts it with ``ternary_rs``
 (or takes a converted DIR), starts ``vllm.entrypoints.openai.api_server`` on localhost with
 ``--enable-prefix-caching`` and drives it with ``--clients`` concurrent clients for ``--duration``
 seconds. Each client loops over requests of mixed kinds:
@@ -49,6 +49,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from ternary_rs.serving.health import ServerNotHealthy, wait_healthy
+
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 sys.path.insert(0, str(TESTS))
@@ -84,13 +86,13 @@ def build_model(kind: str, work: Path) -> Path:
     import ternary_rs
 
     if kind == "qwen3":
-        from models import build_tiny_model
+        from support.models import build_tiny_model
 
         hf = work / "hf"
         build_tiny_model(hf, group_size=128, seed=0)
         return Path(ternary_rs.convert(hf, work / "qwen3-ternary", progress=False))
     if kind == "bonsai2":
-        from bonsai2_model import build_bonsai2_tiny, write_prism_gguf
+        from support.bonsai2_model import build_bonsai2_tiny, write_prism_gguf
 
         tiny = build_bonsai2_tiny(work / "hf", block_size=128)
         src = write_prism_gguf(tiny, work / "bonsai2-tiny-PQ2_0.gguf", "PQ2_0")
@@ -114,7 +116,7 @@ def chat_template_args(model: Path, work: Path) -> list[str]:
             return []
     except (OSError, ValueError):
         pass
-    from models import CHAT_TEMPLATE
+    from support.models import CHAT_TEMPLATE
 
     path = work / "chat_template.jinja"
     path.write_text(CHAT_TEMPLATE)
@@ -123,7 +125,7 @@ def chat_template_args(model: Path, work: Path) -> list[str]:
 
 def start_server(model: Path, port: int, clients: int, prefix_caching: bool, log_path: Path,
                  extra: list[str]) -> subprocess.Popen:
-    from vllm_runner import cpu_env
+    from support.vllm_runner import cpu_env
 
     saved = dict(os.environ)
     cpu_env(1)
@@ -142,19 +144,11 @@ def start_server(model: Path, port: int, clients: int, prefix_caching: bool, log
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def wait_healthy(proc: subprocess.Popen, base: str, log_path: Path) -> None:
-    deadline = time.time() + HEALTH_TIMEOUT_S
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}:\n{log_path.read_text()[-5000:]}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise RuntimeError("server did not become healthy:\n" + log_path.read_text()[-5000:])
+def wait_server(proc: subprocess.Popen, base: str, log_path: Path) -> None:
+    try:
+        wait_healthy(proc, base, HEALTH_TIMEOUT_S, poll_s=2)
+    except ServerNotHealthy as e:
+        raise RuntimeError(f"{e}:\n{log_path.read_text()[-5000:]}") from None
 
 
 def prefix_cache_stats(base: str) -> dict:
@@ -274,7 +268,7 @@ async def run_one(session, base: str, rng: random.Random, disconnect_share: floa
                 if disconnect and chunks >= 2:
                     r.close()  # drop the connection mid-stream; the server must cope
                     return {"kind": "disconnect", "ok": True, "latency": time.perf_counter() - t0}
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as e:
         return {"kind": kind, "ok": False, "error": f"{type(e).__name__}: {e}"}
     latency = time.perf_counter() - t0
     if disconnect:  # the stream was too short to cut
@@ -397,7 +391,7 @@ def main() -> int:
     proc = start_server(model, port, args.clients, not args.no_prefix_caching, log_path,
                         chat_template_args(model, work))
     try:
-        wait_healthy(proc, base, log_path)
+        wait_server(proc, base, log_path)
         # Warm-up (first requests allocate caches), then the baseline memory.
         asyncio.run(load(base, min(4, args.clients), 3.0, args.seed + 99, 0.0, 0.0, lambda r: None))
         rss_start = tree_rss(proc.pid)

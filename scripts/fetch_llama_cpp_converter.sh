@@ -5,7 +5,7 @@
 #
 #   bash scripts/fetch_llama_cpp_converter.sh [DEST]      # default DEST: .cache/llama_cpp_converter
 #
-# The tests find it there (tests/llama_cpp.py: convert_dir); scripts/setup_env.sh calls this, so CI has it.
+# The tests find it there (tests/support/llama_cpp.py: convert_dir); scripts/setup_env.sh calls this, so CI has it.
 # Same version as build_llama_cpp.sh (LLAMA_CPP_PYTHON_VERSION); a DEST already holding it is kept.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)

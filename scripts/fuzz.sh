@@ -8,7 +8,7 @@
 # exactly as `cargo fuzz build` does (same RUSTFLAGS; cargo-fuzz itself is not needed). That needs a
 # nightly toolchain; without one, stable is used with RUSTC_BOOTSTRAP=1 (the script says which).
 # Python target `prism_hadamard` (scripts/fuzz_hadamard.py): the prism.hadamard.* GGUF metadata and
-# quantization_config["hadamard"] parsers (ternary_rs.hadamard.HadamardSpec), a mutation fuzzer.
+# quantization_config["hadamard"] parsers (ternary_rs.core.hadamard.HadamardSpec), a mutation fuzzer.
 #
 # Targets run one at a time under `nice -n 10` (the machine may be shared), each for SECONDS_PER_TARGET
 # and then on until MIN_EXECS (default 10^6) executions, seeded from the test corpora

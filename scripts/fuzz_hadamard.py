@@ -2,10 +2,10 @@
 
     python3 scripts/fuzz_hadamard.py [--seconds 120] [--min-execs 1000000] [--artifacts DIR] [--seed 0]
 
-The parsers are Python (``ternary_rs.hadamard.HadamardSpec``): ``from_prism`` reads GGUF
+The parsers are Python (``ternary_rs.core.hadamard.HadamardSpec``): ``from_prism`` reads GGUF
 ``prism.hadamard.*`` metadata (values as the GGUF reader returns them: ints, floats, bools, str, bytes,
 lists), ``from_config`` the ``quantization_config["hadamard"]`` entry of a converted checkpoint (JSON
-values). Each execution mutates a valid seed (PrismML's key set as tests/bonsai2_model.py writes it, and
+values). Each execution mutates a valid seed (PrismML's key set as tests/support/bonsai2_model.py writes it, and
 its converted form) a few times — values replaced by other types and edge values, keys dropped or added,
 lists cut, grown or nested — and parses it. Allowed outcomes: a spec, or ``ValidationError``. A spec must
 survive ``to_config`` → ``from_config`` unchanged. Anything else (another exception, a parse slower than
@@ -32,8 +32,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from ternary_rs import hadamard as H  # noqa: E402
 from ternary_rs._core import ValidationError  # noqa: E402
+from ternary_rs.core import hadamard as H  # noqa: E402
 
 # A parse of these tiny inputs taking longer than this is a hang.
 HANG_S = 2.0
@@ -46,7 +46,7 @@ EDGE_STRS = ["", "x", "grouped", "tiled", H.PRISM_TRANSFORM, H.PRISM_AXIS, H.PRI
 
 def _tiny_spec_inputs():
     """PrismML keys for a tiny model (as bonsai2_model.prism_metadata writes them) and a resolver."""
-    from bonsai2_model import gguf_name, prism_metadata
+    from support.bonsai2_model import gguf_name, prism_metadata
 
     rng = np.random.default_rng(0)
     hf = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",

@@ -70,8 +70,9 @@ def _stq1_0_ternary(rng, rows: int, cols: int):
 
 def container_seeds(out: Path, tmp: Path) -> None:
     import gguf
-    import test_corrupt_files as corrupt
     from safetensors.numpy import save_file
+
+    import test_corrupt_files as corrupt
 
     for i, (blob, _) in enumerate(corrupt.CORRUPT_GGUF.values()):
         _put(out, "gguf_open", f"corrupt-{i:03d}", blob)
@@ -102,7 +103,7 @@ def container_seeds(out: Path, tmp: Path) -> None:
         _put(out, "gguf_open", f"gguf-py-{i}", p.read_bytes())
     # ternary_rs's own writer, with the PrismML types gguf-py does not have.
     import ternary_rs
-    from ternary_rs.io import GGUFWriter
+    from ternary_rs.sinks.writers import GGUFWriter
 
     p = tmp / "ours.gguf"
     w = GGUFWriter(p)
@@ -144,6 +145,7 @@ def container_seeds(out: Path, tmp: Path) -> None:
 
 def decoder_seeds(out: Path) -> None:
     import gguf
+
     import ternary_rs
 
     rng = np.random.default_rng(1)

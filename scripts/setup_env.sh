@@ -37,7 +37,7 @@ echo "[setup] torch 2.13.0"
 have torch 2.13.0 || $PIP "torch==2.13.0"
 
 echo "[setup] test and build tools"
-$PIP "maturin>=1.9,<2" "pytest>=8" "pytest-xdist==3.8.0" "hypothesis>=6" "numpy>=1.26" "gguf==0.19.0" "safetensors>=0.6.2" \
+$PIP "maturin>=1.9,<2" "pytest>=8" "pytest-xdist==3.8.0" "ruff==0.17.6" "hypothesis>=6" "numpy>=1.26" "gguf==0.19.0" "safetensors>=0.6.2" \
      "ml_dtypes" "scipy" "tqdm" "psutil" "transformers==5.19.0" "tokenizers>=0.23.2" "sentencepiece" "jinja2"
 # transformers' BitNet quantizer (the reference of tests/test_bitnet*.py) refuses to load without accelerate.
 $PIP --no-deps "accelerate==1.15.0"

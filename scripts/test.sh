@@ -6,6 +6,7 @@ export CARGO_TERM_COLOR=never
 bash scripts/setup_env.sh
 echo "== cargo fmt";    cargo fmt --all -- --check
 echo "== cargo clippy"; cargo clippy --workspace --all-targets -- -D warnings
+echo "== ruff";         python3 -m ruff check python tests benches scripts
 echo "== cargo test";   cargo test --workspace --release
 echo "== cuda (compile + spill checks + host tests, no GPU needed)"; bash scripts/check_cuda.sh
 echo "== build";        bash scripts/build.sh

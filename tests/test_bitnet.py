@@ -3,7 +3,7 @@
 References (none of them ternary_rs code): transformers' own BitNet — ``pack_weights`` / ``unpack_weights``,
 ``BitLinear``, ``AutoBitLinear``, ``WeightQuant`` (``transformers/integrations/bitnet.py``) and the model
 loaded by ``from_pretrained``; gguf-py (writer, quantizers, reader); bitnet.cpp's I2_S layout written from
-docs/formats.md#i2_s in ``tests/bitnet_model.py``; ``tests/contract_writer.py``'s NumPy unpacking. The vLLM
+docs/formats.md#i2_s in ``tests/support/bitnet_model.py``; ``tests/support/contract_writer.py``'s NumPy unpacking. The vLLM
 engines serving these checkpoints are in ``tests/test_bitnet_vllm.py``.
 """
 
@@ -23,11 +23,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers' BitNet quantizer refuses to load without it
 
 import ternary_rs
-from ternary_rs import ops
-from ternary_rs.checkpoint import ConversionError
-
-from bitnet_model import LINEAR_SUFFIXES, build_tiny_bitnet, load_reference, write_bitnet_gguf
-from contract_writer import unpack_codes_lsb_first
+from support.bitnet_model import LINEAR_SUFFIXES, build_tiny_bitnet, load_reference, write_bitnet_gguf
+from support.contract_writer import unpack_codes_lsb_first
+from ternary_rs.serving import ops
+from ternary_rs.sinks.checkpoint import ConversionError
 
 CLI = [sys.executable, "-m", "ternary_rs"]
 
@@ -120,7 +119,7 @@ def test_op_int8_token_mode_equals_transformers_bitlinear():
     torch.testing.assert_close(got, want_auto, **tol)
     torch.testing.assert_close(got_bias, want_bitlinear, **tol)
     # The global default does not matter: the mode is asked for explicitly.
-    from ternary_rs import _ops_cpu
+    from ternary_rs.serving import _ops_cpu
 
     with _ops_cpu.kernel_options(int8=False):
         assert torch.equal(ops.ternary_linear(x, qk, sk, n, k, g, None, ops.INT8_TOKEN), got)

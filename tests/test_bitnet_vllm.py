@@ -1,7 +1,7 @@
 """BitNet b1.58 served by vLLM (CPU) through the plugin's ``BitNetForCausalLM``, against transformers' own
 BitNet (``from_pretrained`` on the source checkpoint: ``AutoBitLinear`` / ``BitLinear``, ``BitNetRMSNorm``).
 
-Engines (subprocesses, ``tests/vllm_runner.py``; tiny models from ``tests/bitnet_model.py``):
+Engines (subprocesses, ``tests/support/vllm_runner.py``; tiny models from ``tests/support/bitnet_model.py``):
 
 * **A** — transformers-packed ``bitlinear`` checkpoint (reciprocal ``weight_scale``, attention biases, tied
   head), float32, TP=1, torch.compile;
@@ -22,7 +22,7 @@ log-prob (measured: with bit-identical inputs and fp16-exact scales, vLLM float3
 bfloat16 adds transformers' and vLLM's different bf16 roundings (attention, norms, residuals).
 
 Model B uses head_dim 48: vLLM's AMX attention kernel (bf16, head_dim % 32 == 0) died with SIGILL in
-``cpu_attention_with_kv_cache`` under ``tests/vllm_runner.py`` on this project's CPU machine (a tiny Qwen3 too);
+``cpu_attention_with_kv_cache`` under ``tests/support/vllm_runner.py`` on this project's CPU machine (a tiny Qwen3 too);
 head_dim 48 selects its portable ``vec16`` kernel.
 """
 
@@ -42,15 +42,14 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("accelerate")
 
 import ternary_rs
-from ternary_rs import ops
-
-from bitnet_model import build_tiny_bitnet, load_reference, write_bitnet_gguf
+from support.bitnet_model import build_tiny_bitnet, load_reference, write_bitnet_gguf
+from ternary_rs.serving import ops
 
 pytestmark = pytest.mark.vllm
 
 TESTS = Path(__file__).parent
-RUNNER = TESTS / "vllm_runner.py"
-TP_WORKER = TESTS / "bitnet_tp_worker.py"
+RUNNER = TESTS / "support" / "vllm_runner.py"
+TP_WORKER = TESTS / "support" / "bitnet_tp_worker.py"
 PROMPTS = ["The quick brown fox", "Hello world! This is", "Ternary weights take one of", "A scale per group"]
 MAX_TOKENS = 16
 # Measured maxima on these fixtures: float32 0.029 (A) / 0.023 (C), bfloat16 0.049 (B, 33 of 64 near ties).

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ternary_rs.checkpoint import SLEEP_ENV, TMP_MARK
 from ternary_rs.demo import write_demo_gguf
+from ternary_rs.sinks.checkpoint import SLEEP_ENV, TMP_MARK
 
 CLI = [sys.executable, "-m", "ternary_rs"]
 

@@ -21,9 +21,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import ternary_rs
-from ternary_rs.checkpoint import MANIFEST_NAME
 from ternary_rs.demo import write_demo_gguf
-from ternary_rs.io import GGUFWriter
+from ternary_rs.sinks.checkpoint import MANIFEST_NAME
+from ternary_rs.sinks.writers import GGUFWriter
 
 CLI = [sys.executable, "-m", "ternary_rs"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +60,7 @@ def _rewrite(src: Path, dst: Path, weight) -> Path:
             data[t.name] = (t.shape, *(new or (t.type_id, np.asarray(f.raw(t.name)))))
         for name, (shape, tid, b) in data.items():
             w.add_tensor_info(name, shape, tid, np.asarray(b).nbytes)
-        for name, (shape, tid, b) in data.items():
+        for name, (_, _, b) in data.items():
             w.write_tensor_data(name, b)
         w.close()
     return dst
@@ -427,7 +427,7 @@ def test_messages_are_plain_and_name_paths_as_given(demo, tmp_path):
     with open("/dev/full", "w") as full:
         r = subprocess.run(CLI + ["inspect", str(src)], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
     assert r.returncode == 1 and r.stderr.strip() == "ternary-rs: standard output: No space left on device"
-    from ternary_rs.checkpoint import describe_error
+    from ternary_rs.sinks.checkpoint import describe_error
 
     python_form = describe_error(PermissionError(13, "Permission denied", "a/b"))
     rust_form = describe_error(ternary_rs.TernaryPermissionError(13, "a/b: Permission denied (os error 13)"))

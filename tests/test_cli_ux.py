@@ -23,9 +23,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import ternary_rs
-from ternary_rs.checkpoint import TMP_MARK
 from ternary_rs.demo import write_demo_gguf
-from ternary_rs.io import GGUFWriter
+from ternary_rs.sinks.checkpoint import TMP_MARK
+from ternary_rs.sinks.writers import GGUFWriter
 
 CLI = [sys.executable, "-m", "ternary_rs"]
 GiB = 2**30

@@ -1,5 +1,5 @@
 """Other safetensors sources -> vLLM: MLX 2-bit packs and transformers BitNet packs, written here with
-plain NumPy from docs/formats.md#mlx-2bit, docs/formats.md#bitnet-packing; the expected output is ``tests/contract_writer.py``'s."""
+plain NumPy from docs/formats.md#mlx-2bit, docs/formats.md#bitnet-packing; the expected output is ``tests/support/contract_writer.py``'s."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import ternary_rs
-from models import build_tiny_model
-
-import contract_writer as cw
+from support import contract_writer as cw
+from support.models import build_tiny_model
 
 pytest.importorskip("torch")
 

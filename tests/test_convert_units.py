@@ -1,6 +1,6 @@
 """Unit tests of the conversion pieces that need no container/codec: naming, permutations, dense
 ternary detection, staging, shards, manifest. References: gguf-py's tensor map, llama.cpp's
-``LlamaModel.permute`` (copied below), transformers' GGUF reverse permute, ``tests/contract_writer.py``."""
+``LlamaModel.permute`` (copied below), transformers' GGUF reverse permute, ``tests/support/contract_writer.py``."""
 
 from __future__ import annotations
 
@@ -14,9 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support import contract_writer as cw
+from ternary_rs import ValidationError
 from ternary_rs.arch import ARCHES, arch_for_config, arch_for_gguf
 from ternary_rs.arch.base import llama_qk_permutation
-from ternary_rs.checkpoint import (
+from ternary_rs.core import tensor as tensor_module
+from ternary_rs.core.formats import dense_ternary_group, float_view
+from ternary_rs.core.tensor import decode_bytes, recover_dense
+from ternary_rs.sinks.checkpoint import (
     TMP_MARK,
     Job,
     OutTensor,
@@ -28,12 +33,6 @@ from ternary_rs.checkpoint import (
     sha256_file,
     write_manifest,
 )
-from ternary_rs import ValidationError
-from ternary_rs import tensor as tensor_module
-from ternary_rs.storage import dense_ternary_group, float_view
-from ternary_rs.tensor import decode_bytes, recover_dense
-
-import contract_writer as cw
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:

@@ -12,10 +12,11 @@ import struct
 import gguf
 import numpy as np
 import pytest
-import ternary_rs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
+
+import ternary_rs
 from ternary_rs import FormatError, TernaryError, UnsupportedTypeError
 
 

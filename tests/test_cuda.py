@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ternary_rs import _core, _ops_cuda, ops
+from ternary_rs import _core
+from ternary_rs.serving import _ops_cuda, ops
 
 pytestmark = [
     pytest.mark.cuda,

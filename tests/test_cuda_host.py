@@ -45,7 +45,8 @@ def test_cuda_int8_emulation_quantizes_like_the_cpu_kernel(per_token):
     bit. The CPU op shows it exactly with ``W = I`` (scale 1) and codes that sum to zero in every group
     (``x`` antisymmetric in pairs, so the kernel's code-offset correction is 0): then ``y[n] = fl(xs · q[n])``."""
     torch = pytest.importorskip("torch")
-    from ternary_rs import _ops_cuda, ops, pack_codes
+    from ternary_rs import pack_codes
+    from ternary_rs.serving import _ops_cuda, ops
 
     g = 128
     k = 4 * g
@@ -76,7 +77,8 @@ def test_cuda_int8_token_path_with_a_host_stand_in_kernel(monkeypatch):
     fp16 output rounding — also for a row whose integer sum ``Σ q·W`` (≈ 1.4e6 here) would overflow fp16
     if the codes were fed unscaled."""
     torch = pytest.importorskip("torch")
-    from ternary_rs import _ops_cuda, ops, pack_codes
+    from ternary_rs import pack_codes
+    from ternary_rs.serving import _ops_cuda, ops
 
     n, k, g = 8, 4096, 128
     gen = torch.Generator().manual_seed(3)
@@ -146,7 +148,7 @@ def test_cuda_quantizers_match_the_cpu_kernel(quantizer_replay, tmp_path, per_to
     torch = pytest.importorskip("torch")
     import numpy as np
 
-    from ternary_rs import _ops_cuda
+    from ternary_rs.serving import _ops_cuda
 
     m, k, g = 12, 512, 64
     x = _hostile_activations(torch, m, k, g)
@@ -173,7 +175,7 @@ def test_cuda_token_epilogue_rounds_each_operation_once(quantizer_replay, tmp_pa
     torch = pytest.importorskip("torch")
     import numpy as np
 
-    from ternary_rs import _ops_cuda
+    from ternary_rs.serving import _ops_cuda
 
     m, n = 7, 300
     gen = torch.Generator().manual_seed(5)
@@ -193,7 +195,8 @@ def test_cuda_kernel_registration_says_why_it_is_not_native_here():
     """Without CUDA kernels in the build (or without a CUDA torch) the op's CUDA kernel is the Python path,
     and ``ops.NATIVE_CUDA_UNAVAILABLE`` says why; with both it is the native one (tests/test_cuda.py)."""
     torch = pytest.importorskip("torch")
-    from ternary_rs import _core, ops
+    from ternary_rs import _core
+    from ternary_rs.serving import ops
 
     assert torch._C._dispatch_has_kernel_for_dispatch_key(ops.OP_NAME, "CUDA")
     if not _core.cuda_available():
@@ -201,7 +204,7 @@ def test_cuda_kernel_registration_says_why_it_is_not_native_here():
     elif torch.version.cuda is None:
         assert "without CUDA" in ops.NATIVE_CUDA_UNAVAILABLE
     # The native kernel's dequantize cut-off follows the Python setting.
-    from ternary_rs import _ops_cuda
+    from ternary_rs.serving import _ops_cuda
 
     prev = _ops_cuda.set_dequant_min_m(256)
     try:
@@ -216,7 +219,8 @@ def test_native_cuda_kernel_is_reached_through_the_dispatcher():
     on a machine without a GPU: redispatching to the CUDA key reaches ``torch/cuda_op.rs``, which unboxes the
     arguments and rejects what it can check before touching a device. (The GPU tests run the rest.)"""
     torch = pytest.importorskip("torch")
-    from ternary_rs import _core, ops
+    from ternary_rs import _core
+    from ternary_rs.serving import ops
 
     if not (_core.cuda_available() and torch.version.cuda):
         pytest.skip("needs the CUDA build of ternary_rs (maturin build --features cuda) and a CUDA torch; "

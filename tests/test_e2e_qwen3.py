@@ -1,7 +1,7 @@
-"""End to end on the tiny ternarized Qwen3 / Llama of tests/models.py.
+"""End to end on the tiny ternarized Qwen3 / Llama of tests/support/models.py.
 
 HF dir -> vLLM dir, HF dir -> GGUF (TQ2_0, TQ1_0, PQ2_0, PTQ1_0) -> vLLM dir; references: the HF
-weights themselves, ``tests/contract_writer.py`` (independent writer), gguf-py (``GGUFReader``,
+weights themselves, ``tests/support/contract_writer.py`` (independent writer), gguf-py (``GGUFReader``,
 ``gguf.quants.dequantize``), transformers (logits, its GGUF config/tokenizer loading) and llama.cpp's
 ``LlamaModel.permute`` (copied in test_convert_units.py).
 """
@@ -16,9 +16,8 @@ import pytest
 from safetensors.numpy import load_file
 
 import ternary_rs
-from models import SENTENCES, build_tiny_model
-
-import contract_writer as cw
+from support import contract_writer as cw
+from support.models import SENTENCES, build_tiny_model
 from test_convert_units import llama_cpp_permute
 
 torch = pytest.importorskip("torch")
@@ -200,7 +199,7 @@ def test_transformers_reads_our_gguf_config_and_tokenizer(models):
 
 def _assert_converter_tokenizer_is_autotokenizers(gguf_path: Path) -> None:
     """convert builds the tokenizer without AutoTokenizer's slow config step: same result."""
-    from ternary_rs.hf_gguf import _transformers_gguf_tokenizer
+    from ternary_rs.sources.hf_gguf import _transformers_gguf_tokenizer
 
     md = ternary_rs.open(gguf_path).metadata
     ours = _transformers_gguf_tokenizer(gguf_path, md)

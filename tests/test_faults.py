@@ -24,10 +24,11 @@ import time
 from pathlib import Path
 
 import pytest
+
 import ternary_rs
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import build_tiny_model  # noqa: E402
+from support.models import build_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """Bit-exact codecs: every format against an independent reference.
 
 * TQ1_0 / TQ2_0: the PyPI ``gguf`` package's ``gguf.quants.quantize/dequantize`` (both directions).
-* Every format: the plain NumPy codecs of ``tests/format_reference.py`` (written from docs/formats.md#summary).
+* Every format: the plain NumPy codecs of ``tests/support/format_reference.py`` (written from docs/formats.md#summary).
 * The worked byte examples of docs/formats.md#worked-examples (running trits [+1,0,−1,−1,0,+1,+1,0], d = 0.5) as fixed vectors.
 * Round trips canonical → format → canonical and format → canonical → other format.
 """
@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ternary_rs
-import format_reference as ref
-from ternary_rs.tensor import TernaryTensor, decode_bytes, encode
+from support import format_reference as ref
+from ternary_rs.core.tensor import TernaryTensor, decode_bytes, encode
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402

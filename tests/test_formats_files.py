@@ -1,7 +1,7 @@
 """``ternary_rs.decode(file_or_path, name)`` on real files: GGUF written by gguf-py's own writer (TQ1_0,
 TQ2_0, Q1_0) and by a minimal GGUF v3 writer in this file (ids gguf-py 0.19 does not know: 42, 142, 143,
 36), and safetensors checkpoints (BitNet with config.json, MLX packs, dense unpacked) written with the
-``safetensors`` package. Expected values come from the NumPy references in ``tests/format_reference.py``.
+``safetensors`` package. Expected values come from the NumPy references in ``tests/support/format_reference.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ternary_rs
-import format_reference as ref
+from support import format_reference as ref
 
 gguf = pytest.importorskip("gguf")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
@@ -39,7 +39,7 @@ def write_gguf(path, tensors):
     header += b"\0" * (-len(header) % align)
     with open(path, "wb") as f:
         f.write(header)
-        for (_, _, _, data), off in zip(tensors, offsets):
+        for (_, _, _, data), _off in zip(tensors, offsets):
             f.write(bytes(data))
             f.write(b"\0" * (-len(data) % align))
 

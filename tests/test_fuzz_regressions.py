@@ -3,7 +3,7 @@ Python target so CI exercises the harness.
 
 Rust targets replay their regressions in ``cargo test`` (``ternary_core::fuzzing``, files under
 ``rust/ternary-core/fuzz/regressions/<target>/``); the Python target ``prism_hadamard`` (the rotation
-parsers, ``ternary_rs.hadamard.HadamardSpec``) replays its findings here. Each once raised something
+parsers, ``ternary_rs.core.hadamard.HadamardSpec``) replays its findings here. Each once raised something
 other than ``ValidationError`` (ValueError, TypeError, IndexError, OverflowError, UnicodeDecodeError)
 or was silently accepted.
 """
@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")  # ternary_rs.hadamard registers a torch op
+pytest.importorskip("torch")  # ternary_rs.core.hadamard registers a torch op
 
-from ternary_rs import hadamard as H  # noqa: E402
 from ternary_rs._core import ValidationError  # noqa: E402
+from ternary_rs.core import hadamard as H  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 SIGNS8 = [1, -1, 1, 1, -1, -1, 1, -1]

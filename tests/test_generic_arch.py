@@ -27,15 +27,15 @@ import numpy as np
 import pytest
 
 import ternary_rs
-from greedy_reference import check_greedy
-from generic_arch_models import ARCHITECTURES, TOKENIZER_PRE, build_generic_model
-from llama_cpp import ConvertJob, gguf_contents, reference_convert_many, require_converter
+from support.generic_arch_models import ARCHITECTURES, TOKENIZER_PRE, build_generic_model
+from support.greedy_reference import check_greedy
+from support.llama_cpp import ConvertJob, gguf_contents, reference_convert_many, require_converter
 
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 TESTS = Path(__file__).parent
-RUNNER = TESTS / "vllm_runner.py"
+RUNNER = TESTS / "support" / "vllm_runner.py"
 PROMPTS = ["The quick brown fox", "Hello world! This is", "Ternary weights take one of"]
 MAX_TOKENS = 8
 ENGINE_TIMEOUT_S = 900

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from gguf_models import build_model
-from llama_cpp import gguf_contents
+from support.gguf_models import build_model
+from support.llama_cpp import gguf_contents
 
 CLI = [sys.executable, "-m", "ternary_rs"]
 
@@ -102,7 +102,7 @@ def test_qwen2_bpe_vocabulary_matches_tokenizers(qwen3_files):
 
 @pytest.mark.parametrize("which", ["llama", "qwen3"])
 def test_gguf_checkpoint_gguf_keeps_every_key_and_byte(which, llama_files, qwen3_files):
-    from ternary_rs.gguf_metadata import SOURCE_METADATA_FILE
+    from ternary_rs.sinks.gguf_metadata import SOURCE_METADATA_FILE
 
     root, _, src = llama_files if which == "llama" else qwen3_files
     gtype = "TQ2_0" if which == "llama" else "TQ1_0"
@@ -126,7 +126,7 @@ def test_gguf_checkpoint_gguf_keeps_every_key_and_byte(which, llama_files, qwen3
 
 
 def test_stored_metadata_is_dropped_when_the_checkpoint_no_longer_matches(llama_files, caplog):
-    from ternary_rs.gguf_metadata import stored_source_metadata
+    from ternary_rs.sinks.gguf_metadata import stored_source_metadata
 
     root, _, src = llama_files
     ck = root / "ck"  # written by the round-trip test when it ran first
@@ -212,7 +212,7 @@ def _hparam_keys(arch_name: str, config: dict) -> dict:
     import gguf
 
     from ternary_rs.arch import ARCHES
-    from ternary_rs.gguf_metadata import writer_entries
+    from ternary_rs.sinks.gguf_metadata import writer_entries
 
     w = gguf.GGUFWriter(None, arch_name)
     ARCHES[arch_name].gguf_hparams(w, config)

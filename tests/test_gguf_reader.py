@@ -11,10 +11,11 @@ import time
 import gguf
 import numpy as np
 import pytest
-import ternary_rs
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as VT
 from gguf.quants import quantize
+
+import ternary_rs
 
 # gguf-py value type -> the type name ternary_rs reports.
 TYPE_NAMES = {
@@ -232,7 +233,7 @@ def test_open_reads_only_the_header(tmp_path):
 def test_id_42_variants_and_prism_types_are_named(tmp_path):
     """Type 42 at g64/18 B (upstream Q2_0) vs g128/34 B (first-gen Prism "Q2_0" → Q2_0_G128), told
     apart by byte span; 142/143/36/41 by id. Sizes from docs/formats.md#ggml-type-ids."""
-    from ternary_rs.io import GGUFWriter
+    from ternary_rs.sinks.writers import GGUFWriter
 
     path = tmp_path / "prism.gguf"
     specs = [
@@ -280,7 +281,7 @@ def test_version_2_files_read_like_version_3(tmp_path, ternary_weights):
 def test_type_table_matches_gguf_py_quant_sizes(tmp_path):
     """Every type of gguf-py 0.19's GGML_QUANT_SIZES: one block per row, two rows. ternary_rs's writer
     accepts exactly (block bytes × 2) and its reader reports the same size and name as GGUFReader."""
-    from ternary_rs.io import GGUFWriter
+    from ternary_rs.sinks.writers import GGUFWriter
 
     path = tmp_path / "all_types.gguf"
     sizes = gguf.GGML_QUANT_SIZES

@@ -14,8 +14,8 @@ import pytest
 import ternary_rs
 from ternary_rs.arch import ARCHES
 from ternary_rs.demo import demo_tokenizer, qwen3_metadata
-from ternary_rs.hf_gguf import builtin_tokenizer_from_gguf, builtin_tokenizer_supported, config_from_gguf
-from ternary_rs.io import GGUFWriter
+from ternary_rs.sinks.writers import GGUFWriter
+from ternary_rs.sources.hf_gguf import builtin_tokenizer_from_gguf, builtin_tokenizer_supported, config_from_gguf
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torch")

@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ternary_rs
-from ternary_rs import _core, _ops_cuda
+from ternary_rs import _core
+from ternary_rs.serving import _ops_cuda
 
 
 def canonical_codes(qweight: np.ndarray) -> np.ndarray:

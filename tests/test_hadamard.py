@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from scipy.linalg import hadamard
 
 import ternary_rs
-from ternary_rs import hadamard as H
+from ternary_rs.core import hadamard as H
 from ternary_rs.vllm import hadamard as VH
 
 

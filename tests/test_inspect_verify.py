@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import ternary_rs
-from models import build_tiny_model
+from support.models import build_tiny_model
 
 pytest.importorskip("torch")
 

@@ -1,10 +1,10 @@
-"""The package's modules import downward only: no import cycle among ``ternary_rs``'s own modules,
-counting lazy (function-level) imports too — a cycle hidden in a function is still a cycle.
+"""The package's modules import downward only, lazy (function-level) imports included — a cycle or an
+upward import hidden in a function is still one. No module is exempt.
 
-The import graph is read with ``ast`` from the sources, independent of import order at run time.
-``ternary_rs.vllm`` is left out: its ``config`` module builds its linear/embedding methods (which
-subclass nothing from it but read its constants) in vLLM's factory hook, the pattern vLLM's own
-quantization backends use.
+The package is a stack of floors (:data:`LAYERS`, docs/design.md#python-layers): a module may import from
+its own floor and the floors below, never from a floor above, and no two modules may import each other
+(directly or round a loop). The import graph is read with ``ast`` from the sources, independent of import
+order at run time.
 """
 
 from __future__ import annotations
@@ -15,6 +15,20 @@ from pathlib import Path
 import ternary_rs
 
 PACKAGE_DIR = Path(ternary_rs.__file__).parent
+
+# Bottom to top. A name is a module or a package (with everything under it); ``ternary_rs`` itself is its
+# ``__init__`` only, the public API, which re-exports from the floors below.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("core", ("ternary_rs._core", "ternary_rs.core")),  # type tables, codecs, Hadamard; the compiled core
+    ("sources", ("ternary_rs.sources",)),  # open checkpoints, decode their tensors, GGUF -> HF side files
+    ("sinks", ("ternary_rs.sinks",)),  # writers, staging / shards / manifest, HF -> GGUF metadata
+    ("arch", ("ternary_rs.arch",)),  # per-architecture naming and conversion plans
+    ("inspection", ("ternary_rs.inspection",)),  # inspect / verify / plan
+    ("convert", ("ternary_rs.convert",)),  # the conversion orchestrator
+    ("serving", ("ternary_rs.serving", "ternary_rs.ops")),  # torch ops, CPU settings, `serve`
+    ("vllm", ("ternary_rs.vllm",)),  # the vLLM plugin
+    ("cli", ("ternary_rs.cli", "ternary_rs.demo", "ternary_rs.__main__", "ternary_rs")),  # commands, public API
+]
 
 
 def _modules() -> dict[str, Path | None]:
@@ -83,18 +97,48 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_no_import_cycles_outside_vllm():
-    mods = {k: v for k, v in _modules().items() if not k.startswith("ternary_rs.vllm")}
-    assert _cycles(_graph(mods)) == []
+def floor_of(module: str) -> int:
+    """Index in :data:`LAYERS` of the most specific name that holds ``module``."""
+    best: tuple[int, int] | None = None  # (length of the matching name, floor)
+    for i, (_, names) in enumerate(LAYERS):
+        for n in names:
+            holds = module == n if n == "ternary_rs" else module == n or module.startswith(n + ".")
+            if holds and (best is None or len(n) > best[0]):
+                best = (len(n), i)
+    if best is None:
+        raise AssertionError(f"{module} is on no floor of LAYERS: add it to one (docs/design.md#python-layers)")
+    return best[1]
 
 
-def test_shared_storage_helpers_sit_below_convert_report_and_planner():
+def test_every_module_is_on_a_floor():
+    for module in _modules():
+        floor_of(module)
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{m} ({LAYERS[floor_of(m)][0]}) imports {t} ({LAYERS[floor_of(t)][0]})"
+            for m, targets in sorted(graph.items()) for t in sorted(targets) if floor_of(t) > floor_of(m)]
+
+
+def test_imports_go_downward_only():
+    assert _upward(_graph(_modules())) == []
+
+
+def test_no_import_cycles():
+    assert _cycles(_graph(_modules())) == []
+
+
+def test_type_tables_sit_at_the_bottom():
     graph = _graph(_modules())
-    assert graph["ternary_rs.storage"] <= {"ternary_rs._core"}
-    for low, high in (("ternary_rs.report", "ternary_rs.convert"), ("ternary_rs.planner", "ternary_rs.convert")):
-        assert high not in graph[low], f"{low} imports {high}"
-    assert "ternary_rs.report" not in graph["ternary_rs.convert"]
-    assert "ternary_rs.planner" not in graph["ternary_rs.convert"]
+    assert graph["ternary_rs.core.formats"] <= {"ternary_rs._core"}
+
+
+def test_floor_checker_finds_an_upward_import():
+    assert LAYERS[floor_of("ternary_rs.sources.reader")][0] == "sources"
+    assert LAYERS[floor_of("ternary_rs")][0] == "cli"
+    assert LAYERS[floor_of("ternary_rs.ops")][0] == "serving"
+    graph = {"ternary_rs.core.tensor": {"ternary_rs.sources.reader"}, "ternary_rs.sources.reader": {"ternary_rs._core"}}
+    assert _upward(graph) == ["ternary_rs.core.tensor (core) imports ternary_rs.sources.reader (sources)"]
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -104,4 +148,4 @@ def test_cycle_finder_finds_a_cycle():
 def test_test_only_code_is_not_in_the_package():
     # The NumPy reference codecs are the tests' oracle; the wheel ships what the package needs only.
     assert not (PACKAGE_DIR / "_reference.py").exists()
-    assert (Path(__file__).parent / "format_reference.py").is_file()
+    assert (Path(__file__).parent / "support" / "format_reference.py").is_file()

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from gguf_models import build_model
-from llama_cpp import complete, gguf_contents, reference_convert, require_binary, require_converter
+from support.gguf_models import build_model
+from support.llama_cpp import complete, gguf_contents, reference_convert, require_binary, require_converter
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +97,7 @@ def test_round_trip_runs_like_the_original(models, arch, gtype):
 def test_round_trip_without_stored_metadata_rebuilds_the_tokenizer(models, arch):
     """A checkpoint without the source GGUF's keys: the tokenizer comes from its tokenizer.json, rebuilt
     as llama.cpp's converter rebuilds it (compared with the converter's --vocab-only output)."""
-    from ternary_rs.gguf_metadata import SOURCE_METADATA_FILE
+    from ternary_rs.sinks.gguf_metadata import SOURCE_METADATA_FILE
 
     root, files = models
     _, ref = files[arch, "TQ2_0"]

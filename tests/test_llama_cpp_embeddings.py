@@ -1,5 +1,5 @@
 """Ternary embeddings and a padded vocabulary in **real upstream llama.cpp** (skipped unless ``LLAMA_CPP_BIN``
-is set; see ``tests/llama_cpp.py``).
+is set; see ``tests/support/llama_cpp.py``).
 
 The model has the structure of Ternary-Bonsai-1.7B (and of ``benches/bench_vllm.py``'s synthetic one) at
 a tiny scale: Qwen3, **ternary embeddings**, **tied** (no ``lm_head``; llama.cpp then multiplies by
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from gguf_models import build_model
-from llama_cpp import greedy_tokens, gguf_contents, reference_convert, require_binary, require_converter
+from support.gguf_models import build_model
+from support.llama_cpp import gguf_contents, greedy_tokens, reference_convert, require_binary, require_converter
 
 pytestmark = pytest.mark.slow
 

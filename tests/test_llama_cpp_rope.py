@@ -1,5 +1,5 @@
 """RoPE scaling in GGUF output, against llama.cpp's own converter and in **real upstream llama.cpp**
-(skipped unless ``LLAMA_CPP_BIN`` is set; see ``tests/llama_cpp.py``).
+(skipped unless ``LLAMA_CPP_BIN`` is set; see ``tests/support/llama_cpp.py``).
 
 For each rope type ``convert_hf_to_gguf.py`` handles for ``LlamaModel`` and ``Qwen3Model`` — ``llama3``
 (llama: a ``rope_freqs.weight`` tensor; qwen3: nothing), ``linear`` and ``yarn`` (keys), written both as
@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 
 import ternary_rs
-
-from gguf_models import build_model
-from llama_cpp import complete, gguf_contents, reference_convert, require_binary, require_converter
+from support.gguf_models import build_model
+from support.llama_cpp import complete, gguf_contents, reference_convert, require_binary, require_converter
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ GGUF the way llama.cpp writes it (3-D ``ffn_{gate,up,down}_exps``, F32 router ``
 plugin's ``TernaryMoEMethod``: at TP=1 with torch.compile and at TP=2 with ``--enforce-eager`` (the TP=2
 down_proj K shard, 128, splits the checkpoint's 256-groups: served at group 128).
 
-The GGUF comes from llama.cpp's own ``convert_hf_to_gguf.py`` when ``tests/llama_cpp.py`` finds it
+The GGUF comes from llama.cpp's own ``convert_hf_to_gguf.py`` when ``tests/support/llama_cpp.py`` finds it
 (``scripts/fetch_llama_cpp_converter.sh``, ``LLAMA_CPP_CONVERT_DIR`` or ``LLAMA_CPP_BIN``), otherwise from
 ``moe_model.write_qwen3moe_gguf`` (pip gguf; the same keys, tensors and bytes: checked against the reference
 converter whenever it is there).
@@ -29,11 +29,11 @@ import numpy as np
 import pytest
 
 import ternary_rs
-from greedy_reference import check_greedy
-from moe_model import build_tiny_moe, write_qwen3moe_gguf
+from support.greedy_reference import check_greedy
+from support.moe_model import build_tiny_moe, write_qwen3moe_gguf
 
 TESTS = Path(__file__).parent
-RUNNER = TESTS / "vllm_runner.py"
+RUNNER = TESTS / "support" / "vllm_runner.py"
 PROMPTS = ["The quick brown fox", "Hello world! This is", "Ternary weights take one of", "A scale per group"]
 MAX_TOKENS = 8
 ENGINE_TIMEOUT_S = 600
@@ -41,8 +41,7 @@ EXPERTS, TOP_K = 8, 2
 
 
 def _reference_converter() -> Path | None:
-    import llama_cpp
-
+    from support import llama_cpp
     d = llama_cpp.convert_dir()
     return d if d is not None and (d / "convert_hf_to_gguf.py").is_file() else None
 
@@ -52,8 +51,7 @@ def moe(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     tiny = build_tiny_moe(root / "hf", experts=EXPERTS, top_k=TOP_K)
     if _reference_converter() is not None:
-        import llama_cpp
-
+        from support import llama_cpp
         src = llama_cpp.reference_convert(tiny.hf_dir, root / "tiny-TQ2_0.gguf", "tq2_0", tokenizer_pre="qwen2")
         writer = "llama.cpp convert_hf_to_gguf.py"
     else:
@@ -145,7 +143,7 @@ def test_gguf_output_of_moe_refused(moe, tmp_path):
 # the op and the quant config (no vLLM start)
 # ---------------------------------------------------------------------------------------------------
 def _random_experts(torch, n_expert, hidden, inter, g, seed=0):
-    from ternary_rs import ops
+    from ternary_rs.serving import ops
 
     gen = torch.Generator().manual_seed(seed)
     dense, prepared = {"w13": [], "w2": []}, {"w13": [], "w2": []}
@@ -168,7 +166,7 @@ def test_moe_op_matches_dense_experts():
     import torch
     import torch.nn.functional as F
 
-    from ternary_rs import ops  # noqa: F401  (registers the op)
+    from ternary_rs.serving import ops  # noqa: F401  (registers the op)
 
     n_expert, hidden, inter, g, m, k = 6, 256, 128, 128, 9, 2
     dense, (w13q, w13s, w2q, w2s) = _random_experts(torch, n_expert, hidden, inter, g)
@@ -411,8 +409,7 @@ SHARED_EXPERTS, SHARED_TOP_K, SHARED_INTER = 4, 2, 256
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     """A tiny ``Qwen2MoeForCausalLM`` written as TQ2_0 by llama.cpp's own converter, converted by ours."""
-    import llama_cpp
-
+    from support import llama_cpp
     llama_cpp.require_converter()
     root = tmp_path_factory.mktemp("qwen2moe")
     tiny = build_tiny_moe(root / "hf", experts=SHARED_EXPERTS, top_k=SHARED_TOP_K, seed=1,

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ternary_rs
-from ternary_rs import _ops_cpu, ops
+from ternary_rs.serving import _ops_cpu, ops
 
 OP = torch.ops.ternary_rs.ternary_linear
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

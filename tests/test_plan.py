@@ -7,7 +7,7 @@ import json
 import pytest
 
 import ternary_rs
-from models import build_tiny_model
+from support.models import build_tiny_model
 
 pytest.importorskip("torch")
 

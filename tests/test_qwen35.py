@@ -1,7 +1,7 @@
 """Bonsai 2 (``qwen35``) conversion: PrismML GGUF (PQ2_0 / PTQ1_0 + ``prism.hadamard.*``) and the MLX
 Bonsai 2 pack → vLLM checkpoint.
 
-The inputs are written by ``tests/bonsai2_model.py`` (NumPy codecs from docs/formats.md#summary + the PyPI ``gguf``
+The inputs are written by ``tests/support/bonsai2_model.py`` (NumPy codecs from docs/formats.md#summary + the PyPI ``gguf``
 writer); expected values come from the tiny model itself (its stored ternary ``W'`` in Hugging Face order and
 its dense Hugging Face tensors), read back with ``safetensors`` — never from ternary_rs.
 """
@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 import ternary_rs
-from bonsai2_model import (
+from support.bonsai2_model import (
     build_bonsai2_tiny,
     dequant,
     prism_metadata,
@@ -260,7 +260,7 @@ def test_dequantized_checkpoint_is_the_dense_model(tiny, converted, tmp_path):
 
 def test_generic_paths_refuse_rotated_sources(tmp_path):
     """A rotated source the generic (non-qwen35) writers would flatten is refused, never silently converted."""
-    from models import build_tiny_model
+    from support.models import build_tiny_model
 
     hf = tmp_path / "hf"
     build_tiny_model(hf, arch="qwen3")

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import ternary_rs
-from bonsai2_model import (
+from support.bonsai2_model import (
     build_bonsai2_tiny,
     expected_mtp_acceptance,
     mtp_reference_logits,
@@ -206,14 +206,14 @@ def test_vllm_config_refuses_a_malformed_rotation():
 
 
 def run_runner(ckpt, tmp_path, *extra: str, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> dict:
-    """vLLM in its own processes (tests/vllm_runner.py, as test_vllm.py does); returns the runner's json."""
+    """vLLM in its own processes (tests/support/vllm_runner.py, as test_vllm.py does); returns the runner's json."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    runner = Path(__file__).with_name("vllm_runner.py")
+    runner = Path(__file__).parent / "support" / "vllm_runner.py"
     proc = subprocess.run(
         [sys.executable, str(runner), "--model", str(ckpt), "--out", str(tmp_path / "out.json"),
          "--prompts-json", str(tmp_path / "prompts.json"), "--max-tokens", str(max_tokens), *extra],
@@ -338,7 +338,7 @@ def test_mtp_acceptance_matches_the_reference_head(mtp_runs):
 def test_tensor_parallel_2_with_unaligned_row_shards(tmp_path):
     """TP=2 with block 256: o_proj (K 256 → 128 per rank) and down_proj (768 → 384) shards are not whole
     Hadamard blocks, so their input is all-gathered and transformed whole; out_proj (512 → 256) uses the
-    sliced transform. vLLM runs in its own processes (tests/vllm_runner.py, as test_vllm.py does)."""
+    sliced transform. vLLM runs in its own processes (tests/support/vllm_runner.py, as test_vllm.py does)."""
     import json
     import subprocess
     import sys
@@ -352,7 +352,7 @@ def test_tensor_parallel_2_with_unaligned_row_shards(tmp_path):
     ckpt = ternary_rs.convert(write_prism_gguf(tiny, tmp_path / "t.gguf", "PQ2_0"), tmp_path / "vllm",
                               progress=False)
     (tmp_path / "prompts.json").write_text(json.dumps(PROMPTS))
-    runner = Path(__file__).with_name("vllm_runner.py")
+    runner = Path(__file__).parent / "support" / "vllm_runner.py"
     proc = subprocess.run(
         [sys.executable, str(runner), "--model", str(ckpt), "--out", str(tmp_path / "out.json"), "--tp", "2",
          "--eager", "--dtype", "bfloat16", "--prompts-json", str(tmp_path / "prompts.json"),

@@ -11,11 +11,12 @@ import struct
 import ml_dtypes
 import numpy as np
 import pytest
-import ternary_rs
 import torch
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from safetensors.torch import save_file as save_file_torch
+
+import ternary_rs
 
 
 def header_offsets(path):
@@ -188,7 +189,7 @@ def test_directory_with_single_file_and_config(tmp_path, rng):
 
 
 def test_gguf_directory_and_missing_config(tmp_path):
-    from ternary_rs.io import GGUFWriter
+    from ternary_rs.sinks.writers import GGUFWriter
 
     with GGUFWriter(tmp_path / "m.gguf") as w:
         w.add_metadata("general.architecture", "llama")

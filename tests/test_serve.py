@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ternary_rs.checkpoint import SLEEP_ENV
 from ternary_rs.demo import DEMO_SHAPE, demo_tokenizer, qwen3_metadata, write_demo_gguf
-from ternary_rs.serve import split_args
+from ternary_rs.serving.serve import split_args
+from ternary_rs.sinks.checkpoint import SLEEP_ENV
 
 CLI = [sys.executable, "-m", "ternary_rs", "serve"]
 SERVER_START_TIMEOUT_S = 900
@@ -81,7 +81,7 @@ def test_missing_vllm_is_reported_before_converting(demo, tmp_path):
 
 
 def test_model_without_ternary_weights_is_refused(tmp_path):
-    from ternary_rs.io import GGUFWriter
+    from ternary_rs.sinks.writers import GGUFWriter
 
     src, cache = tmp_path / "dense.gguf", tmp_path / "cache"
     s = DEMO_SHAPE
@@ -197,8 +197,8 @@ def test_refuses_what_vllm_would_refuse(demo, tmp_path):
 
 
 def _copy_without_tokenizer(src: Path, dst: Path) -> None:
-    from ternary_rs.io import GGUFWriter
-    from ternary_rs.io import open as open_checkpoint
+    from ternary_rs.sinks.writers import GGUFWriter
+    from ternary_rs.sources.reader import open as open_checkpoint
 
     with open_checkpoint(src) as f:
         w = GGUFWriter(dst)
@@ -253,7 +253,7 @@ def test_cpu_settings_are_chosen_and_the_users_win(demo):
 
 
 def test_kv_space_rule():
-    from ternary_rs import cpu_serving as cs
+    from ternary_rs.serving import cpu as cs
 
     gib = cs.GIB
     demo = TESTS / "_kv_rule_demo.gguf"
@@ -285,7 +285,7 @@ def test_kv_space_rule():
 
 
 def test_failure_cause_is_vllm_s_own_error():
-    from ternary_rs.serve import failure_cause
+    from ternary_rs.serving.serve import failure_cause
 
     lines = ["(EngineCore pid=1) ERROR 12-02 07:55:25 [core.py:1510] Traceback (most recent call last):",
              "(EngineCore pid=1) ERROR 12-02 07:55:25 [core.py:1510] ValueError: Available memory on node 0 (3.1/13.2 "
@@ -340,7 +340,7 @@ def _post(url: str, body: dict) -> dict:
 
 def _cpu_env() -> dict:
     sys.path.insert(0, str(TESTS))
-    from vllm_runner import cpu_env
+    from support.vllm_runner import cpu_env
 
     saved = dict(os.environ)
     try:
@@ -567,7 +567,7 @@ def test_kv_space_counts_vllm_s_hybrid_pages(monkeypatch):
     space is sized for that, and a user's setting that caps concurrency below max_num_seqs is reported.
     Numbers of the Bonsai 2 27B shape (48 Gated-DeltaNet + 16 attention layers): there 1 GiB ran 4 of a
     batch of 8 at once (vLLM's log: 'Maximum concurrency ... 4.x'), where state + KV alone would give 4.9."""
-    from ternary_rs import cpu_serving as cs
+    from ternary_rs.serving import cpu as cs
 
     gib = cs.GIB
     layer_state = 48 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 48 * 128) * 2  # fp32 recurrent + fp16 conv

@@ -25,10 +25,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import format_reference as ref
 import ternary_rs
+from support import format_reference as ref
 from ternary_rs import _core
-from ternary_rs.tensor import _from_core
+from ternary_rs.core.tensor import _from_core
+from ternary_rs.sinks.writers import GGUFWriter
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -165,7 +166,7 @@ def test_rust_encode_refuses_unrepresentable_groups():
 
 
 def _write_gguf(path, name: str, shape, data: np.ndarray) -> None:
-    w = ternary_rs.io.GGUFWriter(path)
+    w = GGUFWriter(path)
     w.add_metadata("general.architecture", "hunyuan")
     w.add_tensor_info(name, shape, 43, data.size)
     w.write_tensor_data(name, data)

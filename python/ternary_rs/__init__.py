@@ -28,11 +28,12 @@ from ._core import (
     get_num_threads,
     set_num_threads,
 )
-from .io import TernaryFile, TensorInfo, open
-from .tensor import TernaryTensor, decode, decode_bytes, encode, pack_codes, repack, ternarize, unpack_codes
 from .convert import convert, dequantize_checkpoint
-from .planner import plan
-from .report import inspect, verify
+from .core.tensor import TernaryTensor, decode_bytes, encode, pack_codes, repack, ternarize, unpack_codes
+from .inspection.planner import plan
+from .inspection.report import inspect, verify
+from .sources.decode import decode
+from .sources.reader import TensorInfo, TernaryFile, open
 
 __all__ = [
     "FormatError",

@@ -1,6 +1,6 @@
 """Type stub of the ``ternary_rs._core`` extension (Rust, PyO3).
 
-The public API lives in the pure-Python modules (``ternary_rs.io``, ``ternary_rs.tensor``, …); the
+The public API lives in the pure-Python modules (``ternary_rs.sources.reader``, ``ternary_rs.core.tensor``, …); the
 underscore classes here are their backends. Each area adds its own section below.
 """
 
@@ -99,7 +99,7 @@ class _SafetensorsCheckpoint:
     def metadata(self) -> dict[str, str] | None: ...
 
 class _GgufWriter:
-    """Streaming GGUF v3 writer; see ``ternary_rs.io.GGUFWriter``."""
+    """Streaming GGUF v3 writer; see ``ternary_rs.sinks.writers.GGUFWriter``."""
 
     def __init__(self, path: str | os.PathLike[str], alignment: int = 32) -> None: ...
     def add_metadata(self, key: str, type: str, value: Any) -> None:
@@ -110,7 +110,7 @@ class _GgufWriter:
     def abort(self) -> None: ...
 
 class _SafetensorsWriter:
-    """Streaming safetensors writer; see ``ternary_rs.io.SafetensorsWriter``."""
+    """Streaming safetensors writer; see ``ternary_rs.sinks.writers.SafetensorsWriter``."""
 
     def __init__(
         self,

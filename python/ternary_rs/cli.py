@@ -191,7 +191,7 @@ def _positive_int(text: str) -> int:
 
 
 def _size(text: str) -> str:
-    from .checkpoint import parse_size
+    from .sinks.checkpoint import parse_size
 
     try:
         parse_size(text)
@@ -201,7 +201,7 @@ def _size(text: str) -> str:
 
 
 def _gpu_memory(text: str) -> str:
-    from .planner import parse_gpu_memory
+    from .inspection.planner import parse_gpu_memory
 
     try:
         parse_gpu_memory(text)
@@ -365,8 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------------------ commands
 def _convert(args, ap: argparse.ArgumentParser) -> int:
-    from .checkpoint import check_disjoint, describe_error
     from .convert import BulkConversionError, convert, output_kind
+    from .sinks.checkpoint import check_disjoint, describe_error
 
     bulk = len(args.src) > 1 or any(glob.has_magic(s) for s in args.src)
     if not bulk:  # a destination that is or holds the source is refused before anything else
@@ -403,7 +403,7 @@ def _convert(args, ap: argparse.ArgumentParser) -> int:
 
 
 def _inspect_one(args, path: str) -> tuple[int, object]:
-    from .report import inspect
+    from .inspection.report import inspect
 
     r = inspect(path, scan=args.scan)
     if args.json:
@@ -417,7 +417,7 @@ def _inspect_one(args, path: str) -> tuple[int, object]:
 
 
 def _verify_one(args, path: str) -> tuple[int, object]:
-    from .report import verify
+    from .inspection.report import verify
 
     rep = verify(path)
     if not args.json:
@@ -428,7 +428,7 @@ def _verify_one(args, path: str) -> tuple[int, object]:
 def _each_path(args, one) -> int:
     """inspect / verify of one or several paths: each reported (an unreadable one as an error line, and the
     others still), exit 1 if any failed. ``--json`` prints one object, or a list of them for several paths."""
-    from .checkpoint import describe_error
+    from .sinks.checkpoint import describe_error
 
     status, results = EXIT_OK, []
     for n, path in enumerate(args.path):
@@ -457,7 +457,7 @@ def _run(args, ap: argparse.ArgumentParser) -> int:
     if args.command == "verify":
         return _each_path(args, _verify_one)
     if args.command == "plan":
-        from .planner import plan
+        from .inspection.planner import plan
 
         p = plan(args.path, context=args.context, concurrency=args.concurrency, gpu_memory=args.gpu_memory,
                  kv_dtype=args.kv_dtype)
@@ -467,7 +467,7 @@ def _run(args, ap: argparse.ArgumentParser) -> int:
             _print_plan(p)
         return EXIT_OK if p["fits"] else EXIT_FAIL
     if args.command == "serve":
-        from .serve import serve, split_args
+        from .serving.serve import serve, split_args
 
         own = (["--cache-dir", args.cache_dir] if args.cache_dir else []) + [
             flag for flag, on in (("--no-cache", args.no_cache), ("--no-progress", args.no_progress),
@@ -521,7 +521,7 @@ def main(argv=None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_PIPE
     except (OSError, ValueError, KeyError, TernaryError) as e:
-        from .checkpoint import describe_error
+        from .sinks.checkpoint import describe_error
 
         return _fail(describe_error(e))
     finally:

@@ -36,7 +36,20 @@ import numpy as np
 
 from ._core import FormatError, InvalidArgumentError, TernaryError, UnsupportedTypeError, ValidationError, __version__
 from .arch import arch_for_config, arch_for_gguf
-from .checkpoint import (
+from .core.formats import (
+    DETECT_GROUP,
+    FLOAT_BYTES,
+    GGUF_FLOAT_TYPE_IDS,
+    GGUF_TERNARY_GROUPS,
+    LLAMA_FILE_TYPES,
+    dense_ternary_group,
+    describe_non_ternary_types,
+    float_view,
+    gguf_output_types,
+    non_ternary_gguf_tensors,
+    packed_safetensors,
+)
+from .sinks.checkpoint import (
     GGUF_MARK_KEY,
     INDEX_NAME,
     SUPPORTED_GROUP_SIZES,
@@ -46,29 +59,18 @@ from .checkpoint import (
     OutTensor,
     SourceHasher,
     Staging,
-    parse_size,
-    quantization_config,
     check_destination_folder,
     check_disjoint,
     describe_error,
-    warn_literal_tilde,
+    parse_size,
+    quantization_config,
     run_jobs,
+    warn_literal_tilde,
     write_manifest,
     write_shards,
 )
-from .storage import (
-    DETECT_GROUP,
-    FLOAT_BYTES,
-    GGUF_FLOAT_TYPE_IDS,
-    GGUF_TERNARY_GROUPS,
-    dense_ternary_group,
-    describe_non_ternary_types,
-    float_view,
-    non_ternary_gguf_tensors,
-    packed_safetensors,
-)
-from .io import not_found, ternary_errors
-from .hf_gguf import (
+from .sinks.gguf_metadata import keep_source_metadata, keys_from_gguf, metadata_for_gguf_output
+from .sources.hf_gguf import (
     GENERATION_CONFIG,
     SIDE_FILES,
     TOKENIZER_FILES,
@@ -77,21 +79,16 @@ from .hf_gguf import (
     generation_config_from_gguf,
     tokenizer_from_gguf,
 )
-from .gguf_metadata import keep_source_metadata, keys_from_gguf, metadata_for_gguf_output
+from .sources.reader import not_found, ternary_errors
 
 log = logging.getLogger("ternary_rs.convert")
 
-# Ternary GGUF types we write: (type id, values per block, bytes per block, canonical group size).
-GGUF_OUTPUT_TYPES = {
-    "TQ1_0": (34, 256, 54, 256),
-    "TQ2_0": (35, 256, 66, 256),
-    "PQ2_0": (142, 128, 34, 128),
-    "PTQ1_0": (143, 128, 28, 128),
-    "STQ1_0": (43, 256, 42, 256),
-}
-# llama.cpp ``general.file_type`` for the upstream types (LLAMA_FTYPE_MOSTLY_TQ1_0 / TQ2_0, and
-# LLAMA_FTYPE_MOSTLY_STQ1_0 = 42 as PR #22836 numbers it since its rebase past Q1_0/Q2_0).
-GGUF_FILE_TYPES = {"TQ1_0": 36, "TQ2_0": 37, "STQ1_0": 42}
+# Ternary GGUF types we write: (type id, values per block, bytes per block, canonical group size = the block).
+GGUF_OUTPUT_TYPES = {name: (*ids, ids[1]) for name, ids in gguf_output_types("TQ1_0", "TQ2_0", "PQ2_0", "PTQ1_0",
+                                                                             "STQ1_0").items()}
+# llama.cpp ``general.file_type`` for the upstream types only (PQ2_0's 141 is the PrismML fork's, set by
+# the qwen35 writer alone).
+GGUF_FILE_TYPES = {name: LLAMA_FILE_TYPES[name] for name in ("TQ1_0", "TQ2_0", "STQ1_0")}
 # --group-size with GGUF output: the group of a GGUF is its type's block, so the option cannot apply.
 GGUF_GROUP_SIZE_MESSAGE = (
     "group_size={group_size} applies to vLLM output only: a GGUF's group is fixed by its type (TQ1_0/TQ2_0/STQ1_0: "
@@ -148,7 +145,7 @@ class Source:
     """An opened source checkpoint with its architecture and classified tensors."""
 
     def __init__(self, path: Path, options: ConvertOptions):
-        from .io import open as open_checkpoint
+        from .sources.reader import open as open_checkpoint
 
         self.path = path
         self.file = open_checkpoint(path)
@@ -328,7 +325,8 @@ class Source:
     # -- decoding to canonical form
     def canonical(self, st: SourceTensor, group_size: int):
         """``TernaryTensor`` of ``st`` at ``group_size`` in Hugging Face row order."""
-        from .tensor import TernaryTensor, decode, decode_bytes, recover_dense, repack
+        from .core.tensor import TernaryTensor, decode_bytes, recover_dense, repack
+        from .sources.decode import decode
 
         n, k = st.shape
         if k % group_size:
@@ -572,8 +570,8 @@ def _derived_gguf_jobs(source: Source) -> list[Job]:
 
 
 def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> dict[str, Any]:
-    from .io import GGUFWriter
-    from .tensor import encode, repack
+    from .core.tensor import encode, repack
+    from .sinks.writers import GGUFWriter
 
     source.classify()
     if any(st.expert is not None for st in source.tensors):  # llama.cpp wants the experts stacked again
@@ -614,7 +612,7 @@ def write_gguf_file(source: Source, out_path: Path, options: ConvertOptions) -> 
                 if t.group_size != target_group and gtype != "STQ1_0":
                     t = repack(t, target_group, requantize=source.options.requantize)
                 if perm is not None:  # HF rows -> llama.cpp rows
-                    from .tensor import TernaryTensor
+                    from .core.tensor import TernaryTensor
 
                     t = TernaryTensor(np.ascontiguousarray(t.qweight[perm]), np.ascontiguousarray(t.scales[perm]),
                                       t.group_size, name=st.name, validate=False)
@@ -794,7 +792,7 @@ def _convert_one_unchecked(src: Path, dst: Path, options: ConvertOptions) -> Pat
     keeps_rotation = (source.is_gguf and options.to == "gguf") or (options.to == "gguf" and gguf_hook is not None) or (
         options.to != "gguf" and getattr(source.arch, "write_vllm_checkpoint", None) is not None)
     if not keeps_rotation and _may_be_rotated(source.metadata or source.config or {}):
-        from .hadamard import refuse_if_rotated  # imports torch: only when there is something to refuse
+        from .core.hadamard import refuse_if_rotated  # imports torch: only when there is something to refuse
 
         refuse_if_rotated(source.metadata or source.config or {}, f"this conversion to {options.to}", str(src))
     options.source_paths = source.source_files()
@@ -970,7 +968,7 @@ def dequantize_checkpoint(vllm_dir, out_dir, dtype: str = "float32") -> Path:
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
-    from .tensor import TernaryTensor
+    from .core.tensor import TernaryTensor
 
     vllm_dir, out_dir = Path(vllm_dir), Path(out_dir)
     config = json.loads((vllm_dir / "config.json").read_text())
@@ -980,7 +978,7 @@ def dequantize_checkpoint(vllm_dir, out_dir, dtype: str = "float32") -> Path:
     group_size = int(qc["group_size"])
     rotation = None
     if qc.get("hadamard") is not None:
-        from .hadamard import HadamardSpec, unrotate_weight
+        from .core.hadamard import HadamardSpec, unrotate_weight
 
         rotation = HadamardSpec.from_config(qc["hadamard"])
     np_dtype = {"float32": np.float32, "float16": np.float16}.get(dtype)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-# GGUF metadata value types (ternary_rs.io.GGUFWriter names).
+# GGUF metadata value types (ternary_rs.sinks.writers.GGUFWriter names).
 GGUF_UINT32, GGUF_INT32, GGUF_FLOAT32, GGUF_STRING = "u32", "i32", "f32", "string"
 
 DEMO_SHAPE = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, head_dim=64, context=2048)
@@ -80,9 +80,9 @@ def qwen3_metadata(
 def write_demo_gguf(path: Path, gguf_type: str = "PQ2_0", seed: int = 0, mark: bool = False) -> dict:
     """A small random ternary qwen3 GGUF; returns the HF-order canonical tensors written (for checks).
     ``mark`` adds the key by which a later ``--force`` knows ternary_rs wrote the file."""
-    from .io import GGUFWriter
     from .convert import GGUF_OUTPUT_TYPES
-    from .tensor import TernaryTensor, encode, pack_codes
+    from .core.tensor import TernaryTensor, encode, pack_codes
+    from .sinks.writers import GGUFWriter
 
     s = DEMO_SHAPE
     tokens, types, merges = demo_tokenizer()
@@ -108,8 +108,8 @@ def write_demo_gguf(path: Path, gguf_type: str = "PQ2_0", seed: int = 0, mark: b
         ("tokenizer.chat_template", DEMO_CHAT_TEMPLATE, GGUF_STRING),  # lets the served demo answer chats
     ]
     if mark:
-        from .checkpoint import GGUF_MARK_KEY
         from ._core import __version__
+        from .sinks.checkpoint import GGUF_MARK_KEY
 
         meta.append((GGUF_MARK_KEY, __version__, GGUF_STRING))
     writer = GGUFWriter(path)
@@ -164,9 +164,9 @@ def _check_log_replaceable(log_path: Path, force: bool) -> None:
 def run_demo(keep: str | None = None, serve: bool = False, force: bool = False) -> bool:
     """The demo; with ``keep`` its files stay in that folder. Files already there are replaced only with
     ``force`` and only when an earlier demo wrote them (as ``convert`` treats its outputs)."""
-    from .checkpoint import Staging
     from .convert import convert
-    from .report import inspect, verify
+    from .inspection.report import inspect, verify
+    from .sinks.checkpoint import Staging
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ternary_rs-demo-") as tmp:
@@ -219,7 +219,7 @@ def serve_demo(src: Path, root: Path, max_tokens: int = DEMO_SERVE_TOKENS, force
     import sys
     import urllib.request
 
-    from .serve import vllm_missing
+    from .serving.serve import vllm_missing
 
     missing = vllm_missing()
     if missing:

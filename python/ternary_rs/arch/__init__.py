@@ -32,13 +32,13 @@ An arch object provides (attributes / methods):
 ``default_tokenizer_pre: str``
     ``tokenizer.ggml.pre`` used when the Hugging Face pre-tokenizer is not recognised.
 ``gguf_vocab: str``
-    GGUF vocabulary writer, a key of ``ternary_rs.gguf_metadata.VOCAB_WRITERS`` (``"llama"``, ``"qwen2"``,
+    GGUF vocabulary writer, a key of ``ternary_rs.sinks.gguf_metadata.VOCAB_WRITERS`` (``"llama"``, ``"qwen2"``,
     ``"gpt2"``): which of tokenizer.model / tokenizer.json llama.cpp's converter reads, in which order.
 ``write_vllm_checkpoint`` (optional; ``None`` = use the generic dense writer)
     ``write_vllm_checkpoint(src: TernaryFile, out_dir: Path, options: ConvertOptions) -> None``.
     A whole-checkpoint hook for architectures the generic writer cannot express (hybrid attention,
     fused GGUF tensors, Hadamard rotations). It writes ``config.json`` (with ``quantization_config``),
-    the safetensors shards + ``model.safetensors.index.json`` (helpers in ``ternary_rs.checkpoint``:
+    the safetensors shards + ``model.safetensors.index.json`` (helpers in ``ternary_rs.sinks.checkpoint``:
     ``ShardPlan``, ``write_shards``, ``quantization_config``), tokenizer files and
     ``generation_config.json`` into ``out_dir``, which is a fresh *temporary* directory. ``convert``
     then writes the ``ternary_rs.json`` manifest and renames ``out_dir`` into place; on any exception the
@@ -107,7 +107,7 @@ class _Registry(dict):
                 return dict.__getitem__(self, key)
         raise KeyError(key)
 
-    def load_all(self) -> "_Registry":
+    def load_all(self) -> _Registry:
         for name in _MODULES:
             if name not in self:
                 self[name]  # noqa: B018 - loads it

@@ -55,7 +55,7 @@ class DenseDecoderArch:
     )
     # tokenizer.ggml.pre to write when the tokenizer's pre-tokenizer is not recognised.
     default_tokenizer_pre: str = "gpt-2"
-    # GGUF vocabulary writer (a key of ternary_rs.gguf_metadata.VOCAB_WRITERS): the order in which the
+    # GGUF vocabulary writer (a key of ternary_rs.sinks.gguf_metadata.VOCAB_WRITERS): the order in which the
     # architecture's llama.cpp converter class tries tokenizer.model / tokenizer.json.
     gguf_vocab: str = "gpt2"
     write_vllm_checkpoint = None  # dense decoders use the generic writer in ternary_rs.convert

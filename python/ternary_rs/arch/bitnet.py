@@ -115,7 +115,7 @@ class BitNetArch(DenseDecoderArch):
         qc = config.get("quantization_config") or {}
         if not isinstance(qc, dict) or qc.get("quant_method") != "bitnet":
             return
-        from ..checkpoint import ConversionError
+        from ..sinks.checkpoint import ConversionError
 
         linear_class = qc.get("linear_class") or "bitlinear"
         if linear_class not in LINEAR_CLASSES:
@@ -150,8 +150,8 @@ class BitNetArch(DenseDecoderArch):
 
             raise UnsupportedTypeError(f"tensor {name}: --ternarize needs torch (transformers' WeightQuant "
                                        "formula runs in torch)") from e
-        from ..storage import float_view
-        from ..tensor import TernaryTensor, pack_codes
+        from ..core.formats import float_view
+        from ..core.tensor import TernaryTensor, pack_codes
 
         n, k = int(shape[0]), int(shape[1])
         w = torch.from_numpy(np.array(float_view(raw, dtype), copy=True).reshape(n, k))

@@ -123,7 +123,7 @@ def known_model_types() -> list[str]:
     return sorted(_model_type(_table_key(a)) for a in known_gguf_architectures())
 
 
-def for_gguf(architecture: str, metadata: dict[str, Any], tensor_names) -> "GenericDecoderArch":
+def for_gguf(architecture: str, metadata: dict[str, Any], tensor_names) -> GenericDecoderArch:
     """The generic arch for a GGUF of ``architecture`` (``general.architecture``), its config from ``metadata``
     through transformers' table; refused naming what is supported when the tables do not know it."""
     _require_transformers()
@@ -156,7 +156,7 @@ def for_gguf(architecture: str, metadata: dict[str, Any], tensor_names) -> "Gene
     return GenericDecoderArch(architecture, cfg, table_config)
 
 
-def for_config(config: dict[str, Any]) -> "GenericDecoderArch":
+def for_config(config: dict[str, Any]) -> GenericDecoderArch:
     """The generic arch for a Hugging Face ``config.json`` whose ``model_type`` transformers' GGUF tables know."""
     _require_transformers()
     from transformers import AutoConfig
@@ -363,7 +363,7 @@ class GenericDecoderArch:
             return detail
         raise UnsupportedTypeError(
             f"tensor {self.gguf_name(hf_name, 0)} ({hf_name}): transformers' {self.gguf_arch} GGUF loader changes its "
-            f"values ({detail if kind == OTHER else 'x -> %g·x + %g' % detail}), which a ternary tensor cannot take "
+            f"values ({detail if kind == OTHER else f'x -> {detail[0]:g}·x + {detail[1]:g}'}), which a ternary tensor cannot take "
             "without re-ternarizing it")
 
     def _shape_hint(self, hf_name: str, n_rows: int) -> tuple[int, ...]:
@@ -384,7 +384,7 @@ class GenericDecoderArch:
 
     def values_from_gguf(self, hf_name: str, raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray | None:
         """A float tensor's bytes after transformers' processor (same dtype and shape), or None: unchanged."""
-        from ..storage import float_view
+        from ..core.formats import float_view
 
         kind, _ = self._effect(hf_name, tuple(shape))
         if kind == SAME:
@@ -401,7 +401,7 @@ class GenericDecoderArch:
     def values_to_gguf(self, hf_name: str, raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray | None:
         """The inverse of :meth:`values_from_gguf` (GGUF output), or None: unchanged. Row reorders and
         ``a·x + b`` invert exactly; any other processor effect is refused."""
-        from ..storage import float_view
+        from ..core.formats import float_view
 
         kind, detail = self._effect(hf_name, tuple(shape))
         if kind == SAME:

@@ -19,7 +19,7 @@ b/a itself through its ``packed_modules_mapping``). What the GGUF stores differe
 * ``ssm_conv1d`` ``[C, K]`` becomes ``[C, 1, K]``.
 
 The rotation stays in the weights (they are exactly ternary only in the rotated basis) and is described in
-``quantization_config["hadamard"]`` (:class:`ternary_rs.hadamard.HadamardSpec`): the vLLM backend applies
+``quantization_config["hadamard"]`` (:class:`ternary_rs.core.hadamard.HadamardSpec`): the vLLM backend applies
 ``x → [GDN permutation] → ·s → FWHT`` before each listed layer and ``FWHT → ·s`` to the looked-up rows of the
 inverse-rotated ternary embedding (which stays ternary: the plugin's Qwen3.5 model class builds
 ``embed_tokens`` with the quant config, :mod:`ternary_rs.vllm.qwen3_5`). A listed weight that the source
@@ -55,7 +55,9 @@ from typing import Any
 import numpy as np
 
 from .._core import FormatError, UnsupportedTypeError, ValidationError
-from .. import hadamard as H
+from ..core import hadamard as H
+from ..core.formats import GGUF_TERNARY_GROUPS as ALL_GGUF_TERNARY_GROUPS
+from ..core.formats import LLAMA_FILE_TYPES, gguf_output_types
 
 # GGUF tensor kind → HF module (inside ``model.layers.N.``), the suffixes PrismML's qwen35 files use.
 BLOCK_TENSORS = {
@@ -99,8 +101,8 @@ LINEAR_MODULES = (
 # Ternary GGUF types a qwen35 file may hold → native group size (docs/formats.md#prism-gguf-types). Id 42 is two formats, told
 # apart by byte span in the container layer: the first-generation fork "Q2_0" (g128, 34-byte blocks) is
 # reported as Q2_0_G128, upstream Q2_0 and PrismML's ``*-Q2_g64.gguf`` (g64, 18-byte blocks) as Q2_0.
-GGUF_TERNARY_GROUPS = {"PQ2_0": 128, "PTQ1_0": 128, "Q2_0_G128": 128, "Q2_0": 64, "TQ2_0": 256, "TQ1_0": 256,
-                       "STQ1_0": 256}
+GGUF_TERNARY_GROUPS = {name: ALL_GGUF_TERNARY_GROUPS[name]
+                       for name in ("PQ2_0", "PTQ1_0", "Q2_0_G128", "Q2_0", "TQ2_0", "TQ1_0", "STQ1_0")}
 GGUF_TERNARY_TYPES = tuple(GGUF_TERNARY_GROUPS)
 FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bfloat16"}
 HF_ARCHITECTURE = "Qwen3_5ForCausalLM"
@@ -192,7 +194,7 @@ class Qwen35Arch:
         _write_gguf(_plan_for(src, options), Path(out_path), options)
 
 
-def _plan_for(src, options) -> "_Plan":
+def _plan_for(src, options) -> _Plan:
     if getattr(src, "format", None) == "gguf":
         return _plan_from_gguf(src, options)
     root = Path(getattr(src, "path", src))
@@ -243,7 +245,7 @@ def gguf_to_hf(name: str, n_layers: int | None = None) -> str:
         if kind in BLOCK_TENSORS:
             return f"{prefix}.{BLOCK_TENSORS[kind]}.{suffix}"
     if re.match(r"^blk\.\d+\.ssm_a$", name):
-        return "model.layers.%s.linear_attn.A_log" % name.split(".")[1]
+        return f"model.layers.{name.split('.')[1]}.linear_attn.A_log"
     raise KeyError(f"qwen35 GGUF tensor {name!r} has no Hugging Face counterpart this converter knows")
 
 
@@ -414,7 +416,7 @@ def _config_from_gguf(md: dict, tensors: dict, path: str) -> dict:
 def _group_size(requested: int | None, native: set[int], where: str) -> int:
     """The checkpoint's group size: the requested one, or the source's smallest native group.
 
-    A requested group larger than a native one is accepted here: :func:`ternary_rs.tensor.repack` merges
+    A requested group larger than a native one is accepted here: :func:`ternary_rs.core.tensor.repack` merges
     groups only where every merged scale agrees (lossless, e.g. PrismML's g64 files repeat each g128 scale)
     and raises ``ValidationError`` naming the tensor otherwise."""
     if requested is None:
@@ -432,7 +434,8 @@ def _gdn_permute_for(cfg: dict, grouped: bool):
 
 
 def _plan_from_gguf(src, options) -> _Plan:
-    from ..tensor import decode, repack
+    from ..core.tensor import repack
+    from ..sources.decode import decode
 
     path = str(getattr(src, "path", "") or "qwen35 GGUF")
     md = dict(src.metadata)
@@ -508,7 +511,7 @@ def _plan_from_gguf(src, options) -> _Plan:
     plan.spec = _fold_dense_rotations(plan)
 
     def tokenizer(out_dir: Path):
-        from ..hf_gguf import generation_config_from_gguf, tokenizer_from_gguf
+        from ..sources.hf_gguf import generation_config_from_gguf, tokenizer_from_gguf
 
         tokenizer_from_gguf(None, md, out_dir)
         gen = generation_config_from_gguf(md)
@@ -656,7 +659,7 @@ def _plan_from_mlx(src, options) -> _Plan:
                 f"{had_name} does not list it with block {plan.spec.block_size}"
             )
     # Each module's own sign vector must be the one of its width in hadamard.json.
-    for module, sname in pack_signs.items():
+    for sname in pack_signs.values():
         s = _float_array(src, tensors[sname]).ravel()
         want = plan.spec.signs.get(s.size)
         if want is None or not np.array_equal(s, want.astype(np.float32)):
@@ -676,9 +679,9 @@ def _plan_from_mlx(src, options) -> _Plan:
 def _plan_from_checkpoint(src, options) -> _Plan:
     """A ternary_rs Bonsai 2 checkpoint (``model_type qwen3_5_text``, canonical ``qweight``/``scales``,
     float32 dense tensors, ``quantization_config.hadamard``) — to GGUF, or re-grouped into a new checkpoint."""
-    from ..checkpoint import SUPPORTED_GROUP_SIZES
-    from ..hf_gguf import copy_hf_side_files
-    from ..tensor import TernaryTensor, repack
+    from ..core.tensor import TernaryTensor, repack
+    from ..sinks.checkpoint import SUPPORTED_GROUP_SIZES
+    from ..sources.hf_gguf import copy_hf_side_files
 
     root = Path(getattr(src, "path", src))
     root = root if root.is_dir() else root.parent
@@ -744,11 +747,10 @@ def _plan_from_checkpoint(src, options) -> _Plan:
 # PQ2_0 / PTQ1_0 by default (the fork runs them, rotation included); upstream llama.cpp runs TQ2_0 / TQ1_0
 # (one scale per 256 weights: from a g128 checkpoint only with --requantize, and without a rotation), as
 # llama.cpp PR #22836 runs STQ1_0 (also only where its codebook holds the weights, else --requantize).
-QWEN35_GGUF_OUTPUT = {"PQ2_0": (142, 128, 34), "PTQ1_0": (143, 128, 28), "TQ2_0": (35, 256, 66),
-                      "TQ1_0": (34, 256, 54), "STQ1_0": (43, 256, 42)}
+QWEN35_GGUF_OUTPUT = gguf_output_types("PQ2_0", "PTQ1_0", "TQ2_0", "TQ1_0", "STQ1_0")
 GGUF_F32 = 0
-# The fork's llama ftype of a PQ2_0 file (docs/formats.md#gguf-file-type: LLAMA_FTYPE_MOSTLY_PQ2_0 = 141).
-GGUF_FILE_TYPES = {"PQ2_0": 141, "TQ1_0": 36, "TQ2_0": 37}
+# The llama ftypes a qwen35 file sets, the fork's PQ2_0 one included (docs/formats.md#gguf-file-type).
+GGUF_FILE_TYPES = {name: LLAMA_FILE_TYPES[name] for name in ("PQ2_0", "TQ1_0", "TQ2_0")}
 
 
 def _tiled_rows(hf: str, cfg: dict) -> np.ndarray | None:
@@ -791,11 +793,11 @@ def _write_gguf(plan: _Plan, out_path: Path, options) -> None:
     """Write the plan as a qwen35 GGUF: ternary tensors re-encoded (group 128, llama.cpp row order), dense
     tensors float32 with PrismML's conventions restored (norms ``w + 1``, ``ssm_a = −exp(A_log)``, tiled GDN
     rows, 2-D conv1d), hyper-parameters, tokenizer and ``prism.hadamard.*``. Streams tensor by tensor."""
-    from ..checkpoint import GGUF_MARK_KEY, Job, OutTensor, run_jobs
-    from ..gguf_metadata import metadata_for_gguf_output
-    from ..io import GGUFWriter
-    from ..tensor import TernaryTensor, encode, repack
     from .._core import __version__
+    from ..core.tensor import TernaryTensor, encode, repack
+    from ..sinks.checkpoint import GGUF_MARK_KEY, Job, OutTensor, run_jobs
+    from ..sinks.gguf_metadata import metadata_for_gguf_output
+    from ..sinks.writers import GGUFWriter
 
     gtype = (options.gguf_type or "PQ2_0").upper()
     if gtype not in QWEN35_GGUF_OUTPUT:
@@ -829,7 +831,7 @@ def _write_gguf(plan: _Plan, out_path: Path, options) -> None:
                                       f"block of {block}")
             gname = hf_to_gguf(module + ".weight", n_layers)
 
-            def produce(module=module, rows=_tiled_rows(module + ".weight", cfg)):
+            def produce(module=module, rows=_tiled_rows(module + ".weight", cfg)):  # noqa: B008 - bound per module
                 q, sc = plan.ternary[module]()
                 t = TernaryTensor(q, sc, g, name=module, validate=False)
                 # To a divisor: scales repeat; to a multiple: lossless or --requantize (else raises). STQ1_0
@@ -849,7 +851,8 @@ def _write_gguf(plan: _Plan, out_path: Path, options) -> None:
             gname = hf_to_gguf(hf, n_layers)
             out_shape = (shape[0], shape[2]) if hf.endswith("conv1d.weight") and len(shape) == 3 else tuple(shape)
 
-            def produce(hf=hf, produce_dense=produce_dense, rows=_tiled_rows(hf, cfg), out_shape=out_shape):
+            def produce(hf=hf, produce_dense=produce_dense, rows=_tiled_rows(hf, cfg),  # noqa: B008 - bound per tensor
+                        out_shape=out_shape):
                 x = np.asarray(produce_dense(), dtype=np.float32)
                 if hf.endswith("norm.weight") and not hf.endswith("linear_attn.norm.weight"):
                     x = x + np.float32(1.0)  # llama.cpp's Qwen3.5 norms are x·w with w = 1 + HF's weight
@@ -877,7 +880,7 @@ def _write_gguf(plan: _Plan, out_path: Path, options) -> None:
 
 
 def _write(plan: _Plan, out_dir: Path, options) -> None:
-    from ..checkpoint import Job, OutTensor, quantization_config, write_shards
+    from ..sinks.checkpoint import Job, OutTensor, quantization_config, write_shards
 
     g = plan.group_size
     jobs = []

@@ -4,6 +4,8 @@ Loaded by vLLM through the ``vllm.general_plugins`` entry point (:func:`plugin.r
 imported by ``import ternary_rs``. Modules:
 
 * :mod:`.config` — :class:`~.config.TernaryConfig` (reads ``quantization_config``, picks a method per layer);
+* :mod:`.params` — the packing constants the config and the methods share (below both: the config builds
+  the methods, the methods never import the config);
 * :mod:`.linear` — :class:`~.linear.TernaryLinearMethod` (TP sharding via vLLM parameter classes);
 * :mod:`.embedding` — :class:`~.embedding.TernaryEmbeddingMethod` (ternary ``embed_tokens`` / ``lm_head``);
 * :mod:`.moe` — :class:`~.moe.TernaryMoEMethod` (routed experts of vLLM's fused-MoE layers, e.g. Qwen3-MoE:

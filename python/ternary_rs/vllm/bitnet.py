@@ -30,7 +30,7 @@ from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
 from vllm.model_executor.models.llama import LlamaAttention, LlamaForCausalLM
 from vllm.model_executor.utils import set_weight_attrs
 
-from .. import ops as ternary_ops
+from ..serving import ops as ternary_ops
 
 
 def use_bitnet_activations(module: nn.Module) -> None:

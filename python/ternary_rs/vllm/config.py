@@ -20,7 +20,6 @@ one of them, see :meth:`TernaryConfig.get_input_transform`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -36,20 +35,13 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 
 from .. import _core
 from . import preflight
+from .params import SUPPORTED_GROUP_SIZES
 
 QUANT_METHOD = "ternary"
 SUPPORTED_FORMAT_VERSIONS = (1,)
-SUPPORTED_GROUP_SIZES = _core.GROUP_SIZES
 SUPPORTED_SCALE_DTYPES = ("float16",)
-# Codes are packed four per byte along K.
-CODES_PER_BYTE = 4
 _WHERE = f"ternary quantization_config ({preflight.CONFIG_FILE})"
 _KNOWN_KEYS = {"quant_method", "format_version", "group_size", "scale_dtype", "modules_not_converted"}
-
-
-def k_shard_multiple(group_size: int) -> int:
-    """Smallest K a shard may hold: whole bytes of codes and whole scale groups."""
-    return math.lcm(CODES_PER_BYTE, group_size)
 
 
 class TernaryConfig(QuantizationConfig):

@@ -19,9 +19,9 @@ import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-from .. import ops as ternary_ops
-from .config import CODES_PER_BYTE
+from ..serving import ops as ternary_ops
 from .linear import TernaryMethodBase, validate_loaded
+from .params import CODES_PER_BYTE
 
 # Attribute cached on a canonical qweight Parameter shared by embed_tokens and a tied lm_head.
 _KERNEL_CACHE_ATTR = "_ternary_kernel_tensors"

@@ -7,7 +7,7 @@
 * :func:`make_embedding_transform` for the embedding: rows stored inverse-rotated come back as
   ``fwht(row) · s``.
 
-The rotation description is parsed and validated once (:class:`ternary_rs.hadamard.HadamardSpec`); anything
+The rotation description is parsed and validated once (:class:`ternary_rs.core.hadamard.HadamardSpec`); anything
 malformed or of an unknown version raises :class:`ternary_rs.ValidationError` while the model loads, so a
 rotated checkpoint is never served without its rotation.
 
@@ -20,13 +20,14 @@ across the TP group, transformed whole, and the local slice taken (one extra all
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
-from .. import hadamard as _h
 from .._core import ValidationError
+from ..core import hadamard as _h
 
 # vLLM fused layer → the checkpoint (Hugging Face) layers it is made of (Qwen3.5 / Qwen3 / Llama names).
 FUSED_LAYERS = {
@@ -36,7 +37,7 @@ FUSED_LAYERS = {
     "in_proj_ba": ("in_proj_b", "in_proj_a"),
 }
 
-_SPECS: dict[int, tuple[Any, "_Index"]] = {}
+_SPECS: dict[int, tuple[Any, _Index]] = {}
 
 
 class _Index:

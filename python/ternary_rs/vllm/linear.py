@@ -27,11 +27,11 @@ import math
 
 import torch
 from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
-from .. import ops as ternary_ops  # registers torch.ops.ternary_rs.*
-from .config import CODES_PER_BYTE, SUPPORTED_GROUP_SIZES, TernaryConfig, k_shard_multiple
-
+from ..serving import ops as ternary_ops  # registers torch.ops.ternary_rs.*
+from .params import CODES_PER_BYTE, SUPPORTED_GROUP_SIZES, k_shard_multiple
 
 # Smallest K shard a row-parallel rank may hold: the smallest group of the contract (whole bytes of codes too).
 MIN_K_SHARD = min(SUPPORTED_GROUP_SIZES)
@@ -141,7 +141,8 @@ class TernaryMethodBase:
     """What ``TernaryLinearMethod`` and ``TernaryEmbeddingMethod`` share: the canonical parameters, the
     layer attributes and the kernel call (mixed in ahead of vLLM's method base class)."""
 
-    def __init__(self, quant_config: TernaryConfig, prefix: str = "") -> None:
+    # quant_config: the checkpoint's TernaryConfig (typed by its vLLM base: the config module imports this one)
+    def __init__(self, quant_config: QuantizationConfig, prefix: str = "") -> None:
         self.quant_config = quant_config
         self.prefix = prefix
 

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.utils import set_weight_attrs
 
-from .. import ops as ternary_ops  # registers torch.ops.ternary_rs.*
-from .config import CODES_PER_BYTE, TernaryConfig
+from ..serving import ops as ternary_ops  # registers torch.ops.ternary_rs.*
 from .linear import load_group_size, validate_loaded
+from .params import CODES_PER_BYTE
 
 # RoutedExperts.weight_loader treats a parameter with this quant_method as group-wise scales.
 _GROUP_SCALES = "group"
@@ -63,7 +64,8 @@ def refuse_unsupported(prefix: str, moe) -> None:
 class TernaryMoEMethod(FusedMoEMethodBase):
     """Routed ternary experts: ``y = Σ_k w_k · down_e(silu(gate_e(x)) · up_e(x))`` through one op."""
 
-    def __init__(self, quant_config: TernaryConfig, moe, prefix: str = "") -> None:
+    # quant_config: the checkpoint's TernaryConfig (typed by its vLLM base: the config module imports this one)
+    def __init__(self, quant_config: QuantizationConfig, moe, prefix: str = "") -> None:
         super().__init__(moe)
         refuse_unsupported(prefix, moe)
         self.quant_config = quant_config

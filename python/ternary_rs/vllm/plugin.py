@@ -42,7 +42,7 @@ def register() -> None:
 def _install_cpu_defaults() -> None:
     """On vLLM CPU, wrap the platform's ``check_and_update_config`` (the one place that sees the whole
     config before vLLM reads ``VLLM_CPU_KVCACHE_SPACE`` and before the workers are bound) so that a ternary
-    model gets the fast settings of :mod:`ternary_rs.cpu_serving` that the user did not set."""
+    model gets the fast settings of :mod:`ternary_rs.serving.cpu` that the user did not set."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -67,7 +67,7 @@ def apply_cpu_defaults(vllm_config) -> None:
     import logging
     import os
 
-    from ternary_rs import cpu_serving
+    from ternary_rs.serving import cpu as cpu_serving
 
     log = logging.getLogger("ternary_rs.vllm")
     quant = getattr(vllm_config, "quant_config", None)

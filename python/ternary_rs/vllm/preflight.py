@@ -48,8 +48,8 @@ def read_checkpoint(model: str) -> CheckpointTensors | None:
     Raises ``ValueError`` naming the shard (and tensor) when a header is malformed or a tensor's bytes
     run past the end of its file (a truncated shard).
     """
-    from .. import FormatError, TernaryError
-    from .. import open as open_checkpoint
+    from .._core import FormatError, TernaryError
+    from ..sources.reader import open as open_checkpoint
 
     directory = Path(model)
     if not directory.is_dir():
@@ -111,8 +111,8 @@ def locate_invalid(ckpt: CheckpointTensors | None, names: dict[str, str], parts:
 
     ``names`` maps a (vLLM-mapped) tensor name to its checkpoint name. Reads only these tensors.
     """
-    from .. import TernaryError
-    from .. import open as open_checkpoint
+    from .._core import TernaryError
+    from ..sources.reader import open as open_checkpoint
 
     if ckpt is None:
         return "the checkpoint is not a local directory, so the tensor could not be located"

@@ -28,6 +28,7 @@ from vllm.model_executor.models.utils import maybe_prefix
 
 from .config import TernaryConfig
 
+
 def _ternary_embedding(owner: torch.nn.Module, head_owner: torch.nn.Module, quant_config, vocab_size: int,
                        hidden_size: int, prefix: str, tie: bool) -> None:
     """Replace ``owner.embed_tokens`` by one built with ``quant_config``; re-tie ``head_owner.lm_head``."""

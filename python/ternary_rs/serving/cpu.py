@@ -1,0 +1,299 @@
+"""The vLLM-on-CPU settings that are fastest for a ternary model, chosen where the user set none.
+
+vLLM CPU's defaults are made for large servers and fail or idle on small machines:
+
+* ``VLLM_CPU_NUM_OF_RESERVED_CPU``: vLLM keeps one core per worker out of the compute for its front end.
+  On a 2-core machine that halves the compute of every decode step, while the front end needs a
+  fraction of a core (measured, Bonsai-1.7B shape, closed-loop clients: 12.1 -> 16.9 tok/s at 1 client,
+  46.5 -> 80.8 at 16). Up to :data:`RESERVE_NONE_MAX_CORES` usable cores we reserve none; above, the
+  reserved core is a small share and keeps the OpenMP barrier of every op free of the front end's
+  preemptions, so vLLM's default stays.
+* ``VLLM_CPU_OMP_THREADS_BIND``: vLLM's ``auto`` (one OpenMP thread per physical core, on the worker's
+  NUMA node) is already the fastest binding for a bandwidth-bound ternary decode (a second hyperthread
+  adds no memory bandwidth); it is kept and reported. But ``auto`` gives each tensor-parallel rank a NUMA
+  node of its own and refuses to start when there are fewer nodes than ranks (every desktop and most
+  cloud VMs have one): there the usable CPUs are split into one contiguous range per rank instead.
+* The KV cache space: without ``VLLM_CPU_KVCACHE_SPACE`` or ``--kv-cache-memory-bytes`` vLLM CPU asks for
+  ``--gpu-memory-utilization`` (0.9) of the *total* RAM to be *available* at start-up, which no
+  machine running anything else has, and dies after loading the model. :func:`kv_cache_space` sizes
+  it from the plan instead (see there).
+
+One home for the rule: ``ternary-rs serve`` passes the choices to vLLM's server in its environment and
+prints them; the vLLM plugin applies the same ones for ``vllm.LLM(...)`` and
+``python -m vllm.entrypoints.openai.api_server`` users (``ternary_rs.vllm.plugin``). A setting the user
+made (the variable in the environment, ``--kv-cache-memory-bytes``) always wins.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GIB = 1 << 30
+RESERVE_NONE_MAX_CORES = 4
+# Memory left to everything else on the machine: this fraction of the available RAM, at least 1 GiB.
+SAFETY_FRACTION = 0.15
+SAFETY_MIN_BYTES = GIB
+# The KV space aimed for: room for this many sequences of this many tokens (or all of max_num_seqs at
+# full length, if smaller), and at least this much: many clients with short prompts need pages, not length.
+TYPICAL_SEQUENCES = 64
+TYPICAL_TOKENS = 1024
+MIN_TARGET_BYTES = 4 * GIB
+RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
+
+
+class DoesNotFit(ValueError):
+    """Not even one sequence of ``max_model_len`` tokens fits beside the weights."""
+
+
+@dataclass
+class Choice:
+    name: str
+    value: str
+    why: str
+    by_user: bool = False
+    vllm_default: bool = False  # reported only: vLLM already does this when the variable is unset
+
+    def line(self) -> str:
+        who = ("yours" + (f"; {self.why}" if self.why else "")) if self.by_user else self.why
+        return f"{self.name}={self.value} ({who})"
+
+
+@dataclass
+class CpuSettings:
+    choices: list[Choice] = field(default_factory=list)
+    kv_bytes: int | None = None  # chosen KV cache space (None: the user's own)
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The variables ternary_rs chose (the user's are already in the environment; vLLM's own
+        defaults are left unset, so nothing is written that a later TP size could contradict)."""
+        return {c.name: c.value for c in self.choices if not c.by_user and not c.vllm_default}
+
+    def summary(self) -> str:
+        return ", ".join(c.line() for c in self.choices)
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _node_of_first_cpu() -> int:
+    try:
+        cpu = min(os.sched_getaffinity(0))
+        nodes = [p.name for p in Path(f"/sys/devices/system/cpu/cpu{cpu}").glob("node[0-9]*")]
+        return int(nodes[0][4:]) if nodes else 0
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
+def _cgroup_available() -> int | None:
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def available_ram() -> int | None:
+    """The memory vLLM CPU itself counts as available when it sizes and checks the KV cache: on the NUMA
+    node of the first CPU it may run on (vLLM binds its memory there), free + file cache + reclaimable
+    slab, clamped by a cgroup limit; ``MemAvailable`` where there is no per-node information."""
+    fields: dict[str, int] = {}
+    meminfo = Path(f"/sys/devices/system/node/node{_node_of_first_cpu()}/meminfo")
+    try:
+        for line in meminfo.read_text().splitlines():  # "Node 0 MemFree:  8940396 kB"
+            parts = line.split()
+            fields[parts[2].rstrip(":")] = int(parts[3]) * 1024
+        node = sum(fields[k] for k in ("MemFree", "Active(file)", "Inactive(file)", "SReclaimable"))
+    except (OSError, ValueError, IndexError, KeyError):
+        node = None
+    if node is None:
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    node = int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+    cgroup = _cgroup_available()
+    return min(node, cgroup) if node is not None and cgroup is not None else node
+
+
+def _usable_cpu_ids() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def _numa_nodes(cpus: list[int]) -> int:
+    """How many NUMA nodes the usable CPUs span (1 where sysfs does not say)."""
+    nodes = set()
+    for cpu in cpus:
+        nodes.update(p.name for p in Path(f"/sys/devices/system/cpu/cpu{cpu}").glob("node[0-9]*"))
+    return max(1, len(nodes))
+
+
+def split_binding(cpus: list[int], parts: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``parts`` ranks a contiguous share of ``cpus``
+    (``"0-7|8-15"``; ids that are not contiguous are listed)."""
+    per, extra = divmod(len(cpus), parts)
+    out, start = [], 0
+    for r in range(parts):
+        ids = cpus[start:start + per + (r < extra)]
+        start += len(ids)
+        contiguous = ids == list(range(ids[0], ids[-1] + 1))
+        out.append(f"{ids[0]}-{ids[-1]}" if contiguous and len(ids) > 1 else ",".join(map(str, ids)))
+    return "|".join(out)
+
+
+def bind_choice(env: dict[str, str], tensor_parallel: int, cpus: list[int] | None = None,
+                nodes: int | None = None) -> Choice:
+    bind = env.get(BIND_ENV, "")
+    if bind != "":
+        return Choice(BIND_ENV, bind, "", by_user=True)
+    cpus = _usable_cpu_ids() if cpus is None else cpus
+    nodes = _numa_nodes(cpus) if nodes is None else nodes
+    if tensor_parallel > 1 and nodes < tensor_parallel and len(cpus) >= tensor_parallel:
+        return Choice(BIND_ENV, split_binding(cpus, tensor_parallel),
+                      f"{tensor_parallel} ranks on {nodes} NUMA node(s): vLLM's auto binding needs a node per rank")
+    return Choice(BIND_ENV, "auto", "vLLM's: one thread per physical core", vllm_default=True)
+
+
+def reserved_cpus_choice(env: dict[str, str], cores: int) -> Choice | None:
+    if env.get(RESERVED_ENV, "") != "":
+        return Choice(RESERVED_ENV, env[RESERVED_ENV], "", by_user=True)
+    if cores <= RESERVE_NONE_MAX_CORES:
+        return Choice(RESERVED_ENV, "0", f"{cores} cores: none kept idle for vLLM's front end")
+    return None
+
+
+@dataclass(frozen=True)
+class SequenceSizes:
+    """What one sequence costs vLLM, from ``plan``, and everything else it holds."""
+    context: int  # max_model_len
+    kv_per_token: int  # all attention layers
+    state: int  # recurrent + conv state of all linear-attention layers
+    attention_layers: int
+    linear_layers: int
+    fixed: int  # weights, activations, runtime
+
+    def vllm_bytes(self, tokens: int) -> int:
+        """Bytes vLLM's KV cache manager takes for one sequence of ``tokens`` tokens.
+
+        For a hybrid model that is more than ``state + tokens · kv_per_token``: vLLM gives every layer one
+        page size (a linear-attention layer's state), groups the layers of each kind into groups of equal
+        size (the smaller count, or the larger when it is under 1.5× the smaller) and gives a sequence one
+        page per linear-attention group plus, per attention group, pages of whole attention blocks.
+        At the Bonsai 2 27B shape (48 + 16 layers, ~3.2 MB state per layer) a 1024-token sequence takes
+        5 pages × 16 layers ≈ 257 MB, not the 221 MB its state and KV add up to — 1 GiB ran 4 at once."""
+        if not (self.state and self.linear_layers and self.attention_layers):
+            return self.kv_per_token * tokens + self.state
+        page = self.state // self.linear_layers
+        small, large = sorted((self.attention_layers, self.linear_layers))
+        group = large if large < 1.5 * small else small
+        attention_pages = math.ceil(tokens * self.kv_per_token / self.attention_layers / page)
+        pages = math.ceil(self.linear_layers / group) + math.ceil(self.attention_layers / group) * attention_pages
+        return group * page * pages
+
+
+def _sizes(model: str | os.PathLike, max_model_len: int | None, kv_dtype: str, available: int) -> SequenceSizes:
+    from ..inspection.planner import plan
+
+    p = plan(model, context=max_model_len or 2048, concurrency=1, gpu_memory=f"{available}B", kv_dtype=kv_dtype,
+             gpu_memory_utilization=1.0)
+    state = int(p["state_per_sequence"])
+    return SequenceSizes(int(p["context"]), int(p["kv_cache_per_token"]), state, int(p["attention_layers"]),
+                         int(p.get("linear_attention_layers") or 0), int(p["total"]) - int(p["kv_cache"]) - state)
+
+
+def check_users_kv_space(model: str | os.PathLike, gib_text: str, *, max_model_len: int | None,
+                         max_num_seqs: int | None = None, kv_dtype: str = "fp16") -> str:
+    """Raise :class:`DoesNotFit` when the user's ``VLLM_CPU_KVCACHE_SPACE`` cannot hold one
+    ``max_model_len`` sequence (vLLM would refuse it after loading the model). Otherwise return a note
+    when it caps how many sequences run at once below ``max_num_seqs`` (vLLM queues the rest, silently:
+    a 27B hybrid at 1 GiB ran 4 of a batch of 8), else ``""``. A value that is not a number is left for
+    vLLM to refuse in its own words."""
+    try:
+        space = float(gib_text) * GIB
+    except ValueError:
+        return ""
+    z = _sizes(model, max_model_len, kv_dtype, available_ram() or GIB)
+    one = z.vllm_bytes(z.context)
+    if one > space:
+        raise DoesNotFit(f"one {z.context}-token sequence needs {one / GIB:.1f} GiB of KV cache and recurrent "
+                         f"state, more than the {gib_text} GiB {KV_ENV} you set")
+    tokens = min(z.context, TYPICAL_TOKENS)
+    fits = int(space // z.vllm_bytes(tokens))
+    if max_num_seqs and fits < min(max_num_seqs, TYPICAL_SEQUENCES):
+        return (f"room for about {fits} sequences of {tokens} tokens at once, fewer than max_num_seqs "
+                f"{max_num_seqs}: the rest wait")
+    return ""
+
+
+def kv_cache_space(model: str | os.PathLike, *, max_model_len: int | None, max_num_seqs: int | None,
+                   kv_dtype: str = "fp16", available: int | None = None) -> tuple[int, str]:
+    """``(bytes, why)``: the KV cache space (whole GiB, as ``VLLM_CPU_KVCACHE_SPACE`` takes it) for ``model``.
+
+    ``budget`` = available RAM − everything ``plan`` counts besides the KV cache and recurrent state
+    (weights as vLLM holds them, activations of one step, runtime) − a safety margin
+    (:data:`SAFETY_FRACTION` of the available RAM, at least 1 GiB). The space aimed for is room for
+    ``min(max_num_seqs, TYPICAL_SEQUENCES)`` sequences of ``min(max_model_len, TYPICAL_TOKENS)`` tokens
+    (as vLLM pages them: :meth:`SequenceSizes.vllm_bytes`), at least :data:`MIN_TARGET_BYTES` and one full
+    ``max_model_len`` sequence; it gets the aim rounded up to whole GiB, or the budget's whole GiB if
+    fewer, never less than one full sequence
+    (raises :class:`DoesNotFit` when the budget cannot hold that)."""
+    available = available_ram() if available is None else available
+    if available is None:
+        raise DoesNotFit("the available RAM is unknown (no /proc/meminfo)")
+    z = _sizes(model, max_model_len, kv_dtype, available)
+    context, fixed = z.context, z.fixed
+    safety = max(SAFETY_MIN_BYTES, int(available * SAFETY_FRACTION))
+    budget = available - fixed - safety
+    one = z.vllm_bytes(context)
+    seqs = min(max_num_seqs or TYPICAL_SEQUENCES, TYPICAL_SEQUENCES)
+    aim = max(MIN_TARGET_BYTES, one, seqs * z.vllm_bytes(min(context, TYPICAL_TOKENS)))
+    need_gib = max(1, math.ceil(one / GIB))
+    # Whole GiB up, where the budget allows: rounding down left room for fewer sequences than aimed for.
+    gib = max(need_gib, min(math.ceil(aim / GIB), int(budget // GIB)))
+    if gib * GIB > budget:
+        raise DoesNotFit(
+            f"one {context}-token sequence needs {need_gib} GiB of KV cache and recurrent state, but only "
+            f"{max(0, budget) / GIB:.1f} GiB are left of the {available / GIB:.1f} GiB of available RAM after "
+            f"the weights, activations and runtime ({fixed / GIB:.1f} GiB) and a {safety / GIB:.1f} GiB margin")
+    why = (f"GiB: {available / GIB:.1f} GiB available - {fixed / GIB:.1f} GiB weights, activations and runtime"
+           f" - {safety / GIB:.1f} GiB margin, up to room for {seqs} sequences of "
+           f"{min(context, TYPICAL_TOKENS)} tokens")
+    return gib * GIB, why
+
+
+def choose(model: str | os.PathLike, *, env: dict[str, str] | None = None, max_model_len: int | None = None,
+           max_num_seqs: int | None = None, kv_dtype: str = "fp16", kv_bytes_given: bool = False,
+           cores: int | None = None, available: int | None = None, tensor_parallel: int = 1) -> CpuSettings:
+    """The settings for serving ``model`` with vLLM CPU, the user's own ones (``env``,
+    ``kv_bytes_given``: ``--kv-cache-memory-bytes``) kept and reported as theirs."""
+    env = dict(os.environ if env is None else env)
+    out = CpuSettings()
+    reserved = reserved_cpus_choice(env, usable_cores() if cores is None else cores)
+    if reserved is not None:
+        out.choices.append(reserved)
+    out.choices.append(bind_choice(env, tensor_parallel))
+    if env.get(KV_ENV, "") != "":
+        note = check_users_kv_space(model, env[KV_ENV], max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                    kv_dtype=kv_dtype)
+        out.choices.append(Choice(KV_ENV, env[KV_ENV], note, by_user=True))
+    elif not kv_bytes_given:
+        space, why = kv_cache_space(model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                    kv_dtype=kv_dtype, available=available)
+        out.kv_bytes = space
+        out.choices.append(Choice(KV_ENV, str(space // GIB), why))
+    return out

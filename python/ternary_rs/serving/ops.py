@@ -1,0 +1,117 @@
+"""Torch custom ops of ternary_rs — the one place the op is defined.
+
+Contract (stable; the vLLM backend codes against it):
+
+* ``prepare_weight(qweight, scales, group_size) -> (qweight_k, scales_k)`` — called once per layer from
+  ``process_weights_after_loading``. Takes the canonical tensors (``uint8 [N, K/4]``, ``float16 [N, K/g]``)
+  on the target device and returns them in the layout of that device's kernel (opaque to callers).
+* ``torch.ops.ternary_rs.ternary_linear(x, qweight_k, scales_k, out_features, in_features, group_size,
+  bias=None, activations=0)`` — ``y[..., N] = x[..., K] @ W.T (+ bias)`` for bf16/fp16/fp32 ``x``; output
+  dtype = ``x.dtype``. ``activations`` picks the activation numerics: 0 auto (the device default), 1 exact
+  (f32 sums), 2 int8 per token and weight group, 3 int8 per token (BitNet b1.58's ``activation_quant``);
+  see ``_ops_cpu`` for the error bounds.
+
+* ``torch.ops.ternary_rs.ternary_moe(x, topk_weights, topk_ids, w13_qweight, w13_scales, w2_qweight, w2_scales,
+  intermediate_size, w13_group_size, w2_group_size, activations=0, apply_router_weight_on_input=False)`` —
+  routed ternary experts (Mixture-of-Experts): ``x [M, H]``, the router's ``topk_weights`` / ``topk_ids``
+  ``[M, k]``, every expert's fused gate/up ``[2I, H]`` and down ``[H, I]`` weight prepared by
+  ``prepare_weight`` and stacked along a leading expert dimension (``w13_qweight[e]``); returns ``[M, H]``
+  in ``x.dtype``: ``Σ_j w[t, j] · down_e(silu(gate_e(x_t)) · up_e(x_t))``. One opaque op, because which
+  experts run depends on the data (``torch.compile`` sees its fake implementation). CPU:
+  :mod:`ternary_rs.serving._ops_moe` (the (token, expert) pairs sorted by expert, two ``ternary_linear`` calls per
+  active expert).
+
+  CUDA is **designed, not built** (the vLLM method refuses a CUDA device, naming the layer): the same
+  schema, so the vLLM side does not change, with ``prepare_weight``'s CUDA layout per expert stacked the
+  same way (expert e at a fixed stride). A CUDA-graph-safe implementation needs no host sync: (1) an
+  align kernel sorts the ``M·k`` (token, slot) pairs by expert into tiles of ``BLOCK_M`` rows, padded per
+  expert, and writes a tile -> expert map and the pair order on the device (vLLM's
+  ``moe_align_block_size`` does exactly this); (2) a grouped GEMM over those tiles — each CTA takes one
+  tile, reads its expert id, streams that expert's 2-bit ``w13`` and runs the ``mma.sync`` main loop of
+  ``cuda/`` on the gathered rows, with SiLU-and-mul fused into the epilogue (gate and up rows of a block
+  interleaved at prepare time so one CTA holds both); (3) the same grouped GEMM for ``w2``, whose epilogue
+  multiplies by the pair's router weight and adds into ``y[token]`` (fp32 atomics, or a per-pair buffer
+  reduced by a last small kernel when determinism is wanted). Decode (``M·k`` ≤ 8 pairs) would use the
+  GEMV instead, one warp group per (pair, row block). The grid is sized for the worst case
+  (``M·k / BLOCK_M + E`` tiles) so it is fixed under graph capture.
+
+The schemas and the fake implementations (for ``torch.compile(fullgraph=True)``) are defined here. Both
+device kernels are registered natively with the dispatcher from Rust, so a call runs no Python: the CPU
+one by ``_ops_cpu.register_native`` (on torch's intra-op thread pool), the CUDA one by
+``_ops_cuda.register_native`` (on the current stream). Where that cannot be done (a torch without the
+stable C ABI, a build without CUDA kernels) the same kernels run through Python
+(``NATIVE_CPU_UNAVAILABLE`` / ``NATIVE_CUDA_UNAVAILABLE`` say why).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import _ops_cpu, _ops_cuda, _ops_moe
+
+LIB = "ternary_rs"
+OP_NAME = f"{LIB}::ternary_linear"
+SCHEMA = (
+    "ternary_linear(Tensor x, Tensor qweight, Tensor scales, int out_features, int in_features, "
+    "int group_size, Tensor? bias=None, int activations=0) -> Tensor"
+)
+MOE_OP_NAME = f"{LIB}::ternary_moe"
+MOE_SCHEMA = (
+    "ternary_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13_qweight, Tensor w13_scales, "
+    "Tensor w2_qweight, Tensor w2_scales, int intermediate_size, int w13_group_size, int w2_group_size, "
+    "int activations=0, bool apply_router_weight_on_input=False) -> Tensor"
+)
+AUTO, EXACT, INT8_GROUP, INT8_TOKEN = _ops_cpu.AUTO, _ops_cpu.EXACT, _ops_cpu.INT8_GROUP, _ops_cpu.INT8_TOKEN
+
+log = logging.getLogger("ternary_rs.ops")
+
+
+def prepare_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int):
+    """Permute canonical tensors once into the layout of the kernel for their device."""
+    if qweight.device.type == "cuda":
+        return _ops_cuda.prepare_weight(qweight, scales, group_size)
+    return _ops_cpu.prepare_weight(qweight, scales, group_size)
+
+
+def _fake(x, qweight, scales, out_features, in_features, group_size, bias=None, activations=0):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _fake_moe(x, topk_weights, topk_ids, w13_qweight, w13_scales, w2_qweight, w2_scales, intermediate_size,
+              w13_group_size, w2_group_size, activations=0, apply_router_weight_on_input=False):
+    return torch.empty_like(x)
+
+
+def _define() -> tuple[str | None, str | None]:
+    """Define the op once per process; returns why the CPU and the CUDA kernel are not native (None if
+    they are)."""
+    global _LIBRARY
+    _LIBRARY = torch.library.Library(LIB, "FRAGMENT")  # kept alive: dropping it removes the op
+    _LIBRARY.define(SCHEMA)
+    torch.library.register_fake(OP_NAME, _fake, lib=_LIBRARY)
+    why_cpu = _ops_cpu.register_native()
+    if why_cpu is not None:
+        log.warning("ternary_rs: native CPU op registration unavailable (%s); using the Python path", why_cpu)
+        torch.library.impl(OP_NAME, "cpu", _ops_cpu.ternary_linear, lib=_LIBRARY)
+    why_cuda = _ops_cuda.register_native()
+    if why_cuda is not None:
+        if torch.cuda.is_available():  # on a CPU-only machine the Python path only reports errors
+            log.warning("ternary_rs: native CUDA op registration unavailable (%s); using the Python path", why_cuda)
+        torch.library.impl(OP_NAME, "cuda", _ops_cuda.ternary_linear, lib=_LIBRARY)
+    _LIBRARY.define(MOE_SCHEMA)
+    torch.library.register_fake(MOE_OP_NAME, _fake_moe, lib=_LIBRARY)
+    torch.library.impl(MOE_OP_NAME, "cpu", _ops_moe.ternary_moe, lib=_LIBRARY)
+    return why_cpu, why_cuda
+
+
+_LIBRARY: torch.library.Library | None = None
+NATIVE_CPU_UNAVAILABLE, NATIVE_CUDA_UNAVAILABLE = _define()
+"""Why the CPU / the CUDA kernel runs through Python (None: it is registered natively)."""
+
+
+def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias=None, activations=AUTO):
+    """``torch.ops.ternary_rs.ternary_linear`` (a convenience alias)."""
+    return torch.ops.ternary_rs.ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias,
+                                               activations)
