@@ -21,27 +21,16 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import ternary_rs
-from ternary_rs.demo import write_demo_gguf
+from support.cli import CLI, converted_demo, run
 from ternary_rs.sinks.checkpoint import MANIFEST_NAME
 from ternary_rs.sinks.writers import GGUFWriter
 
-CLI = [sys.executable, "-m", "ternary_rs"]
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def run(*args, timeout=240, **kw):
-    return subprocess.run(CLI + [str(a) for a in args], capture_output=True, text=True, timeout=timeout, **kw)
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    root = tmp_path_factory.mktemp("newuser")
-    src = root / "demo.gguf"
-    write_demo_gguf(src, "PQ2_0", seed=3)
-    out = root / "demo-vllm"
-    r = run("convert", src, out)
-    assert r.returncode == 0, r.stderr
-    return root, src, out
+    return converted_demo(tmp_path_factory.mktemp("newuser"), "demo.gguf", seed=3)
 
 
 def _rewrite(src: Path, dst: Path, weight) -> Path:

@@ -23,27 +23,16 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import ternary_rs
-from ternary_rs.demo import write_demo_gguf
+from support.cli import CLI, converted_demo, run
 from ternary_rs.sinks.checkpoint import TMP_MARK
 from ternary_rs.sinks.writers import GGUFWriter
 
-CLI = [sys.executable, "-m", "ternary_rs"]
 GiB = 2**30
-
-
-def run(*args, timeout=240, **kw):
-    return subprocess.run(CLI + [str(a) for a in args], capture_output=True, text=True, timeout=timeout, **kw)
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ux")
-    src = root / "demo-PQ2_0.gguf"
-    write_demo_gguf(src, "PQ2_0", seed=5)
-    out = root / "demo-vllm"
-    r = run("convert", src, out)
-    assert r.returncode == 0, r.stderr
-    return root, src, out
+    return converted_demo(tmp_path_factory.mktemp("ux"), "demo-PQ2_0.gguf", seed=5)
 
 
 def _rewrite_gguf(src: Path, dst: Path, drop=lambda key: False, extra=(), rename=None, skip_tensors=()) -> Path:
