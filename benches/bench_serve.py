@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ternary_rs.serving.health import ServerNotHealthy, wait_healthy
+from ternary_rs.serving.health import ServerNotHealthy, free_port, wait_healthy
 
 HERE = Path(__file__).resolve().parent
 START_TIMEOUT_S = 1800
@@ -93,12 +92,6 @@ def _to_gguf(src: Path, gguf: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------ servers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_server(base: str, proc: subprocess.Popen, log: Path, timeout: float = START_TIMEOUT_S) -> float:
     """Seconds until ``base/health`` answers 200; exits with the log's tail if the server dies or is late."""
     try:
@@ -120,7 +113,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def start_ours(gguf: Path, work: Path, max_len: int) -> tuple[subprocess.Popen, str, Path, float]:
-    port = _free_port()
+    port = free_port()
     log = work / "serve-ternary_rs.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}  # no tuning: the defaults
     cmd = [sys.executable, "-m", "ternary_rs", "serve", str(gguf), "--no-progress", "--cache-dir",
@@ -132,7 +125,7 @@ def start_ours(gguf: Path, work: Path, max_len: int) -> tuple[subprocess.Popen, 
 
 def start_llama(gguf: Path, work: Path, bin_dir: Path, slots: int, ctx_per_slot: int
                 ) -> tuple[subprocess.Popen, str, Path, float]:
-    port = _free_port()
+    port = free_port()
     log = work / f"llama-server-np{slots}.log"
     cmd = [str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", str(os.cpu_count() or 1), "--no-warmup"]

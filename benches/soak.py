@@ -41,7 +41,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,7 +48,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ternary_rs.serving.health import ServerNotHealthy, wait_healthy
+from ternary_rs.serving.health import ServerNotHealthy, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
@@ -98,12 +97,6 @@ def build_model(kind: str, work: Path) -> Path:
         src = write_prism_gguf(tiny, work / "bonsai2-tiny-PQ2_0.gguf", "PQ2_0")
         return Path(ternary_rs.convert(src, work / "bonsai2-ternary", progress=False))
     return Path(kind)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def chat_template_args(model: Path, work: Path) -> list[str]:

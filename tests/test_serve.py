@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 
 from ternary_rs.demo import DEMO_SHAPE, demo_tokenizer, qwen3_metadata, write_demo_gguf
+from ternary_rs.serving.health import free_port
 from ternary_rs.serving.serve import split_args
 from ternary_rs.sinks.checkpoint import SLEEP_ENV
 
@@ -325,12 +325,6 @@ def test_concurrent_serves_convert_once(demo):
 
 
 # ------------------------------------------------------------------------------------------ with vLLM
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
@@ -359,7 +353,7 @@ class Server:
     def __init__(self, src: Path, cache: Path, log: Path, env: dict | None = None):
         import psutil
 
-        self.port = _free_port()
+        self.port = free_port()
         self.log_path = log
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
@@ -451,7 +445,7 @@ def test_vllm_failure_prints_its_cause_and_a_signal_stops_start_up(tmp_path):
     src, cache = tmp_path / "demo.gguf", tmp_path / "cache"
     write_demo_gguf(src)
     env = {**os.environ, **_cpu_env(), "VLLM_CPU_KVCACHE_SPACE": "100000"}  # the user's own, far too large
-    r = subprocess.run(CLI + [str(src), "--cache-dir", str(cache), "--no-progress", "--port", str(_free_port()),
+    r = subprocess.run(CLI + [str(src), "--cache-dir", str(cache), "--no-progress", "--port", str(free_port()),
                               "--max-model-len", "256", "--enforce-eager"],
                        capture_output=True, text=True, timeout=SERVER_START_TIMEOUT_S, env=env)
     assert r.returncode == 1
@@ -461,7 +455,7 @@ def test_vllm_failure_prints_its_cause_and_a_signal_stops_start_up(tmp_path):
     log = tmp_path / "startup.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(CLI + [str(src), "--cache-dir", str(cache), "--no-progress", "--port",
-                                       str(_free_port()), "--max-model-len", "256", "--enforce-eager"],
+                                       str(free_port()), "--max-model-len", "256", "--enforce-eager"],
                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **_cpu_env()})
         deadline = time.time() + 300
         while "starting vLLM" not in log.read_text() and time.time() < deadline and proc.poll() is None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from support.contract_writer import dequantize, pack_codes_lsb_first, ternarize_groups, write_contract
 from support.greedy_reference import check_greedy
 from support.models import build_tiny_model
-from ternary_rs.serving.health import ServerNotHealthy, wait_healthy
+from ternary_rs.serving.health import ServerNotHealthy, free_port, wait_healthy
 
 pytestmark = pytest.mark.vllm
 
@@ -483,12 +482,6 @@ def test_tp2_eager_tied_generation_matches_transformers(tp2_eager, tied):
 # ---------------------------------------------------------------------------------------------------
 # OpenAI-compatible server
 # ---------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict, timeout: float = 120) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -499,7 +492,7 @@ def _post(url: str, body: dict, timeout: float = 120) -> dict:
 @pytest.fixture(scope="module")
 def server(untied, workdir):
     _, ckpt = untied
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     sys.path.insert(0, str(TESTS))
     from support.vllm_runner import cpu_env

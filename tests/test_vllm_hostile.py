@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).parent))
 from support.contract_writer import write_contract  # noqa: E402
 from support.models import build_tiny_model  # noqa: E402
-from ternary_rs.serving.health import is_healthy  # noqa: E402
+from ternary_rs.serving.health import free_port, is_healthy  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -177,17 +176,11 @@ def test_undamaged_checkpoint_still_loads(probe):
     assert r["ok"], r["error"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_server_refuses_before_serving(checkpoints, tmp_path):
     """The OpenAI server on a checkpoint with code 3: it exits non-zero with the file and tensor in its
     log, and /health never answers."""
     ckpt, file = checkpoints["code3"]
-    port = _free_port()
+    port = free_port()
     sys.path.insert(0, str(TESTS))
     from support.vllm_runner import cpu_env
 

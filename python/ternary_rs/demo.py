@@ -201,14 +201,6 @@ def run_demo(keep: str | None = None, serve: bool = False, force: bool = False) 
         return ok
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_demo(src: Path, root: Path, max_tokens: int = DEMO_SERVE_TOKENS, force: bool = False) -> bool:
     """Step 5: ``ternary-rs serve`` the demo GGUF with vLLM, ask its OpenAI API for a completion, print the
     text and tokens/s, stop the server. vLLM's own output goes to ``root/demo-serve.log``."""
@@ -219,13 +211,14 @@ def serve_demo(src: Path, root: Path, max_tokens: int = DEMO_SERVE_TOKENS, force
     import sys
     import urllib.request
 
+    from .serving.health import free_port
     from .serving.serve import vllm_missing
 
     missing = vllm_missing()
     if missing:
         print(f"5. serve: {missing}")
         return False
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "ternary_rs", "serve", str(src), "--no-cache", "--no-progress",
            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--enforce-eager"]
     env = dict(os.environ)

@@ -152,14 +152,6 @@ def complete(gguf_path: Path, prompt: str, n_predict: int = 24) -> bytes:
 SERVER_START_TIMEOUT_S = 120
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict) -> dict:
     import json
     import urllib.request
@@ -185,10 +177,10 @@ def greedy_tokens(gguf_path: Path, prompt: str, n_predict: int = 24) -> Greedy:
     Token ids rather than text: a model whose vocabulary is padded (``[PAD{i}]`` tokens, type UNUSED) may
     generate padding tokens, which llama.cpp detokenizes to nothing, so text would hide a difference.
     The end-of-generation token is ignored so that every run generates ``n_predict`` tokens."""
-    from ternary_rs.serving.health import ServerNotHealthy, wait_healthy
+    from ternary_rs.serving.health import ServerNotHealthy, free_port, wait_healthy
 
     exe = require_binary("llama-server")
-    port = _free_port()
+    port = free_port()
     cmd = [str(exe), "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-c", "256",
            "-np", "1", "-ngl", "0", "--no-warmup", "--seed", "0"]
     import tempfile

@@ -1,11 +1,20 @@
 """Is a started server up: the one ``/health`` poll of ``ternary-rs serve``, the benches and the tests
-(vLLM's OpenAI server and llama.cpp's ``llama-server`` both answer ``GET /health`` with 200 when ready)."""
+(vLLM's OpenAI server and llama.cpp's ``llama-server`` both answer ``GET /health`` with 200 when ready),
+and a free local port to start one on."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 import urllib.request
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class ServerNotHealthy(RuntimeError):
