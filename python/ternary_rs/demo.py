@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .sources.hf_gguf import byte_alphabet
+
 # GGUF metadata value types (ternary_rs.sinks.writers.GGUFWriter names).
 GGUF_UINT32, GGUF_INT32, GGUF_FLOAT32, GGUF_STRING = "u32", "i32", "f32", "string"
 
@@ -30,21 +32,9 @@ DEMO_CHAT_TEMPLATE = (
 )
 
 
-def _byte_tokens() -> list[str]:
-    """GPT-2's printable spelling of the 256 byte values (``bytes_to_unicode``)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for _, c in sorted(zip(bs, cs))]
-
-
 def demo_tokenizer() -> tuple[list[str], list[int], list[str]]:
-    tokens = _byte_tokens() + ["".join(m.split(" ")) for m in DEMO_MERGES] + list(SPECIAL_TOKENS)
+    alphabet = byte_alphabet()
+    tokens = [alphabet[b] for b in range(256)] + ["".join(m.split(" ")) for m in DEMO_MERGES] + list(SPECIAL_TOKENS)
     types = [1] * (len(tokens) - len(SPECIAL_TOKENS)) + [3] * len(SPECIAL_TOKENS)
     return tokens, types, list(DEMO_MERGES)
 

@@ -291,17 +291,23 @@ def sentencepiece_vocab(hf_dir: Path, config: dict[str, Any]) -> tuple[list[byte
     return tokens, scores, types
 
 
-def set_vocab_sentencepiece(writer, hf_dir: Path, config: dict[str, Any]) -> None:
-    """``TextModel._set_vocab_sentencepiece`` (raises FileNotFoundError without ``tokenizer.model``)."""
+def _add_llama_vocab(writer, hf_dir: Path, tokens: list, scores: list, types: list) -> None:
+    """The keys both llama-style vocabularies write (``tokenizer.ggml.model`` llama, pre ``default``) and
+    the special tokens from ``hf_dir``."""
     import gguf
 
-    tokens, scores, types = sentencepiece_vocab(hf_dir, config)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
     writer.add_token_types(types)
     gguf.SpecialVocab(str(hf_dir), n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+
+
+def set_vocab_sentencepiece(writer, hf_dir: Path, config: dict[str, Any]) -> None:
+    """``TextModel._set_vocab_sentencepiece`` (raises FileNotFoundError without ``tokenizer.model``)."""
+    tokens, scores, types = sentencepiece_vocab(hf_dir, config)
+    _add_llama_vocab(writer, hf_dir, tokens, scores, types)
 
 
 def set_vocab_llama_hf(writer, hf_dir: Path, config: dict[str, Any]) -> None:
@@ -315,12 +321,7 @@ def set_vocab_llama_hf(writer, hf_dir: Path, config: dict[str, Any]) -> None:
         tokens.append(text)
         scores.append(score)
         types.append(int(kind))
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    gguf.SpecialVocab(str(hf_dir), n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+    _add_llama_vocab(writer, hf_dir, tokens, scores, types)
 
 
 def set_vocab_llama(writer, hf_dir: Path, config: dict[str, Any], default_pre: str) -> None:

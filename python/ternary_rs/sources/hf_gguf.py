@@ -246,7 +246,7 @@ def builtin_tokenizer_supported(metadata: dict[str, Any]) -> bool:
     return model == "llama" and metadata.get("general.architecture") in _PLAIN_SENTENCEPIECE_ARCHES
 
 
-def _byte_alphabet() -> dict[int, str]:
+def byte_alphabet() -> dict[int, str]:
     """GPT-2's printable spelling of each byte value (``bytes_to_unicode``)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -293,7 +293,7 @@ def builtin_tokenizer_from_gguf(metadata: dict[str, Any], out_dir: Path) -> None
     types = list(metadata.get("tokenizer.ggml.token_type") or [])
     file_merges = metadata.get("tokenizer.ggml.merges")
     if model == "gpt2":
-        spelling = _byte_alphabet()
+        spelling = byte_alphabet()
         alphabet = set(spelling.values())
         spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
         vocab = {t: i for i, t in enumerate(spelled)}
