@@ -354,8 +354,9 @@ def run_one(args, model: Path, batches: list[int], size: int, per_token: int, ba
     cmd += ["--compile"] if args.compile else []
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     print(f"== {model.name}")
-    # vLLM's own account of the KV cache: how many sequences it can run at once.
-    for line in proc.stderr.splitlines():
+    # vLLM's own account of the KV cache (how many sequences it can run at once; vLLM logs to stdout) and
+    # the plugin's settings line (Python logging, stderr).
+    for line in (proc.stdout + proc.stderr).splitlines():
         if "Maximum concurrency" in line or "KV cache size" in line or "vLLM CPU settings" in line:
             print("vLLM:", line.split("] ", 1)[-1])
     if args.profile:
