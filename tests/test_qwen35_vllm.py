@@ -70,6 +70,12 @@ def served(tmp_path_factory):
         register()
         llm = LLM(model=str(ckpt), dtype="bfloat16", max_model_len=256, enforce_eager=True, max_num_seqs=4,
                   seed=0)
+        # What vLLM's own KV cache manager says fits, to check ternary_rs.serving.cpu's model of it.
+        from ternary_rs.vllm.plugin import vllm_paging
+
+        cache_config = llm.llm_engine.vllm_config.cache_config
+        kv_check = {"space_gib": os.environ["VLLM_CPU_KVCACHE_SPACE"], "max_model_len": 256,
+                    "concurrency": cache_config.kv_cache_max_concurrency, "paging": vllm_paging(cache_config)}
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
         got = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
         prompt_lens = [len(o.prompt_token_ids) for o in outs]
@@ -85,7 +91,23 @@ def served(tmp_path_factory):
 
     ref = AutoModelForCausalLM.from_pretrained(tiny.hf_dir, dtype=torch.float32).eval()
     return {"tiny": tiny, "ckpt": ckpt, "sequences": got, "prompt_lens": prompt_lens, "ref": ref,
-            "layers": served_layers}
+            "layers": served_layers, "kv_check": kv_check}
+
+
+def test_kv_space_model_matches_vllm_s_concurrency(served):
+    """``serving.cpu.SequenceSizes.vllm_bytes`` (how the plugin sizes ``VLLM_CPU_KVCACHE_SPACE``) against the
+    number vLLM's KV cache manager itself reports for this hybrid model (pages per layer group: the 3
+    Gated-DeltaNet layers and the attention layer share one page size; prefix caching, vLLM's default,
+    gives each linear-attention layer two state pages): sequences of max_model_len tokens that fit in the
+    space. Measured: 468 here; 819 with prefix caching off (predicted 819.2, checked by hand)."""
+    from ternary_rs.serving.cpu import GIB, _sizes
+
+    kv = served["kv_check"]
+    assert kv["paging"].mamba_align  # prefix caching is on by default
+    z = _sizes(served["ckpt"], kv["max_model_len"], "fp16", 8 * GIB, kv["paging"])
+    assert z.linear_layers == 3 and z.attention_layers == 1
+    predicted = float(kv["space_gib"]) * GIB / z.vllm_bytes(kv["max_model_len"])
+    assert kv["concurrency"] == pytest.approx(predicted, rel=0.01), (kv, z)
 
 
 def _embedding_layers(model) -> dict:

@@ -557,35 +557,80 @@ def test_plugin_cpu_defaults_respect_the_users_settings(demo, monkeypatch):
 
 
 def test_kv_space_counts_vllm_s_hybrid_pages(monkeypatch):
-    """A hybrid model's sequence costs vLLM whole pages per layer group (SequenceSizes.vllm_bytes), so the
-    space is sized for that, and a user's setting that caps concurrency below max_num_seqs is reported.
-    Numbers of the Bonsai 2 27B shape (48 Gated-DeltaNet + 16 attention layers): there 1 GiB ran 4 of a
-    batch of 8 at once (vLLM's log: 'Maximum concurrency ... 4.x'), where state + KV alone would give 4.9."""
+    """A hybrid model's sequence costs vLLM whole pages per layer group (SequenceSizes.vllm_bytes, checked
+    against vLLM itself in test_qwen35_vllm.py), so the space is sized for that, and a user's setting that
+    caps concurrency below max_num_seqs is reported. Numbers of the Bonsai 2 27B shape (48 Gated-DeltaNet +
+    16 attention layers): there 1 GiB ran 4 of a batch of 8 short sequences at once without prefix caching,
+    where state + KV alone would give 4.9."""
+    from dataclasses import replace
+
     from ternary_rs.serving import cpu as cs
 
     gib = cs.GIB
     layer_state = 48 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 48 * 128) * 2  # fp32 recurrent + fp16 conv
     z = cs.SequenceSizes(context=1024, kv_per_token=2 * 16 * 4 * 256 * 2, state=48 * layer_state,
                          attention_layers=16, linear_layers=48, fixed=9 * gib)
-    # 3 linear-attention groups of 16 layers + one attention group needing 2 pages for 1024 tokens
-    assert z.vllm_bytes(1024) == 16 * layer_state * 5
-    assert z.vllm_bytes(16) == 16 * layer_state * 4
-    assert gib / z.vllm_bytes(1024) < 4.2 and gib / (z.state + 1024 * z.kv_per_token) > 4.8
-    # a model without recurrent state: KV per token only
+    # The attention block grows in 128-token steps until one layer's block (4 KiB per token) holds one
+    # layer's state (3.2 MB): 896 tokens; the state page is padded to that.
+    page = 896 * 4096
+    assert page - 128 * 4096 < layer_state <= page
+    # 3 linear-attention groups of 16 layers + one attention group: 896-token blocks
+    off = replace(z, paging=cs.Paging(mamba_align=False))
+    assert off.vllm_bytes(1024) == 16 * page * (3 + 2)
+    assert off.vllm_bytes(16) == 16 * page * (3 + 1)
+    assert gib // off.vllm_bytes(16) == 4 and gib / (z.state + 16 * z.kv_per_token) > 4.8
+    # prefix caching (vLLM's default): two state pages per linear-attention group
+    assert z.vllm_bytes(1024) == 16 * page * (6 + 2)
+    # a user's larger --block-size is the alignment
+    big = replace(z, paging=cs.Paging(mamba_align=False, block_size=1024))
+    assert big.vllm_bytes(1024) == 16 * 1024 * 4096 * (3 + 1)
+    # a model without recurrent state: KV of whole 128-token blocks
     dense = cs.SequenceSizes(context=2048, kv_per_token=1000, state=0, attention_layers=28, linear_layers=0, fixed=0)
-    assert dense.vllm_bytes(100) == 100_000
+    assert dense.vllm_bytes(100) == 128_000 and dense.vllm_bytes(129) == 256_000
 
-    monkeypatch.setattr(cs, "_sizes", lambda *a, **k: z)
-    # 16 sequences of 1024 tokens: 4.01 GB -> rounded up to 4 GiB, not down to 3
+    monkeypatch.setattr(cs, "_sizes", lambda model, context, kv_dtype, available, paging: replace(z, paging=paging))
+    # 16 sequences of 1024 tokens: 4.70 GB -> rounded up to 5 GiB, not down to 4
+    space, _ = cs.kv_cache_space("m", max_model_len=1024, max_num_seqs=16, available=22 * gib, paging=off.paging)
+    assert space == 5 * gib and space // off.vllm_bytes(1024) >= 16
+    space, _ = cs.kv_cache_space("m", max_model_len=1024, max_num_seqs=32, available=22 * gib, paging=off.paging)
+    assert space == 9 * gib  # 9.4 GB aimed for, rounded up; the budget's 9.7 GiB allows it
+    # with prefix caching: 16 sequences take exactly 7 GiB
     space, _ = cs.kv_cache_space("m", max_model_len=1024, max_num_seqs=16, available=22 * gib)
-    assert space == 4 * gib and space // z.vllm_bytes(1024) >= 16
-    space, _ = cs.kv_cache_space("m", max_model_len=1024, max_num_seqs=32, available=22 * gib)
-    assert space == 8 * gib  # 8.2 GB aimed for, rounded up
+    assert space == 7 * gib
     # the user's 1 GiB: kept, with the cap said
-    s = cs.choose("m", env={cs.KV_ENV: "1"}, max_model_len=1024, max_num_seqs=8, cores=2, available=22 * gib)
-    assert "VLLM_CPU_KVCACHE_SPACE=1 (yours; room for about 4 sequences of 1024 tokens at once, fewer than " \
+    s = cs.choose("m", env={cs.KV_ENV: "1"}, max_model_len=1024, max_num_seqs=8, cores=2, available=22 * gib,
+                  paging=off.paging)
+    assert "VLLM_CPU_KVCACHE_SPACE=1 (yours; room for about 3 sequences of 1024 tokens at once, fewer than " \
            "max_num_seqs 8: the rest wait)" in s.summary()
+    s = cs.choose("m", env={cs.KV_ENV: "1"}, max_model_len=1024, max_num_seqs=8, cores=2, available=22 * gib)
+    assert "room for about 2 sequences of 1024 tokens" in s.summary()
     s = cs.choose("m", env={cs.KV_ENV: "8"}, max_model_len=1024, max_num_seqs=8, cores=2, available=22 * gib)
     assert "VLLM_CPU_KVCACHE_SPACE=8 (yours)" in s.summary()
     with pytest.raises(cs.DoesNotFit, match="one 1024-token sequence"):
         cs.choose("m", env={cs.KV_ENV: "0.2"}, max_model_len=1024, max_num_seqs=8, cores=2, available=22 * gib)
+
+
+def test_serve_reads_the_paging_arguments():
+    """The vLLM arguments that change how a sequence is paged reach the KV sizing (serve._paging); the
+    plugin reads the same from vLLM's cache configuration (vllm_paging)."""
+    from types import SimpleNamespace
+
+    from ternary_rs.serving.cpu import Paging
+    from ternary_rs.serving.serve import _paging
+    from ternary_rs.vllm.plugin import vllm_paging
+
+    assert _paging([]) == Paging(mamba_align=True, block_size=None)
+    assert _paging(["--no-enable-prefix-caching"]) == Paging(mamba_align=False)
+    assert _paging(["--no-enable-prefix-caching", "--enable-prefix-caching"]).mamba_align
+    assert _paging(["--mamba-cache-mode", "all"]) == Paging(mamba_align=False)
+    assert _paging(["--no-enable-prefix-caching", "--mamba-cache-mode=align"]).mamba_align
+    assert _paging(["--block-size", "256"]).block_size == 256
+
+    def cache(**kw):
+        return SimpleNamespace(**({"mamba_cache_mode": "none", "enable_prefix_caching": None, "block_size": 128,
+                                   "user_specified_block_size": False} | kw))
+
+    assert vllm_paging(cache()) == Paging(mamba_align=True, block_size=None)
+    assert vllm_paging(cache(enable_prefix_caching=False)) == Paging(mamba_align=False)
+    assert vllm_paging(cache(enable_prefix_caching=False, mamba_cache_mode="align")).mamba_align
+    assert vllm_paging(cache(block_size=512, user_specified_block_size=True)).block_size == 512

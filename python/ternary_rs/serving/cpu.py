@@ -178,6 +178,19 @@ def reserved_cpus_choice(env: dict[str, str], cores: int) -> Choice | None:
 
 
 @dataclass(frozen=True)
+class Paging:
+    """The vLLM cache settings that decide how many pages a sequence takes (vLLM 0.32, CPU)."""
+    # Prefix caching (vLLM's default) puts hybrid models in mamba cache mode "align": every linear-attention
+    # layer holds two state pages per sequence (the running state and the last block boundary's), not one.
+    mamba_align: bool = True
+    block_size: int | None = None  # the user's --block-size; vLLM CPU's own default is CPU_BLOCK_SIZE
+
+
+CPU_BLOCK_SIZE = 128  # vLLM CPU's default KV block (tokens); also the alignment of a hybrid model's block
+CPU_KERNEL_BLOCK = 32  # the CPU attention backend takes blocks of multiples of this
+
+
+@dataclass(frozen=True)
 class SequenceSizes:
     """What one sequence costs vLLM, from ``plan``, and everything else it holds."""
     context: int  # max_model_len
@@ -186,38 +199,52 @@ class SequenceSizes:
     attention_layers: int
     linear_layers: int
     fixed: int  # weights, activations, runtime
+    paging: Paging = Paging()
 
     def vllm_bytes(self, tokens: int) -> int:
         """Bytes vLLM's KV cache manager takes for one sequence of ``tokens`` tokens.
 
-        For a hybrid model that is more than ``state + tokens · kv_per_token``: vLLM gives every layer one
-        page size (a linear-attention layer's state), groups the layers of each kind into groups of equal
-        size (the smaller count, or the larger when it is under 1.5× the smaller) and gives a sequence one
-        page per linear-attention group plus, per attention group, pages of whole attention blocks.
-        At the Bonsai 2 27B shape (48 + 16 layers, ~3.2 MB state per layer) a 1024-token sequence takes
-        5 pages × 16 layers ≈ 257 MB, not the 221 MB its state and KV add up to — 1 GiB ran 4 at once."""
-        if not (self.state and self.linear_layers and self.attention_layers):
-            return self.kv_per_token * tokens + self.state
-        page = self.state // self.linear_layers
+        Attention is paged in whole blocks. A hybrid model costs more than ``state + tokens · kv_per_token``
+        (vLLM 0.32, ``Platform._align_hybrid_block_size`` and ``kv_cache_utils``): the attention block is
+        grown, in steps of the block alignment, until one layer's block holds at least one linear-attention
+        layer's state, and that state page is padded to the same size; the layers of each kind form groups
+        of equal size (the smaller count, or the larger when it is under 1.5× the smaller); a sequence takes
+        one page (two with prefix caching: :attr:`Paging.mamba_align`) per linear-attention group and, per
+        attention group, one page per block of tokens. Bonsai 2 27B (48 + 16 layers, ~3.2 MB of state per
+        layer): 896-token blocks of 3.67 MB pages; a 1024-token sequence takes 5 pages × 16 layers ≈ 294 MB
+        without prefix caching, 8 × 16 ≈ 470 MB with it (221 MB of state and KV)."""
+        block = self.paging.block_size or CPU_BLOCK_SIZE
+        state_pages = 2 if self.paging.mamba_align else 1
+        if not self.attention_layers:
+            return state_pages * self.state
+        per_layer_token = self.kv_per_token // self.attention_layers
+        if not (self.state and self.linear_layers):
+            return math.ceil(tokens / block) * block * self.kv_per_token
+        state_page = self.state // self.linear_layers
+        align = max(CPU_KERNEL_BLOCK, block)
+        block = max(block, align * math.ceil(state_page / (align * per_layer_token)))
+        page = block * per_layer_token
         small, large = sorted((self.attention_layers, self.linear_layers))
         group = large if large < 1.5 * small else small
-        attention_pages = math.ceil(tokens * self.kv_per_token / self.attention_layers / page)
-        pages = math.ceil(self.linear_layers / group) + math.ceil(self.attention_layers / group) * attention_pages
+        pages = (state_pages * math.ceil(self.linear_layers / group)
+                 + math.ceil(self.attention_layers / group) * math.ceil(tokens / block))
         return group * page * pages
 
 
-def _sizes(model: str | os.PathLike, max_model_len: int | None, kv_dtype: str, available: int) -> SequenceSizes:
+def _sizes(model: str | os.PathLike, max_model_len: int | None, kv_dtype: str, available: int,
+           paging: Paging = Paging()) -> SequenceSizes:
     from ..inspection.planner import plan
 
     p = plan(model, context=max_model_len or 2048, concurrency=1, gpu_memory=f"{available}B", kv_dtype=kv_dtype,
              gpu_memory_utilization=1.0)
     state = int(p["state_per_sequence"])
     return SequenceSizes(int(p["context"]), int(p["kv_cache_per_token"]), state, int(p["attention_layers"]),
-                         int(p.get("linear_attention_layers") or 0), int(p["total"]) - int(p["kv_cache"]) - state)
+                         int(p.get("linear_attention_layers") or 0), int(p["total"]) - int(p["kv_cache"]) - state,
+                         paging)
 
 
 def check_users_kv_space(model: str | os.PathLike, gib_text: str, *, max_model_len: int | None,
-                         max_num_seqs: int | None = None, kv_dtype: str = "fp16") -> str:
+                         max_num_seqs: int | None = None, kv_dtype: str = "fp16", paging: Paging = Paging()) -> str:
     """Raise :class:`DoesNotFit` when the user's ``VLLM_CPU_KVCACHE_SPACE`` cannot hold one
     ``max_model_len`` sequence (vLLM would refuse it after loading the model). Otherwise return a note
     when it caps how many sequences run at once below ``max_num_seqs`` (vLLM queues the rest, silently:
@@ -227,7 +254,7 @@ def check_users_kv_space(model: str | os.PathLike, gib_text: str, *, max_model_l
         space = float(gib_text) * GIB
     except ValueError:
         return ""
-    z = _sizes(model, max_model_len, kv_dtype, available_ram() or GIB)
+    z = _sizes(model, max_model_len, kv_dtype, available_ram() or GIB, paging)
     one = z.vllm_bytes(z.context)
     if one > space:
         raise DoesNotFit(f"one {z.context}-token sequence needs {one / GIB:.1f} GiB of KV cache and recurrent "
@@ -241,7 +268,8 @@ def check_users_kv_space(model: str | os.PathLike, gib_text: str, *, max_model_l
 
 
 def kv_cache_space(model: str | os.PathLike, *, max_model_len: int | None, max_num_seqs: int | None,
-                   kv_dtype: str = "fp16", available: int | None = None) -> tuple[int, str]:
+                   kv_dtype: str = "fp16", available: int | None = None,
+                   paging: Paging = Paging()) -> tuple[int, str]:
     """``(bytes, why)``: the KV cache space (whole GiB, as ``VLLM_CPU_KVCACHE_SPACE`` takes it) for ``model``.
 
     ``budget`` = available RAM − everything ``plan`` counts besides the KV cache and recurrent state
@@ -255,7 +283,7 @@ def kv_cache_space(model: str | os.PathLike, *, max_model_len: int | None, max_n
     available = available_ram() if available is None else available
     if available is None:
         raise DoesNotFit("the available RAM is unknown (no /proc/meminfo)")
-    z = _sizes(model, max_model_len, kv_dtype, available)
+    z = _sizes(model, max_model_len, kv_dtype, available, paging)
     context, fixed = z.context, z.fixed
     safety = max(SAFETY_MIN_BYTES, int(available * SAFETY_FRACTION))
     budget = available - fixed - safety
@@ -278,7 +306,8 @@ def kv_cache_space(model: str | os.PathLike, *, max_model_len: int | None, max_n
 
 def choose(model: str | os.PathLike, *, env: dict[str, str] | None = None, max_model_len: int | None = None,
            max_num_seqs: int | None = None, kv_dtype: str = "fp16", kv_bytes_given: bool = False,
-           cores: int | None = None, available: int | None = None, tensor_parallel: int = 1) -> CpuSettings:
+           cores: int | None = None, available: int | None = None, tensor_parallel: int = 1,
+           paging: Paging = Paging()) -> CpuSettings:
     """The settings for serving ``model`` with vLLM CPU, the user's own ones (``env``,
     ``kv_bytes_given``: ``--kv-cache-memory-bytes``) kept and reported as theirs."""
     env = dict(os.environ if env is None else env)
@@ -289,11 +318,11 @@ def choose(model: str | os.PathLike, *, env: dict[str, str] | None = None, max_m
     out.choices.append(bind_choice(env, tensor_parallel))
     if env.get(KV_ENV, "") != "":
         note = check_users_kv_space(model, env[KV_ENV], max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                    kv_dtype=kv_dtype)
+                                    kv_dtype=kv_dtype, paging=paging)
         out.choices.append(Choice(KV_ENV, env[KV_ENV], note, by_user=True))
     elif not kv_bytes_given:
         space, why = kv_cache_space(model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                    kv_dtype=kv_dtype, available=available)
+                                    kv_dtype=kv_dtype, available=available, paging=paging)
         out.kv_bytes = space
         out.choices.append(Choice(KV_ENV, str(space // GIB), why))
     return out

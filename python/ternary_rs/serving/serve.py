@@ -178,6 +178,19 @@ def _tensor_parallel(vllm_args: list[str]) -> int:
     return _parse_count(option_value(vllm_args, "--tensor-parallel-size", "-tp"), "--tensor-parallel-size") or 1
 
 
+def _paging(vllm_args: list[str]):
+    """How vLLM will page a sequence, from the arguments that change it (``cpu.Paging``)."""
+    from .cpu import Paging
+
+    prefix = True  # vLLM's default; the last of the two flags wins, as in vLLM's parser
+    for a in vllm_args:
+        if a in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+            prefix = a == "--enable-prefix-caching"
+    mode = option_value(vllm_args, "--mamba-cache-mode") or "none"
+    return Paging(mamba_align=mode == "align" or (mode == "none" and prefix),
+                  block_size=_parse_count(option_value(vllm_args, "--block-size"), "--block-size"))
+
+
 def _is_ternary_rs_checkpoint(path: Path) -> bool:
     try:
         config = json.loads((path / "config.json").read_text())
@@ -292,7 +305,7 @@ def _check_cpu(path: Path, vllm_args: list[str], context: int, kv_dtype: str) ->
     try:
         settings = cpu_serving.choose(path, max_model_len=context, max_num_seqs=max_seqs, kv_dtype=kv_dtype,
                                       kv_bytes_given=option_value(vllm_args, "--kv-cache-memory-bytes") is not None,
-                                      tensor_parallel=_tensor_parallel(vllm_args))
+                                      tensor_parallel=_tensor_parallel(vllm_args), paging=_paging(vllm_args))
     except cpu_serving.DoesNotFit as e:
         raise ServeError(f"{path} does not fit in this machine's RAM: {e}. Lower --max-model-len, use "
                          f"--kv-cache-dtype fp8, or free memory (details: `ternary-rs plan {path}`).") from None

@@ -60,6 +60,17 @@ def _install_cpu_defaults() -> None:
     cls.check_and_update_config = classmethod(check_and_update_config)
 
 
+def vllm_paging(cache_config):
+    """How this engine's cache settings page a sequence (``serving.cpu.Paging``)."""
+    from ternary_rs.serving.cpu import Paging
+
+    mode = str(getattr(cache_config, "mamba_cache_mode", "none") or "none")
+    prefix = getattr(cache_config, "enable_prefix_caching", None) is not False  # None: vLLM's default, on
+    user_block = getattr(cache_config, "user_specified_block_size", False)
+    return Paging(mamba_align=mode == "align" or (mode == "none" and prefix),
+                  block_size=int(cache_config.block_size) if user_block and cache_config.block_size else None)
+
+
 def apply_cpu_defaults(vllm_config) -> None:
     """Reserved cores and, for tensor parallel on fewer NUMA nodes than ranks, the thread binding
     (environment, read later by vLLM's worker binding) and the KV cache space
@@ -82,7 +93,8 @@ def apply_cpu_defaults(vllm_config) -> None:
             max_num_seqs=getattr(vllm_config.scheduler_config, "max_num_seqs", None),
             kv_dtype="fp8" if kv.startswith("fp8") else "fp16",
             kv_bytes_given=cache.kv_cache_memory_bytes is not None,
-            tensor_parallel=int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1))
+            tensor_parallel=int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1),
+            paging=vllm_paging(cache))
     except Exception as e:  # noqa: BLE001 - choosing defaults must never stop vLLM from starting
         # (a damaged checkpoint is refused by the loader, with its own message naming file and tensor)
         log.warning("ternary_rs: vLLM CPU settings left as vLLM's: %s", e)
