@@ -202,7 +202,8 @@ def _status() -> dict[str, int]:
     return out
 
 
-def serve(model: Path, tokens: int, batches: list[int], max_model_len: int, compile_: bool, profile: int = 0) -> dict:
+def serve(model: Path, tokens: int, batches: list[int], max_model_len: int, compile_: bool, profile: int = 0,
+          prefix_caching: bool = True) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: its peak RSS is the total
     ncpu = os.cpu_count() or 1
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}" if ncpu > 1 else "0")
@@ -216,25 +217,28 @@ def serve(model: Path, tokens: int, batches: list[int], max_model_len: int, comp
     before = _status()
     t0 = time.perf_counter()
     llm = LLM(model=str(model), dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=max(batches),
-              enforce_eager=not compile_, skip_tokenizer_init=True, seed=0, enable_prefix_caching=False)
+              enforce_eager=not compile_, skip_tokenizer_init=True, seed=0, enable_prefix_caching=prefix_caching)
     load_s = time.perf_counter() - t0
     loaded = _status()
     warm = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, detokenize=False)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], warm, use_tqdm=False)  # first-call set-up, not timed
     runs = []
     for batch in batches:  # one engine, so the ratios between batch sizes are side by side
-        prompts = [{"prompt_token_ids": [int(x) for x in np.random.default_rng(i).integers(1, VOCAB, 16)]}
-                   for i in range(batch)]
+        def fresh(seed: int) -> list:  # prompts no earlier run has put in the prefix cache
+            return [{"prompt_token_ids": [int(x) for x in np.random.default_rng(seed + i).integers(1, VOCAB, 16)]}
+                    for i in range(batch)]
+
         first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
         t0 = time.perf_counter()
-        llm.generate(prompts, first, use_tqdm=False)
+        llm.generate(fresh(1000 * batch), first, use_tqdm=False)
         ttft = time.perf_counter() - t0
         sp = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True, detokenize=False)
+        prompts = fresh(1000 * batch + 500)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         total = time.perf_counter() - t0
         generated = sum(len(o.outputs[0].token_ids) for o in outs)
-        # The second run re-does the prefill (prefix caching off): subtract one first-token time.
+        # The timed run does its own prefill of prompts as long as the first run's: subtract that run's time.
         runs.append({"batch": batch, "ttft_s": ttft, "generated": generated,
                      "decode_tok_per_s": (generated - batch) / max(total - ttft, 1e-9)})
     served = _status()
@@ -307,12 +311,15 @@ def main() -> None:
                          "llama.cpp runs it), or one after the other")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="after timing, profile STEPS decode steps at the last batch size and print the top operators")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="turn vLLM's prefix caching off (on by default in vLLM; for a hybrid model it keeps two "
+                         "recurrent-state pages per layer and sequence)")
     ap.add_argument("--serve-child", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     if args.serve_child is not None:
         print("RESULT " + json.dumps(serve(args.serve_child, args.tokens, batches, args.max_model_len,
-                                             args.compile, args.profile)))
+                                             args.compile, args.profile, not args.no_prefix_caching)))
         return
 
     root = args.workdir or Path(tempfile.mkdtemp(prefix="bench_27b_"))
@@ -352,6 +359,7 @@ def run_one(args, model: Path, batches: list[int], size: int, per_token: int, ba
     cmd = [sys.executable, __file__, "--serve-child", str(model), "--tokens", str(args.tokens), "--batch",
            ",".join(map(str, batches)), "--max-model-len", str(args.max_model_len), "--profile", str(args.profile)]
     cmd += ["--compile"] if args.compile else []
+    cmd += ["--no-prefix-caching"] if args.no_prefix_caching else []
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     print(f"== {model.name}")
     # vLLM's own account of the KV cache (how many sequences it can run at once; vLLM logs to stdout) and
