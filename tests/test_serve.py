@@ -634,3 +634,52 @@ def test_serve_reads_the_paging_arguments():
     assert vllm_paging(cache(enable_prefix_caching=False)) == Paging(mamba_align=False)
     assert vllm_paging(cache(enable_prefix_caching=False, mamba_cache_mode="align")).mamba_align
     assert vllm_paging(cache(block_size=512, user_specified_block_size=True)).block_size == 512
+
+
+def test_a_context_too_long_for_the_machine_is_fitted_not_fatal(monkeypatch, tmp_path):
+    """The 27B shape's own 262 144 tokens do not fit beside its weights in 22 GiB: `serve` without
+    --max-model-len (or with -1 / auto, vLLM's "fit to memory") serves the longest length that fits and says
+    so; a --max-model-len of the user's that does not fit is refused with that length; the plugin keeps
+    its other settings and gives vLLM the budget's KV space (vLLM then names the length that fits)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from ternary_rs.serving import cpu as cs
+    from ternary_rs.serving import serve as sv
+    from ternary_rs.vllm.plugin import apply_cpu_defaults
+
+    gib = cs.GIB
+    layer_state = 48 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 48 * 128) * 2
+    z = cs.SequenceSizes(context=262144, kv_per_token=2 * 16 * 4 * 256 * 2, state=48 * layer_state,
+                         attention_layers=16, linear_layers=48, fixed=9 * gib)
+    monkeypatch.setattr(cs, "_sizes", lambda model, context, kv_dtype, available, paging=cs.Paging():
+                        replace(z, context=context or 262144, paging=paging))
+    monkeypatch.setattr(cs, "_plan_context", lambda model: 262144)
+    monkeypatch.setattr(cs, "available_ram", lambda: 22 * gib)
+    monkeypatch.setattr(cs, "usable_cores", lambda: 2)
+    for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND"):
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+
+    space = cs.budget_space("m")
+    assert space == 9 * gib  # 22 - 9 - 3.3 (15 % margin) GiB, whole GiB
+    fit = cs.fitting_context("m")
+    assert fit % 1024 == 0 and z.vllm_bytes(fit) <= space < z.vllm_bytes(fit + 1024)
+    assert cs.fitting_context("m", space=2 * gib) < fit
+
+    for args in ([], ["--max-model-len", "-1"], ["--max-model-len=auto"]):
+        checked = sv._check_cpu(Path("m"), args, 262144, "fp16", fit=sv._max_model_len(args) is None)
+        assert checked["max_model_len"] == fit and f"serving at --max-model-len {fit}" in checked["note"]
+        assert checked["cpu_settings"].kv_bytes == space
+    with pytest.raises(sv.ServeError, match=f"at most --max-model-len {fit} fits"):
+        sv._check_cpu(Path("m"), ["--max-model-len", "200000"], 200000, "fp16")
+    assert sv._without(["--max-model-len", "-1", "--port", "8", "--max-model-len=auto"], "--max-model-len") \
+        == ["--port", "8"]
+
+    c = SimpleNamespace(quant_config=SimpleNamespace(get_name=lambda: "ternary"),
+                        model_config=SimpleNamespace(model="m", max_model_len=262144),
+                        cache_config=SimpleNamespace(cache_dtype="auto", kv_cache_memory_bytes=None),
+                        scheduler_config=SimpleNamespace(max_num_seqs=8))
+    apply_cpu_defaults(c)
+    assert c.cache_config.kv_cache_memory_bytes == space
+    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"

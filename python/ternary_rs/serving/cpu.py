@@ -304,6 +304,46 @@ def kv_cache_space(model: str | os.PathLike, *, max_model_len: int | None, max_n
     return gib * GIB, why
 
 
+def fitting_context(model: str | os.PathLike, *, kv_dtype: str = "fp16", paging: Paging = Paging(),
+                    space: int | None = None, available: int | None = None, step: int = 1024) -> int:
+    """The longest ``max_model_len`` (a multiple of ``step``, at most the model's own context) whose one
+    sequence fits in ``space`` bytes of KV cache, or by default in the whole GiB of the budget
+    :func:`kv_cache_space` works with; 0 when not even ``step`` tokens fit."""
+    available = available_ram() if available is None else available
+    if available is None:
+        return 0
+    z = _sizes(model, None, kv_dtype, available, paging)
+    native = int(_plan_context(model))
+    if space is None:
+        space = budget_space(model, kv_dtype=kv_dtype, available=available)
+    lo, hi = 0, native // step  # vllm_bytes grows with the length: the largest fitting multiple of step
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if z.vllm_bytes(mid * step) <= space:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step
+
+
+def budget_space(model: str | os.PathLike, *, kv_dtype: str = "fp16", available: int | None = None) -> int:
+    """The whole GiB of KV space the budget of :func:`kv_cache_space` allows, whatever the length (0 when
+    the available RAM is unknown or the weights leave none)."""
+    available = available_ram() if available is None else available
+    if available is None:
+        return 0
+    z = _sizes(model, None, kv_dtype, available)
+    budget = available - z.fixed - max(SAFETY_MIN_BYTES, int(available * SAFETY_FRACTION))
+    return max(0, int(budget // GIB)) * GIB
+
+
+def _plan_context(model: str | os.PathLike) -> int:
+    """The model's own context (max_position_embeddings; 2048 when it says none), as ``plan`` reads it."""
+    from ..inspection.report import inspect
+
+    return int(inspect(model)["config"].get("max_position_embeddings") or 2048)
+
+
 def choose(model: str | os.PathLike, *, env: dict[str, str] | None = None, max_model_len: int | None = None,
            max_num_seqs: int | None = None, kv_dtype: str = "fp16", kv_bytes_given: bool = False,
            cores: int | None = None, available: int | None = None, tensor_parallel: int = 1,

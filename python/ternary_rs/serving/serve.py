@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +213,7 @@ def check_options(path: Path, report: dict[str, Any], vllm_args: list[str]) -> N
         raise ServeError(f"--quantization {quant}: {path} is served by the ternary backend (--quantization "
                          f"ternary, or leave it out); its weights are not re-quantized")
     model_max = cfg.get("max_position_embeddings")
-    max_len = _parse_count(option_value(vllm_args, "--max-model-len"), "--max-model-len")
+    max_len = _max_model_len(vllm_args)
     if max_len and model_max and max_len > int(model_max) and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1":
         raise ServeError(f"--max-model-len {max_len} exceeds the model's context of {model_max} tokens "
                          f"(max_position_embeddings of {path}); vLLM refuses it (VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 "
@@ -275,12 +275,12 @@ def check_model(path: Path, vllm_args: list[str]) -> dict[str, Any]:
             f"serves ternary models (GGUF TQ1_0/TQ2_0/Q2_0/PQ2_0/PTQ1_0/Q1_0/I2_S, BitNet, MLX 2-bit or exactly "
             f"ternary float weights). Serve a dense model with `vllm serve` directly.")
     check_options(path, report, vllm_args)
-    max_len = _parse_count(option_value(vllm_args, "--max-model-len"), "--max-model-len")
+    max_len = _max_model_len(vllm_args)
     context = max_len or int(report["config"].get("max_position_embeddings") or 2048)
     kv_dtype = _kv_dtype(vllm_args)
     budget = _gpu_budget(vllm_args)
     if budget is None:
-        return _check_cpu(path, vllm_args, context, kv_dtype)
+        return _check_cpu(path, vllm_args, context, kv_dtype, fit=max_len is None)
     memory, utilization, where = budget
     p = plan(path, context=context, concurrency=1, gpu_memory=f"{memory}B", kv_dtype=kv_dtype,
              gpu_memory_utilization=utilization)
@@ -296,20 +296,58 @@ def check_model(path: Path, vllm_args: list[str]) -> dict[str, Any]:
     return p
 
 
-def _check_cpu(path: Path, vllm_args: list[str], context: int, kv_dtype: str) -> dict[str, Any]:
+def _without(args: list[str], name: str) -> list[str]:
+    """``args`` without ``name``'s occurrences (``--x v`` and ``--x=v``)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out
+
+
+def _max_model_len(vllm_args: list[str]) -> int | None:
+    """The user's ``--max-model-len``; None when not given or ``-1`` / ``auto`` (vLLM's "fit to memory")."""
+    text = option_value(vllm_args, "--max-model-len")
+    if text is not None and text.strip().lower() in ("-1", "auto"):
+        return None
+    return _parse_count(text, "--max-model-len")
+
+
+def _check_cpu(path: Path, vllm_args: list[str], context: int, kv_dtype: str, fit: bool = False) -> dict[str, Any]:
     """vLLM CPU: the fast settings (reserved cores, KV space sized from the plan), refusing a model whose
-    weights and one ``context``-token sequence leave no room in the available RAM."""
+    weights and one ``context``-token sequence leave no room in the available RAM. With ``fit`` (no
+    ``--max-model-len`` given, or ``-1``/``auto``) a model whose own context does not fit is served at the
+    longest one that does (``"max_model_len"`` in the result), as vLLM's ``--max-model-len -1`` would; the
+    KV space is then sized for that length."""
     from . import cpu as cpu_serving
 
     max_seqs = _parse_count(option_value(vllm_args, "--max-num-seqs"), "--max-num-seqs")
+    paging = _paging(vllm_args)
+
+    def choose(length: int):
+        return cpu_serving.choose(path, max_model_len=length, max_num_seqs=max_seqs, kv_dtype=kv_dtype,
+                                  kv_bytes_given=option_value(vllm_args, "--kv-cache-memory-bytes") is not None,
+                                  tensor_parallel=_tensor_parallel(vllm_args), paging=paging)
+
     try:
-        settings = cpu_serving.choose(path, max_model_len=context, max_num_seqs=max_seqs, kv_dtype=kv_dtype,
-                                      kv_bytes_given=option_value(vllm_args, "--kv-cache-memory-bytes") is not None,
-                                      tensor_parallel=_tensor_parallel(vllm_args), paging=_paging(vllm_args))
+        return {"fits": True, "cpu_settings": choose(context)}
     except cpu_serving.DoesNotFit as e:
-        raise ServeError(f"{path} does not fit in this machine's RAM: {e}. Lower --max-model-len, use "
+        try:  # the user's own KV space bounds the length; a value that is not a number vLLM refuses itself
+            space = int(float(os.environ.get(cpu_serving.KV_ENV, "")) * cpu_serving.GIB)
+        except ValueError:
+            space = None
+        fitting = cpu_serving.fitting_context(path, kv_dtype=kv_dtype, paging=paging, space=space)
+        if fit and fitting:
+            note = (f"serving at --max-model-len {fitting}: the model's own {context} tokens do not fit ({e}); "
+                    f"pass --max-model-len to choose another length")
+            return {"fits": True, "cpu_settings": choose(fitting), "max_model_len": fitting, "note": note}
+        hint = f" (at most --max-model-len {fitting} fits)" if fitting else ""
+        raise ServeError(f"{path} does not fit in this machine's RAM: {e}{hint}. Lower --max-model-len, use "
                          f"--kv-cache-dtype fp8, or free memory (details: `ternary-rs plan {path}`).") from None
-    return {"fits": True, "cpu_settings": settings}
 
 
 def _human(n: float) -> str:
@@ -667,6 +705,10 @@ def serve(opts: ServeOptions) -> int:
         if missing:
             raise ServeError(missing)
     checked = check_model(opts.model, opts.vllm_args)
+    if "max_model_len" in checked:
+        print(f"ternary-rs: {checked['note']}", file=sys.stderr, flush=True)
+        opts = replace(opts, vllm_args=_without(opts.vllm_args, "--max-model-len")
+                       + ["--max-model-len", str(checked["max_model_len"])])
     settings = checked.get("cpu_settings")
     env = settings.env if settings is not None else {}
     if settings is not None:

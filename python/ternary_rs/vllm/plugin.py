@@ -87,14 +87,30 @@ def apply_cpu_defaults(vllm_config) -> None:
         return
     cache = vllm_config.cache_config
     kv = str(getattr(cache, "cache_dtype", "auto") or "auto")
-    try:
-        settings = cpu_serving.choose(
-            model_config.model, max_model_len=model_config.max_model_len,
+    kv_dtype = "fp8" if kv.startswith("fp8") else "fp16"
+    kv_given = cache.kv_cache_memory_bytes is not None
+
+    def choose(kv_bytes_given: bool, env: dict | None = None):
+        return cpu_serving.choose(
+            model_config.model, env=env, max_model_len=model_config.max_model_len,
             max_num_seqs=getattr(vllm_config.scheduler_config, "max_num_seqs", None),
-            kv_dtype="fp8" if kv.startswith("fp8") else "fp16",
-            kv_bytes_given=cache.kv_cache_memory_bytes is not None,
+            kv_dtype=kv_dtype, kv_bytes_given=kv_bytes_given,
             tensor_parallel=int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1),
             paging=vllm_paging(cache))
+
+    try:
+        try:
+            settings = choose(kv_given)
+        except cpu_serving.DoesNotFit as e:
+            # max_model_len is too long for this machine: the other settings still apply, and vLLM gets the
+            # budget's KV space, so that its own check names the length that fits (with max_model_len=-1
+            # it fits to it) instead of failing for want of VLLM_CPU_KVCACHE_SPACE.
+            settings = choose(True, {k: v for k, v in os.environ.items() if k != cpu_serving.KV_ENV})
+            space = 0 if kv_given or os.environ.get(cpu_serving.KV_ENV) else \
+                cpu_serving.budget_space(model_config.model, kv_dtype=kv_dtype)
+            settings.kv_bytes = space or None
+            log.warning("ternary_rs: %s; KV cache space: %s", e,
+                        f"{space // cpu_serving.GIB} GiB (the budget)" if space else "as set")
     except Exception as e:  # noqa: BLE001 - choosing defaults must never stop vLLM from starting
         # (a damaged checkpoint is refused by the loader, with its own message naming file and tensor)
         log.warning("ternary_rs: vLLM CPU settings left as vLLM's: %s", e)
