@@ -213,22 +213,37 @@ class SequenceSizes:
         attention group, one page per block of tokens. Bonsai 2 27B (48 + 16 layers, ~3.2 MB of state per
         layer): 896-token blocks of 3.67 MB pages; a 1024-token sequence takes 5 pages × 16 layers ≈ 294 MB
         without prefix caching, 8 × 16 ≈ 470 MB with it (221 MB of state and KV)."""
-        block = self.paging.block_size or CPU_BLOCK_SIZE
         state_pages = 2 if self.paging.mamba_align else 1
         if not self.attention_layers:
             return state_pages * self.state
-        per_layer_token = self.kv_per_token // self.attention_layers
+        block, page, group = self._geometry()
         if not (self.state and self.linear_layers):
-            return math.ceil(tokens / block) * block * self.kv_per_token
-        state_page = self.state // self.linear_layers
-        align = max(CPU_KERNEL_BLOCK, block)
-        block = max(block, align * math.ceil(state_page / (align * per_layer_token)))
-        page = block * per_layer_token
-        small, large = sorted((self.attention_layers, self.linear_layers))
-        group = large if large < 1.5 * small else small
+            return math.ceil(tokens / block) * page
         pages = (state_pages * math.ceil(self.linear_layers / group)
                  + math.ceil(self.attention_layers / group) * math.ceil(tokens / block))
         return group * page * pages
+
+    def one_sequence_bytes(self, tokens: int) -> int:
+        """KV space vLLM needs to admit one sequence of ``tokens`` tokens: :meth:`vllm_bytes` plus the
+        block its pool always holds back (the null block; 59 MB at the 27B shape: without it a length
+        fitted to the byte was refused, "10.99 GiB KV cache is needed … available 10.95 GiB")."""
+        if not self.attention_layers:
+            return self.vllm_bytes(tokens) + self.state
+        _, page, group = self._geometry()
+        return self.vllm_bytes(tokens) + group * page
+
+    def _geometry(self) -> tuple[int, int, int]:
+        """``(tokens per block, bytes per page, layers per group)``; a model without linear attention has
+        one group of all its layers, whose page is a block of every layer."""
+        block = self.paging.block_size or CPU_BLOCK_SIZE
+        per_layer_token = self.kv_per_token // self.attention_layers
+        if not (self.state and self.linear_layers):
+            return block, block * self.kv_per_token, 1
+        state_page = self.state // self.linear_layers
+        align = max(CPU_KERNEL_BLOCK, block)
+        block = max(block, align * math.ceil(state_page / (align * per_layer_token)))
+        small, large = sorted((self.attention_layers, self.linear_layers))
+        return block, block * per_layer_token, large if large < 1.5 * small else small
 
 
 def _sizes(model: str | os.PathLike, max_model_len: int | None, kv_dtype: str, available: int,
@@ -255,7 +270,7 @@ def check_users_kv_space(model: str | os.PathLike, gib_text: str, *, max_model_l
     except ValueError:
         return ""
     z = _sizes(model, max_model_len, kv_dtype, available_ram() or GIB, paging)
-    one = z.vllm_bytes(z.context)
+    one = z.one_sequence_bytes(z.context)
     if one > space:
         raise DoesNotFit(f"one {z.context}-token sequence needs {one / GIB:.1f} GiB of KV cache and recurrent "
                          f"state, more than the {gib_text} GiB {KV_ENV} you set")
@@ -287,7 +302,7 @@ def kv_cache_space(model: str | os.PathLike, *, max_model_len: int | None, max_n
     context, fixed = z.context, z.fixed
     safety = max(SAFETY_MIN_BYTES, int(available * SAFETY_FRACTION))
     budget = available - fixed - safety
-    one = z.vllm_bytes(context)
+    one = z.one_sequence_bytes(context)
     seqs = min(max_num_seqs or TYPICAL_SEQUENCES, TYPICAL_SEQUENCES)
     aim = max(MIN_TARGET_BYTES, one, seqs * z.vllm_bytes(min(context, TYPICAL_TOKENS)))
     need_gib = max(1, math.ceil(one / GIB))
@@ -319,7 +334,7 @@ def fitting_context(model: str | os.PathLike, *, kv_dtype: str = "fp16", paging:
     lo, hi = 0, native // step  # vllm_bytes grows with the length: the largest fitting multiple of step
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if z.vllm_bytes(mid * step) <= space:
+        if z.one_sequence_bytes(mid * step) <= space:
             lo = mid
         else:
             hi = mid - 1
