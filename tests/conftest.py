@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import numpy as np
 import pytest
+
+# A suite started in the background of a non-interactive shell (`cmd &`, nohup) inherits SIGINT ignored,
+# and so does every process it starts: the tests that interrupt a conversion or a server with SIGINT then
+# saw it finish instead (4 failures in one such run). An ignored SIGINT survives exec; a handled one does
+# not, so handling it here gives the children the default again.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Variables that change how vLLM or the kernels run in every later subprocess of the session.
 _ISOLATED_ENV_PREFIXES = ("VLLM_", "TERNARY_RS_", "OMP_")
