@@ -654,7 +654,6 @@ def test_a_context_too_long_for_the_machine_is_fitted_not_fatal(monkeypatch, tmp
                          attention_layers=16, linear_layers=48, fixed=9 * gib)
     monkeypatch.setattr(cs, "_sizes", lambda model, context, kv_dtype, available, paging=None:
                         replace(z, context=context or 262144, paging=paging or cs.Paging()))
-    monkeypatch.setattr(cs, "_plan_context", lambda model: 262144)
     monkeypatch.setattr(cs, "available_ram", lambda: 22 * gib)
     monkeypatch.setattr(cs, "usable_cores", lambda: 2)
     for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND"):
@@ -663,13 +662,13 @@ def test_a_context_too_long_for_the_machine_is_fitted_not_fatal(monkeypatch, tmp
 
     space = cs.budget_space("m")
     assert space == 9 * gib  # 22 - 9 - 3.3 (15 % margin) GiB, whole GiB
-    fit = cs.fitting_context("m")
+    fit = cs.fitting_context("m", 262144)
     assert fit % 1024 == 0 and z.one_sequence_bytes(fit) <= space < z.one_sequence_bytes(fit + 1024)
     # vLLM holds one block of its pool back (16 layers x a 3.67 MB page here): 174080 tokens, which ignored
     # it, were refused by vLLM ("estimated maximum model length is 173824")
     assert z.one_sequence_bytes(fit) - z.vllm_bytes(fit) == 16 * 896 * 4096
     assert fit == 140288
-    assert cs.fitting_context("m", space=2 * gib) < fit
+    assert cs.fitting_context("m", 262144, space=2 * gib) < fit
 
     for args in ([], ["--max-model-len", "-1"], ["--max-model-len=auto"]):
         checked = sv._check_cpu(Path("m"), args, 262144, "fp16", fit=sv._max_model_len(args) is None)

@@ -185,6 +185,13 @@ class Paging:
     mamba_align: bool = True
     block_size: int | None = None  # the user's --block-size; vLLM CPU's own default is CPU_BLOCK_SIZE
 
+    @staticmethod
+    def of(prefix_caching: bool, mamba_cache_mode: str, block_size: int | None) -> Paging:
+        """From vLLM's settings: mode "align" is asked for, or set by vLLM when prefix caching is on and the
+        mode was left at "none"."""
+        return Paging(mamba_align=mamba_cache_mode == "align" or (mamba_cache_mode == "none" and prefix_caching),
+                      block_size=block_size or None)
+
 
 CPU_BLOCK_SIZE = 128  # vLLM CPU's default KV block (tokens); also the alignment of a hybrid model's block
 CPU_KERNEL_BLOCK = 32  # the CPU attention backend takes blocks of multiples of this
@@ -300,8 +307,7 @@ def kv_cache_space(model: str | os.PathLike, *, max_model_len: int | None, max_n
         raise DoesNotFit("the available RAM is unknown (no /proc/meminfo)")
     z = _sizes(model, max_model_len, kv_dtype, available, paging)
     context, fixed = z.context, z.fixed
-    safety = max(SAFETY_MIN_BYTES, int(available * SAFETY_FRACTION))
-    budget = available - fixed - safety
+    budget, safety = _budget(z, available)
     one = z.one_sequence_bytes(context)
     seqs = min(max_num_seqs or TYPICAL_SEQUENCES, TYPICAL_SEQUENCES)
     aim = max(MIN_TARGET_BYTES, one, seqs * z.vllm_bytes(min(context, TYPICAL_TOKENS)))
@@ -319,19 +325,25 @@ def kv_cache_space(model: str | os.PathLike, *, max_model_len: int | None, max_n
     return gib * GIB, why
 
 
-def fitting_context(model: str | os.PathLike, *, kv_dtype: str = "fp16", paging: Paging = Paging(),
+def _budget(z: SequenceSizes, available: int) -> tuple[int, int]:
+    """``(bytes left for the KV cache, safety margin)``: the available RAM less what ``plan`` counts besides
+    the KV cache and state, less the margin (:data:`SAFETY_FRACTION`, at least :data:`SAFETY_MIN_BYTES`)."""
+    safety = max(SAFETY_MIN_BYTES, int(available * SAFETY_FRACTION))
+    return available - z.fixed - safety, safety
+
+
+def fitting_context(model: str | os.PathLike, longest: int, *, kv_dtype: str = "fp16", paging: Paging = Paging(),
                     space: int | None = None, available: int | None = None, step: int = 1024) -> int:
-    """The longest ``max_model_len`` (a multiple of ``step``, at most the model's own context) whose one
-    sequence fits in ``space`` bytes of KV cache, or by default in the whole GiB of the budget
-    :func:`kv_cache_space` works with; 0 when not even ``step`` tokens fit."""
+    """The longest ``max_model_len`` (a multiple of ``step``, at most ``longest``) whose one sequence fits
+    in ``space`` bytes of KV cache, or by default in the whole GiB of the budget :func:`kv_cache_space`
+    works with; 0 when not even ``step`` tokens fit."""
     available = available_ram() if available is None else available
     if available is None:
         return 0
     z = _sizes(model, None, kv_dtype, available, paging)
-    native = int(_plan_context(model))
     if space is None:
-        space = budget_space(model, kv_dtype=kv_dtype, available=available)
-    lo, hi = 0, native // step  # vllm_bytes grows with the length: the largest fitting multiple of step
+        space = max(0, int(_budget(z, available)[0] // GIB)) * GIB
+    lo, hi = 0, longest // step  # one_sequence_bytes grows with the length: the largest fitting multiple
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if z.one_sequence_bytes(mid * step) <= space:
@@ -347,16 +359,7 @@ def budget_space(model: str | os.PathLike, *, kv_dtype: str = "fp16", available:
     available = available_ram() if available is None else available
     if available is None:
         return 0
-    z = _sizes(model, None, kv_dtype, available)
-    budget = available - z.fixed - max(SAFETY_MIN_BYTES, int(available * SAFETY_FRACTION))
-    return max(0, int(budget // GIB)) * GIB
-
-
-def _plan_context(model: str | os.PathLike) -> int:
-    """The model's own context (max_position_embeddings; 2048 when it says none), as ``plan`` reads it."""
-    from ..inspection.report import inspect
-
-    return int(inspect(model)["config"].get("max_position_embeddings") or 2048)
+    return max(0, int(_budget(_sizes(model, None, kv_dtype, available), available)[0] // GIB)) * GIB
 
 
 def choose(model: str | os.PathLike, *, env: dict[str, str] | None = None, max_model_len: int | None = None,

@@ -186,9 +186,8 @@ def _paging(vllm_args: list[str]):
     for a in vllm_args:
         if a in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
             prefix = a == "--enable-prefix-caching"
-    mode = option_value(vllm_args, "--mamba-cache-mode") or "none"
-    return Paging(mamba_align=mode == "align" or (mode == "none" and prefix),
-                  block_size=_parse_count(option_value(vllm_args, "--block-size"), "--block-size"))
+    return Paging.of(prefix, option_value(vllm_args, "--mamba-cache-mode") or "none",
+                     _parse_count(option_value(vllm_args, "--block-size"), "--block-size"))
 
 
 def _is_ternary_rs_checkpoint(path: Path) -> bool:
@@ -340,7 +339,7 @@ def _check_cpu(path: Path, vllm_args: list[str], context: int, kv_dtype: str, fi
             space = int(float(os.environ.get(cpu_serving.KV_ENV, "")) * cpu_serving.GIB)
         except ValueError:
             space = None
-        fitting = cpu_serving.fitting_context(path, kv_dtype=kv_dtype, paging=paging, space=space)
+        fitting = cpu_serving.fitting_context(path, context, kv_dtype=kv_dtype, paging=paging, space=space)
         if fit and fitting:
             note = (f"serving at --max-model-len {fitting}: the model's own {context} tokens do not fit ({e}); "
                     f"pass --max-model-len to choose another length")

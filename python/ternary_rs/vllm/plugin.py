@@ -64,11 +64,10 @@ def vllm_paging(cache_config):
     """How this engine's cache settings page a sequence (``serving.cpu.Paging``)."""
     from ternary_rs.serving.cpu import Paging
 
-    mode = str(getattr(cache_config, "mamba_cache_mode", "none") or "none")
-    prefix = getattr(cache_config, "enable_prefix_caching", None) is not False  # None: vLLM's default, on
     user_block = getattr(cache_config, "user_specified_block_size", False)
-    return Paging(mamba_align=mode == "align" or (mode == "none" and prefix),
-                  block_size=int(cache_config.block_size) if user_block and cache_config.block_size else None)
+    return Paging.of(getattr(cache_config, "enable_prefix_caching", None) is not False,  # None: vLLM's default, on
+                     str(getattr(cache_config, "mamba_cache_mode", "none") or "none"),
+                     int(cache_config.block_size) if user_block and cache_config.block_size else None)
 
 
 def apply_cpu_defaults(vllm_config) -> None:
