@@ -27,11 +27,12 @@
 //! after the other at 16. On this VM the tile unit also has phases of half speed (shared with another
 //! tenant), which the vector kernels do not see.
 //!
-//! Decode and products are meant to overlap: the A tiles hold the codes `c = t + 1` themselves (one AND, or one GFNI
-//! `gf2p8affineqb` that moves bit pair i of every byte to bits 0–1, per 64 weights: a single-uop
-//! shift-and-mask, measured 31 ns per 4096 weights against 49 for shift + AND), multiplied by
-//! `tdpbusd` (unsigned A × signed B); the `+1` comes
-//! back out as `−Σq` of the group and token in the epilogue's integers. The weight streams are
+//! Decode and products are meant to overlap: the A tiles hold the signed trits `t = c − 1`, each byte
+//! made by one GFNI `gf2p8affineqb` per 64 weights (bit pair i of every packed byte mapped straight to
+//! the int8 −1, 0 or +1: the map is affine over GF(2), so shift, mask and subtract are one single-uop
+//! instruction; a shift + AND for the codes alone measured 49 ns per 4096 weights, this 31), multiplied
+//! by `tdpbssd` (signed A × signed B). The epilogue then has no code offset to take back out (it
+//! subtracted `Σq` per group and token when A held the codes `t + 1`). The weight streams are
 //! prefetched [`STREAM_AHEAD`] bytes ahead, and the next column chunk is decoded between the tile
 //! products of the current one (two A buffers), so the tile unit, the vector unit and the memory
 //! stream work at the same time instead of one after another.
@@ -244,8 +245,6 @@ pub(crate) struct TokenTiles {
     gp: usize,
     b: Lines,
     xs: Vec<f32>,
-    /// `Σq` of each group and token, `[tile][Gp][width]` (the code offset the epilogue removes).
-    qsum: Vec<i32>,
 }
 
 impl TokenTiles {
@@ -254,18 +253,16 @@ impl TokenTiles {
         (TOKEN_BLOCK_BYTES / (self.kp.max(1) * self.width.max(1))).max(1)
     }
 
-    /// Refill from the quantized rows `q` (`m · Kp`), their scales `xs4` and group sums `qsum4`
-    /// (`m · Gp · 4` each, as the quantizer writes them).
-    pub fn fill(&mut self, q: &[i8], xs4: &[f32], qsum4: &[f32], m: usize, kp: usize, gp: usize) {
-        assert!(q.len() >= m * kp && xs4.len() >= m * gp * ROWS && qsum4.len() >= m * gp * ROWS);
+    /// Refill from the quantized rows `q` (`m · Kp`) and their scales `xs4` (`m · Gp · 4`, as the
+    /// quantizer writes them).
+    pub fn fill(&mut self, q: &[i8], xs4: &[f32], m: usize, kp: usize, gp: usize) {
+        assert!(q.len() >= m * kp && xs4.len() >= m * gp * ROWS);
         let w = if m <= NARROW_T { NARROW_T } else { TILE_T };
         let tiles = m.div_ceil(w);
         (self.tiles, self.width, self.kp, self.gp) = (tiles, w, kp, gp);
         self.b.zeroed(tiles * kp * w);
         self.xs.clear();
         self.xs.resize(tiles * gp * w, 0.0);
-        self.qsum.clear();
-        self.qsum.resize(tiles * gp * w, 0);
         // B rows are `w` tokens × 4 codes: a transpose of the tokens' rows as 32-bit words (one word
         // store each; byte copies of 4 were a tenth of an M = 8 call on small shapes).
         let b = self.b.slice_mut::<u32>();
@@ -286,8 +283,6 @@ impl TokenTiles {
             }
             for gi in 0..gp {
                 self.xs[(j * gp + gi) * w + t] = xs4[(mi * gp + gi) * ROWS];
-                // Σq of a group is an integer of at most 256 · 128 in magnitude: exact in f32.
-                self.qsum[(j * gp + gi) * w + t] = qsum4[(mi * gp + gi) * ROWS] as i32;
             }
         }
     }
@@ -321,9 +316,9 @@ macro_rules! step {
         asm!(
             concat!("tileloadd ", $b, ", [{b} + {sb}*1]"),
             "tileloadd tmm4, [{a0} + {s}*1]",
-            concat!("tdpbusd ", $c0, ", tmm4, ", $b),
+            concat!("tdpbssd ", $c0, ", tmm4, ", $b),
             "tileloadd tmm5, [{a1} + {s}*1]",
-            concat!("tdpbusd ", $c1, ", tmm5, ", $b),
+            concat!("tdpbssd ", $c1, ", tmm5, ", $b),
             a0 = in(reg) $a0,
             a1 = in(reg) $a1,
             b = in(reg) $bp,
@@ -474,7 +469,6 @@ impl Worker {
             for (o, j) in tiles.clone().enumerate() {
                 let bt = tt.b.slice::<i8>()[j * kp * w_t..].as_ptr();
                 let xs = &tt.xs[j * gp * w_t..(j + 1) * gp * w_t];
-                let qsum = &tt.qsum[j * gp * w_t..(j + 1) * gp * w_t];
                 let acc = &mut out[o * GROUP_ROWS * w_t..(o + 1) * GROUP_ROWS * w_t];
                 // kc is a multiple of 256, and g divides 256 (or kc, for g = 256).
                 let groups = kc >> g_shift;
@@ -530,7 +524,6 @@ impl Worker {
                             c: c.as_ptr(),
                             scales: scales.as_ptr(),
                             xs,
-                            qsum,
                             gp,
                             width: w_t,
                         };
@@ -550,7 +543,7 @@ impl Worker {
 }
 
 /// The f32 epilogue of `G` consecutive groups whose int32 sums sit in the C buffer's parities
-/// `0 .. G`: `acc[n][t] += f32(sum_g[n][t] − Σq[t][g]) · (s[n][g] · xs[t][g])`, group after group
+/// `0 .. G`: `acc[n][t] += f32(sum_g[n][t]) · (s[n][g] · xs[t][g])`, group after group
 /// (one FMA each, in registers between the groups: bit for bit the group-by-group order).
 struct Epilogue<'a> {
     /// C buffer: `[parity][32 rows][width]` int32.
@@ -559,8 +552,6 @@ struct Epilogue<'a> {
     scales: *const f32,
     /// Activation scales of the token tile, `[Gp][width]`.
     xs: &'a [f32],
-    /// `Σq` of the token tile, `[Gp][width]`: the sums are of codes `t + 1`.
-    qsum: &'a [i32],
     gp: usize,
     width: usize,
 }
@@ -571,7 +562,7 @@ impl Epilogue<'_> {
     unsafe fn run<const G: usize>(&self, g0: usize, acc: &mut [f32]) {
         let (w_t, gp) = (self.width, self.gp);
         debug_assert!(acc.len() >= GROUP_ROWS * w_t && g0 + G <= gp);
-        debug_assert!(self.xs.len() >= gp * w_t && self.qsum.len() >= gp * w_t);
+        debug_assert!(self.xs.len() >= gp * w_t);
         let scale = |gi: usize, n: usize| unsafe {
             self.scales.add((n / ROWS * gp + gi) * ROWS + n % ROWS)
         };
@@ -581,15 +572,12 @@ impl Epilogue<'_> {
                 let xv: [__m512; G] = std::array::from_fn(|p| {
                     _mm512_loadu_ps(self.xs.as_ptr().add((g0 + p) * TILE_T))
                 });
-                let qv: [__m512i; G] = std::array::from_fn(|p| {
-                    _mm512_loadu_si512(self.qsum.as_ptr().add((g0 + p) * TILE_T).cast())
-                });
                 for n in 0..GROUP_ROWS {
                     let ap = acc.as_mut_ptr().add(n * TILE_T);
                     let mut v = _mm512_loadu_ps(ap);
                     for (p, &xp) in xv.iter().enumerate() {
                         let raw = _mm512_loadu_si512(sums(p, n).cast());
-                        let sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(raw, qv[p]));
+                        let sum = _mm512_cvtepi32_ps(raw);
                         let cs = _mm512_mul_ps(_mm512_set1_ps(*scale(g0 + p, n)), xp);
                         v = _mm512_fmadd_ps(sum, cs, v);
                     }
@@ -603,18 +591,13 @@ impl Epilogue<'_> {
                         self.xs.as_ptr().add((g0 + p) * NARROW_T),
                     ))))
                 });
-                let qv: [__m512i; G] = std::array::from_fn(|p| {
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                        self.qsum.as_ptr().add((g0 + p) * NARROW_T).cast(),
-                    ))
-                });
                 let pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
                 for n in (0..GROUP_ROWS).step_by(2) {
                     let ap = acc.as_mut_ptr().add(n * NARROW_T);
                     let mut v = _mm512_loadu_ps(ap);
                     for (p, &xp) in xv.iter().enumerate() {
                         let raw = _mm512_loadu_si512(sums(p, n).cast());
-                        let sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(raw, qv[p]));
+                        let sum = _mm512_cvtepi32_ps(raw);
                         let s2 = scale(g0 + p, n);
                         let s = _mm512_permutexvar_ps(
                             pair,
@@ -629,16 +612,29 @@ impl Epilogue<'_> {
     }
 }
 
-/// Codes `c = t + 1` of row blocks `b0 + bi` (`bi ∈ blocks`; A-buffer rows `4·bi ..` of the 32),
+/// The `gf2p8affineqb` matrix that maps bit pair `i` of a byte (the code `c` of field `i`) to the
+/// int8 trit `c − 1`: `0 → 0xFF`, `1 → 0x00`, `2 → 0x01` (with the constant `0xFF`).
+/// Over GF(2) that is affine: result bit 0 = `x₂ᵢ ⊕ 1`, bits 1–7 = `x₂ᵢ ⊕ x₂ᵢ₊₁ ⊕ 1`. (Code 3, which
+/// validated weights never hold, would come out as −2.) Matrix byte `7 − j` selects the input bits
+/// of result bit `j`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn trit_field(i: u32) -> __m512i {
+    let low = 1u64 << (2 * i);
+    let both = 3u64 << (2 * i);
+    _mm512_set1_epi64(((low << 56) | (both * 0x0001_0101_0101_0101)) as i64)
+}
+
+/// Trits `t` of row blocks `b0 + bi` (`bi ∈ blocks`; A-buffer rows `4·bi ..` of the 32),
 /// columns `kc0 .. kc0 + kc`, into the chunk buffer at `dst` (`[kc/64][32 rows][64]`: the sub-vector's
 /// two A tiles, row halves 0 and 1). A missing block (past the last row) is all zero. Each block's
 /// stream is prefetched [`STREAM_AHEAD`] bytes ahead (past its end: the next row group's block at the
 /// same place, 8 blocks on).
 ///
-/// Field `i` of every byte comes out in one `gf2p8affineqb` (an 8×8 bit matrix moving bits `2i, 2i+1`
-/// to bits 0, 1 and clearing the rest) instead of a shift and an AND: the decode is one instruction
-/// and one store per 64 weights, which leaves the vector ports to the epilogue (shift + AND: 49 ns per
-/// 4096 weights in L1, this: 31, stores alone: 27).
+/// Field `i` of every byte comes out as trits in one `gf2p8affineqb` ([`trit_field`]) instead of a
+/// shift, an AND and a subtract: the decode is one instruction and one store per 64 weights, which
+/// leaves the vector ports to the epilogue (shift + AND alone: 49 ns per 4096 weights in L1, this:
+/// 31, stores alone: 27).
 ///
 /// SAFETY: AVX-512BW and GFNI are available; `kc0 + kc ≤ Kp`, both multiples of 256; `dst` holds
 /// `kc/64` subs.
@@ -657,10 +653,7 @@ unsafe fn decode_blocks(
     let present = row_blocks(w.rows);
     // Rows 4·bi + r of sub-vector u: `dst + (u·32 + 4·bi + r)·64`.
     let sub_stride = GROUP_ROWS * TILE_ROW_BYTES;
-    let field =
-        |i: u32| _mm512_set1_epi64(((1i64 << (2 * i)) << 56) | ((1i64 << (2 * i + 1)) << 48));
-    let (f1, f2, f3) = (field(1), field(2), field(3));
-    let mask = _mm512_set1_epi8(3);
+    let (f0, f1, f2, f3) = (trit_field(0), trit_field(1), trit_field(2), trit_field(3));
     for bi in blocks {
         let b = b0 + bi;
         let rows_at = dst.wrapping_add(bi * ROWS * TILE_ROW_BYTES);
@@ -695,18 +688,18 @@ unsafe fn decode_blocks(
                     _mm_prefetch::<_MM_HINT_T0>(bp.wrapping_add(o + far + r * CHUNK_BYTES).cast());
                     let v = _mm512_loadu_si512(bp.add(o + r * CHUNK_BYTES).cast());
                     let o = out.add(r * TILE_ROW_BYTES);
-                    _mm512_storeu_si512(o.cast(), _mm512_and_si512(v, mask));
+                    _mm512_storeu_si512(o.cast(), _mm512_gf2p8affine_epi64_epi8::<0xFF>(v, f0));
                     _mm512_storeu_si512(
                         o.add(sub_stride).cast(),
-                        _mm512_gf2p8affine_epi64_epi8::<0>(v, f1),
+                        _mm512_gf2p8affine_epi64_epi8::<0xFF>(v, f1),
                     );
                     _mm512_storeu_si512(
                         o.add(2 * sub_stride).cast(),
-                        _mm512_gf2p8affine_epi64_epi8::<0>(v, f2),
+                        _mm512_gf2p8affine_epi64_epi8::<0xFF>(v, f2),
                     );
                     _mm512_storeu_si512(
                         o.add(3 * sub_stride).cast(),
-                        _mm512_gf2p8affine_epi64_epi8::<0>(v, f3),
+                        _mm512_gf2p8affine_epi64_epi8::<0xFF>(v, f3),
                     );
                 }
             }

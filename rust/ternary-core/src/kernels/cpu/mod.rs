@@ -546,7 +546,7 @@ impl<T: Activation> Job<'_, T> {
         }
         #[cfg(target_arch = "x86_64")]
         if kernels.amx_int8 && m >= AMX_MIN_M {
-            s.tiles.fill(q, xs4, qsum4, m, kp, gp);
+            s.tiles.fill(q, xs4, m, kp, gp);
             self.int8_amx(&s.tiles, par);
             return;
         }
