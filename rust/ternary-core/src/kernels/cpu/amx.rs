@@ -4,7 +4,7 @@
 //! tokens and issues one `vpdpbusd` (64 multiply-adds) per token: from M ≈ 8 it is compute-bound and
 //! no faster than torch's bf16 GEMM (vLLM batch 16 ran at 0.64× bf16). One `tdpbssd` does 16 × 16 ×
 //! 64 multiply-adds, so here the weight is decoded once per 32 rows × 512 columns into signed trits
-//! `t = c − 1` (one shift, AND and subtract per 64 weights; the A operand, two tiles of 16 rows × 64
+//! `t = c − 1` (one GFNI instruction per 64 weights, below; the A operand, two tiles of 16 rows × 64
 //! columns per sub-vector) and multiplied against the activations of 16 tokens at once (the B operand,
 //! repacked once per call into AMX's 4-byte column groups). Measured on the 27B shapes, one thread:
 //! M = 16 at 128–270 G weight-tokens/s from DRAM (VNNI 44–54), M = 128 at 185–360 (torch bf16 130–155).
@@ -23,7 +23,7 @@
 //! the tile loads and products 10.0, the epilogue 7.2 and the rest (quantizing x, the scales, y) 6.7;
 //! M = 1 streams the same weights at 15.1 (2.4×). The parts add up because the tile loads wait for
 //! the decode's stores ahead of them: alone in a loop from L1, tile loads and products run at 7.4 ns
-//! per 1024 weights (the `tdpbusd` rate) and the decode at 6.5, but interleaved at 16–23, and one
+//! per 1024 weights (the rate of the tile products) and the decode at 6.5, but interleaved at 16–23, and one
 //! after the other at 16. On this VM the tile unit also has phases of half speed (shared with another
 //! tenant), which the vector kernels do not see.
 //!
@@ -39,8 +39,9 @@
 //!
 //! Numerics: per weight group and (row, token) the tile sums `Σ t·q` exactly in int32; the epilogue
 //! adds `f32(sum) · (f32(s) · xs)` (one FMA) group after group. That is the scalar reference's
-//! combination with the code offset removed in integers instead of afterwards in f32, so it is at least
-//! as accurate (tested against float64 and the scalar kernel like every variant).
+//! combination with the trits summed in integers, where the reference takes the code offset back out
+//! in f32, so it is at least as accurate (tested against float64 and the scalar kernel like every
+//! variant).
 //!
 //! Tile state is per thread and shared with every other AMX user of the process (oneDNN, torch's
 //! brgemm, which cache their configuration): each task saves the caller's configuration and restores it
