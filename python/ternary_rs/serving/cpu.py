@@ -265,6 +265,16 @@ def _sizes(model: str | os.PathLike, max_model_len: int | None, kv_dtype: str, a
                          paging)
 
 
+def users_kv_space(gib_text: str) -> int | None:
+    """The bytes a ``VLLM_CPU_KVCACHE_SPACE`` value (GiB) gives the KV cache; ``None`` when it is not a finite
+    number (unset, or text vLLM refuses in its own words)."""
+    try:
+        gib = float(gib_text)
+    except ValueError:
+        return None
+    return int(gib * GIB) if math.isfinite(gib) else None
+
+
 def check_users_kv_space(model: str | os.PathLike, gib_text: str, *, max_model_len: int | None,
                          max_num_seqs: int | None = None, kv_dtype: str = "fp16", paging: Paging = Paging()) -> str:
     """Raise :class:`DoesNotFit` when the user's ``VLLM_CPU_KVCACHE_SPACE`` cannot hold one
@@ -272,9 +282,8 @@ def check_users_kv_space(model: str | os.PathLike, gib_text: str, *, max_model_l
     when it caps how many sequences run at once below ``max_num_seqs`` (vLLM queues the rest, silently:
     a 27B hybrid at 1 GiB ran 4 of a batch of 8), else ``""``. A value that is not a number is left for
     vLLM to refuse in its own words."""
-    try:
-        space = float(gib_text) * GIB
-    except ValueError:
+    space = users_kv_space(gib_text)
+    if space is None:
         return ""
     z = _sizes(model, max_model_len, kv_dtype, available_ram() or GIB, paging)
     one = z.one_sequence_bytes(z.context)
@@ -342,7 +351,7 @@ def fitting_context(model: str | os.PathLike, longest: int, *, kv_dtype: str = "
         return 0
     z = _sizes(model, None, kv_dtype, available, paging)
     if space is None:
-        space = max(0, int(_budget(z, available)[0] // GIB)) * GIB
+        space = _whole_gib_budget(z, available)
     lo, hi = 0, longest // step  # one_sequence_bytes grows with the length: the largest fitting multiple
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -359,7 +368,12 @@ def budget_space(model: str | os.PathLike, *, kv_dtype: str = "fp16", available:
     available = available_ram() if available is None else available
     if available is None:
         return 0
-    return max(0, int(_budget(_sizes(model, None, kv_dtype, available), available)[0] // GIB)) * GIB
+    return _whole_gib_budget(_sizes(model, None, kv_dtype, available), available)
+
+
+def _whole_gib_budget(z: SequenceSizes, available: int) -> int:
+    """:func:`_budget`'s bytes for the KV cache in whole GiB (what ``VLLM_CPU_KVCACHE_SPACE`` can say)."""
+    return max(0, int(_budget(z, available)[0] // GIB)) * GIB
 
 
 def choose(model: str | os.PathLike, *, env: dict[str, str] | None = None, max_model_len: int | None = None,

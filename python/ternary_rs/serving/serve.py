@@ -335,10 +335,8 @@ def _check_cpu(path: Path, vllm_args: list[str], context: int, kv_dtype: str, fi
     try:
         return {"fits": True, "cpu_settings": choose(context)}
     except cpu_serving.DoesNotFit as e:
-        try:  # the user's own KV space bounds the length; a value that is not a number vLLM refuses itself
-            space = int(float(os.environ.get(cpu_serving.KV_ENV, "")) * cpu_serving.GIB)
-        except ValueError:
-            space = None
+        # The user's own KV space bounds the length (a value that is not a number vLLM refuses itself).
+        space = cpu_serving.users_kv_space(os.environ.get(cpu_serving.KV_ENV, ""))
         fitting = cpu_serving.fitting_context(path, context, kv_dtype=kv_dtype, paging=paging, space=space)
         if fit and fitting:
             note = (f"serving at --max-model-len {fitting}: the model's own {context} tokens do not fit ({e}); "
