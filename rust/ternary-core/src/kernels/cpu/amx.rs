@@ -23,19 +23,20 @@
 //! the tile loads and products 10.0, the epilogue 7.2 and the rest (quantizing x, the scales, y) 6.7;
 //! M = 1 streams the same weights at 15.1 (2.4×). The parts add up because the tile loads wait for
 //! the decode's stores ahead of them: alone in a loop from L1, tile loads and products run at 7.4 ns
-//! per 1024 weights (the rate of the tile products) and the decode at 6.5, but interleaved at 16–23, and one
-//! after the other at 16. On this VM the tile unit also has phases of half speed (shared with another
-//! tenant), which the vector kernels do not see.
+//! per 1024 weights (the rate of the tile products) and the decode at 6.5, but interleaved at 16–23,
+//! and one after the other at 16 (products and stores without tile loads do overlap: 8). On this VM
+//! the tile unit also has phases of half speed (shared with another tenant), which the vector
+//! kernels do not see.
 //!
-//! Decode and products are meant to overlap: the A tiles hold the signed trits `t = c − 1`, each byte
+//! The decode: the A tiles hold the signed trits `t = c − 1`, each byte
 //! made by one GFNI `gf2p8affineqb` per 64 weights (bit pair i of every packed byte mapped straight to
 //! the int8 −1, 0 or +1: the map is affine over GF(2), so shift, mask and subtract are one single-uop
 //! instruction; a shift + AND for the codes alone measured 49 ns per 4096 weights, this 31), multiplied
 //! by `tdpbssd` (signed A × signed B). The epilogue then has no code offset to take back out (it
 //! subtracted `Σq` per group and token when A held the codes `t + 1`). The weight streams are
 //! prefetched [`STREAM_AHEAD`] bytes ahead, and the next column chunk is decoded between the tile
-//! products of the current one (two A buffers), so the tile unit, the vector unit and the memory
-//! stream work at the same time instead of one after another.
+//! products of the current one (two A buffers), so the memory stream and the tile products run
+//! while the vector unit decodes; the tile loads still wait for its stores (above).
 //!
 //! Numerics: per weight group and (row, token) the tile sums `Σ t·q` exactly in int32; the epilogue
 //! adds `f32(sum) · (f32(s) · xs)` (one FMA) group after group. That is the scalar reference's
