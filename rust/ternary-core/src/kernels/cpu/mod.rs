@@ -193,9 +193,7 @@ impl Variant {
             #[cfg(target_arch = "x86_64")]
             Variant::Amx => &avx512::KERNELS_AMX,
             #[cfg(target_arch = "x86_64")]
-            Variant::Avx512 if avx512::has_bf16_dot() => &avx512::KERNELS_BF16,
-            #[cfg(target_arch = "x86_64")]
-            Variant::Avx512 => &avx512::KERNELS,
+            Variant::Avx512 => avx512::kernels(),
             #[cfg(not(target_arch = "x86_64"))]
             _ => unreachable!("is_supported is false off x86-64"),
         })

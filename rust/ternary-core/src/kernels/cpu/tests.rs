@@ -845,3 +845,62 @@ fn int8_every_m_to_20() {
         }
     }
 }
+
+/// The small-M int8 GEMV unpacking with GFNI equals the one unpacking with shifts bit for bit (every
+/// token count and group size): CPUs without GFNI run the second, and the variant tests above run
+/// only the first where GFNI is present.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn int8_gfni_unpack_matches_shift_unpack_bit_for_bit() {
+    if !(avx512::is_supported() && avx512::has_gfni()) {
+        eprintln!("no AVX-512 VNNI + GFNI here: nothing to compare");
+        return;
+    }
+    let mut st = 0x5EED_u64;
+    for &g in &[32usize, 64, 128, 256] {
+        for &kp in &[256usize, 512, 1280] {
+            let block: Vec<u8> = (0..kp).map(|_| xorshift(&mut st) as u8).collect();
+            let xs: Vec<Vec<i8>> = (0..INT8_TILE)
+                .map(|_| (0..kp).map(|_| xorshift(&mut st) as i8).collect())
+                .collect();
+            let cs: Vec<f32> = (0..INT8_TILE * (kp / g) * ROWS)
+                .map(|_| (xorshift(&mut st) % 2000) as f32 / 997.0 - 1.0)
+                .collect();
+            let args = Int8Tile {
+                block: &block,
+                x: std::array::from_fn(|t| &xs[t][..]),
+                cs: &cs,
+                group_size: g,
+            };
+            let shifts = [
+                avx512::int8::<1>,
+                avx512::int8::<2>,
+                avx512::int8::<3>,
+                avx512::int8::<4>,
+            ];
+            let gfni = [
+                avx512::int8_gfni::<1>,
+                avx512::int8_gfni::<2>,
+                avx512::int8_gfni::<3>,
+                avx512::int8_gfni::<4>,
+            ];
+            for t in 0..INT8_TILE {
+                // SAFETY: AVX-512 VNNI and GFNI checked above; block, x and cs have the lengths
+                // `Int8Tile` promises for kp and g.
+                let (a, b) = unsafe { (shifts[t](&args), gfni[t](&args)) };
+                for tok in 0..=t {
+                    for r in 0..ROWS {
+                        assert_eq!(
+                            a[tok][r].to_bits(),
+                            b[tok][r].to_bits(),
+                            "g{g} kp{kp} T{} token {tok} row {r}: {} vs {}",
+                            t + 1,
+                            a[tok][r],
+                            b[tok][r]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
