@@ -1,7 +1,7 @@
 """A 27B-shaped Bonsai 2 on this machine: vLLM CPU peak resident memory (load and serving) and decode speed.
 
     python benches/bench_27b.py [--workdir DIR] [--layers 64] [--tokens 32] [--batch 1,8,16] [--keep]
-                                [--max-model-len 1024] [--kv-space-gib GIB] [--compile]
+                                [--max-model-len 1024] [--kv-space-gib GIB] [--eager]
                                 [--rotation rotated|unrotated|both] [--profile STEPS]
 
 1. Builds a synthetic Ternary-Bonsai-2-27B-shaped checkpoint in ternary_rs's vLLM layout (qwen35 text:
@@ -12,7 +12,7 @@
    drawn tensor by tensor and streamed into the shards (``ternary_rs.sinks.checkpoint.write_shards``): the model
    is never in memory, only a couple of tensors (the largest, the embedding, is 0.34 GB packed).
    The bf16 model would be 54 GB; this checkpoint is about 7.2 GB.
-2. Serves it with vLLM CPU in a fresh process (the engine in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+2. Serves it with vLLM CPU (compiled, vLLM's default; `--eager` for enforce_eager) in a fresh process (the engine in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
    so one process holds everything) from token ids (no tokenizer), greedy, each batch size of ``--batch``
    in turn in the same engine (so their ratios are side by side), and prints: checkpoint size; peak
    resident memory (VmHWM) after loading and after serving, with the split into anonymous and
@@ -304,7 +304,9 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--kv-space-gib", type=float, default=None,
                     help="VLLM_CPU_KVCACHE_SPACE (default: the plugin sizes it for the largest --batch)")
-    ap.add_argument("--compile", action="store_true", help="torch.compile (default: eager; compiling 64 layers is slow)")
+    ap.add_argument("--eager", action="store_true",
+                    help="enforce_eager (default: vLLM's default, torch.compile, as LLM(model) gives; compiling the "
+                         "64 layers adds about 5 minutes to each load here)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint")
     ap.add_argument("--rotation", choices=("rotated", "unrotated", "both"), default="rotated",
                     help="Bonsai 2's Hadamard rotation, a plain ternary qwen35 (the same weights, as upstream "
@@ -319,7 +321,7 @@ def main() -> None:
     batches = [int(b) for b in args.batch.split(",")]
     if args.serve_child is not None:
         print("RESULT " + json.dumps(serve(args.serve_child, args.tokens, batches, args.max_model_len,
-                                             args.compile, args.profile, not args.no_prefix_caching)))
+                                             not args.eager, args.profile, not args.no_prefix_caching)))
         return
 
     root = args.workdir or Path(tempfile.mkdtemp(prefix="bench_27b_"))
@@ -358,7 +360,7 @@ def run_one(args, model: Path, batches: list[int], size: int, per_token: int, ba
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_space_gib:g}"
     cmd = [sys.executable, __file__, "--serve-child", str(model), "--tokens", str(args.tokens), "--batch",
            ",".join(map(str, batches)), "--max-model-len", str(args.max_model_len), "--profile", str(args.profile)]
-    cmd += ["--compile"] if args.compile else []
+    cmd += ["--eager"] if args.eager else []
     cmd += ["--no-prefix-caching"] if args.no_prefix_caching else []
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     print(f"== {model.name}")
