@@ -2,6 +2,7 @@
 //!
 //! The layout makes every mode start the same way: one 64-byte load per row and superblock, then
 //! `(chunk >> 2i) & 3` gives the 64 byte codes `c = t + 1` of sub-vector `i`.
+//! (The small-M int8 GEMV gets the same codes from one `gf2p8affineqb` where the CPU has GFNI.)
 //! * int8: `vpdpbusd` multiplies those unsigned codes by the signed int8 activations, 64 weights per
 //!   instruction, straight into i32 lanes; per scale unit (`min(g, 128)` weights) the lanes are converted
 //!   to f32 and multiplied by the combined scale `s · xs` (one FMA with an embedded broadcast). The `+1`
