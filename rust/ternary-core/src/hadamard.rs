@@ -114,12 +114,11 @@ impl<'a> Transform<'a> {
             // Checked on every call, so it must be cheap: `all` stops at the first offender and so
             // never vectorized (half of a 17408-wide M = 1 transform's time went here). A fold over
             // 256-value chunks without an early exit vectorizes; the offenders are only counted on failure.
-            let is_sign = |v: f32| v == 1.0 || v == -1.0;
             let not_sign = |v: f32| (v.to_bits() & 0x7FFF_FFFF) != 0x3F80_0000; // |v| != 1.0 bitwise
             if s.chunks(256)
                 .any(|c| c.iter().fold(false, |bad, &v| bad | not_sign(v)))
             {
-                let bad: Vec<usize> = (0..s.len()).filter(|&i| !is_sign(s[i])).collect();
+                let bad: Vec<usize> = (0..s.len()).filter(|&i| not_sign(s[i])).collect();
                 let first = bad[0];
                 return Err(Error::validation(
                     "hadamard signs",
