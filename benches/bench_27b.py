@@ -12,16 +12,16 @@
    drawn tensor by tensor and streamed into the shards (``ternary_rs.sinks.checkpoint.write_shards``): the model
    is never in memory, only a couple of tensors (the largest, the embedding, is 0.34 GB packed).
    The bf16 model would be 54 GB; this checkpoint is about 7.2 GB.
-2. Serves it with vLLM CPU (compiled, vLLM's default; `--eager` for enforce_eager) in a fresh process (the engine in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-   so one process holds everything) from token ids (no tokenizer), greedy, each batch size of ``--batch``
-   in turn in the same engine (so their ratios are side by side), and prints: checkpoint size; peak
-   resident memory (VmHWM) after loading and after serving, with the split into anonymous and
-   file-backed pages at those points; the KV cache space configured and vLLM's own maximum concurrency;
-   the ratio to the goal ``1.3 × checkpoint + KV cache``; per batch size the time to first token, decode
-   tokens/s (``--tokens`` new tokens, excluding the first), the ratio to batch 1, and the weight bytes read
-   per second as a fraction of the streaming bandwidth measured in the same run (``torch.sum``, as
-   ``bench_cpu_op.py``). ``--rotation both`` then serves the same weights without the rotation (the shards
-   linked, the config without it).
+2. Serves it with vLLM CPU, compiled as vLLM's default is (``--eager`` for enforce_eager), in a fresh process
+   (the engine in-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so one process holds everything) from token
+   ids (no tokenizer), greedy, each batch size of ``--batch`` in turn in the same engine (so their ratios are
+   side by side), and prints: checkpoint size; peak resident memory (VmHWM) after loading and after serving,
+   with the split into anonymous and file-backed pages at those points; the KV cache space configured and
+   vLLM's own maximum concurrency; the ratio to the goal ``1.3 × checkpoint + KV cache``; per batch size the
+   time to first token, decode tokens/s (``--tokens`` new tokens, excluding the first), the ratio to batch 1,
+   and the weight bytes read per second as a fraction of the streaming bandwidth measured in the same run
+   (``torch.sum``, as ``bench_cpu_op.py``). ``--rotation both`` then serves the same weights without the
+   rotation (the shards linked, the config without it).
 
 By design it fits in 24 GiB: weights stay ternary in vLLM (linear, lm_head and — through the plugin's
 Qwen3.5 class — embed_tokens), vLLM's placeholder dense embedding is never touched (no resident pages), the
@@ -306,7 +306,7 @@ def main() -> None:
                     help="VLLM_CPU_KVCACHE_SPACE (default: the plugin sizes it for the largest --batch)")
     ap.add_argument("--eager", action="store_true",
                     help="enforce_eager (default: vLLM's default, torch.compile, as LLM(model) gives; compiling the "
-                         "64 layers adds about 5 minutes to each load here)")
+                         "64 layers adds 5-10 minutes to each load here)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint")
     ap.add_argument("--rotation", choices=("rotated", "unrotated", "both"), default="rotated",
                     help="Bonsai 2's Hadamard rotation, a plain ternary qwen35 (the same weights, as upstream "

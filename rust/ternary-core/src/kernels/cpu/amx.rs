@@ -107,7 +107,7 @@ pub(crate) fn is_supported() -> bool {
         // Every CPU with AMX (Sapphire Rapids and later) has GFNI too; the decode relies on it.
         let cpu = super::avx512::is_supported()
             && super::avx512::has_bf16_dot()
-            && std::arch::is_x86_feature_detected!("gfni")
+            && super::avx512::has_gfni()
             && {
                 let l7 = __cpuid_count(7, 0);
                 (l7.edx >> 24) & 1 == 1 && (l7.edx >> 25) & 1 == 1

@@ -171,8 +171,8 @@ pub(crate) unsafe fn int8_gfni<const T: usize>(a: &Int8Tile<'_>) -> [[f32; ROWS]
 
 /// Byte codes of sub-vector `i` (1..4) in one `gf2p8affineqb` instead of a 16-bit shift and an AND:
 /// the M = 1 GEMV issues about 8 vector instructions per 128 weights and row, and the 512-bit shifts
-/// compete with `vpdpbusd` for the same port, so this is a quarter fewer instructions (2–10 % faster
-/// at M = 1 from DRAM here, more from cache). Matrix byte `7 − j` selects the input bits of result
+/// compete with `vpdpbusd` for the same port, so this is a quarter fewer instructions (at M = 1 here:
+/// 1–7 % faster from DRAM, 1–10 % from cache). Matrix byte `7 − j` selects the input bits of result
 /// bit `j`: bit 0 ← bit 2i, bit 1 ← bit 2i + 1, the rest 0. (Sub-vector 0 is a single AND already.)
 #[inline(always)]
 unsafe fn unpack_gfni(w: __m512i, i: usize) -> __m512i {
