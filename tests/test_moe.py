@@ -206,6 +206,46 @@ def test_moe_op_matches_dense_experts():
     assert moe_op(x[:0], weights[:0], ids[:0], ops.EXACT).shape == (0, hidden)
 
 
+def test_native_moe_kernel_matches_the_python_composition():
+    """The native CPU kernel (one call per layer: pairs sorted by expert, activations quantized once, the
+    experts with few tokens in one parallel region) gives what the per-expert ``ternary_linear`` composition of
+    ``_ops_moe`` gives: bit for bit at decode and nearly everywhere at prefill (its token sums run in slot
+    order, the composition's in expert order) in the int8 modes, within float32 rounding in the exact one,
+    and with the weight on the input;
+    bad routing is refused, naming the token and slot."""
+    import torch
+
+    from ternary_rs.serving import _ops_moe, ops
+
+    assert ops.NATIVE_MOE_UNAVAILABLE is None, ops.NATIVE_MOE_UNAVAILABLE
+    n_expert, hidden, inter, g = 8, 512, 256, 128
+    _, (w13q, w13s, w2q, w2s) = _random_experts(torch, n_expert, hidden, inter, g, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    for m, k, on_input in ((1, 2, False), (3, 2, False), (24, 2, False), (7, 1, True)):
+        x = torch.randn(m, hidden, generator=gen)
+        weights, ids = torch.rand(m, n_expert, generator=gen).softmax(-1).topk(k)
+        ids = ids.to(torch.int32)
+        for dtype, act in ((torch.bfloat16, ops.AUTO), (torch.float32, ops.EXACT), (torch.float16, ops.INT8_TOKEN)):
+            args = (x.to(dtype), weights, ids, w13q, w13s, w2q, w2s, inter, g, g, act, on_input)
+            native, composed = torch.ops.ternary_rs.ternary_moe(*args), _ops_moe.ternary_moe(*args)
+            assert native.dtype == dtype and native.shape == (m, hidden)
+            scale = float(composed.float().abs().max())
+            if dtype == torch.float32:  # SiLU's exp differs from torch's in the last bit or so
+                assert float((native - composed).abs().max()) <= 1e-5 * scale, m
+                continue
+            assert float((native.float() - composed.float()).abs().max()) <= 1e-2 * scale, (m, dtype)
+            same = float((native == composed).float().mean())
+            assert same == 1.0 if m < 4 else same > 0.97, (m, dtype, same)
+            int64_ids = torch.ops.ternary_rs.ternary_moe(*args[:2], ids.long(), *args[3:])
+            assert torch.equal(int64_ids, native)
+    bad = ids.clone()
+    bad[2, 0] = n_expert
+    with pytest.raises(RuntimeError, match=rf"expert id {n_expert} \(token 2, slot 0\) is outside \[0, {n_expert}\)"):
+        torch.ops.ternary_rs.ternary_moe(x, weights, bad, w13q, w13s, w2q, w2s, inter, g, g, 0, True)
+    with pytest.raises(RuntimeError, match="w2_qweight must be the experts' prepared weights"):
+        torch.ops.ternary_rs.ternary_moe(x, weights, ids, w13q, w13s, w2q[:, 1:], w2s, inter, g, g, 0, True)
+
+
 def test_config_serves_experts_all_ternary_or_all_dense():
     pytest.importorskip("vllm")
     from ternary_rs.vllm.config import TernaryConfig

@@ -197,14 +197,16 @@ def _libtorch_cpu() -> Path:
     return Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
 
 
-def register_native() -> str | None:
-    """Register the native CPU kernel with torch's dispatcher; returns why not (None on success)."""
+def register_native(op: str = "ternary_linear") -> str | None:
+    """Register the native CPU kernel of ``op`` (``"ternary_linear"`` or ``"ternary_moe"``, whose schema
+    must be defined) with torch's dispatcher; returns why not (None on success)."""
     _push_settings()
     path = _libtorch_cpu()
     if not path.is_file():
         return f"{path} not found"
+    register = _core.register_torch_cpu_kernel if op == "ternary_linear" else _core.register_torch_cpu_moe_kernel
     try:
-        _core.register_torch_cpu_kernel(str(path))
+        register(str(path))
     except RuntimeError as e:
         return str(e)
     return None

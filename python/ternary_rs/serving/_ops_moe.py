@@ -1,4 +1,8 @@
-"""CPU implementation of ``ternary_rs::ternary_moe``: routed ternary experts through ``ternary_linear``.
+"""Python implementation of ``ternary_rs::ternary_moe`` on the CPU: routed ternary experts through ``ternary_linear``.
+
+The op runs natively (bindings ``torch/moe_op.rs``, core ``kernels/cpu/moe.rs``: one dispatch and two
+parallel regions per layer); this composition serves a torch without the stable C ABI, and is the
+reference the native kernel is tested against (same numerics: ``tests/test_moe.py``).
 
 ``ternary_moe(x [M, H], topk_weights [M, k], topk_ids [M, k], w13_qweight, w13_scales, w2_qweight, w2_scales,
 intermediate_size I, w13_group_size, w2_group_size, activations, apply_router_weight_on_input) -> [M, H]``

@@ -17,9 +17,11 @@ Contract (stable; the vLLM backend codes against it):
   ``[M, k]``, every expert's fused gate/up ``[2I, H]`` and down ``[H, I]`` weight prepared by
   ``prepare_weight`` and stacked along a leading expert dimension (``w13_qweight[e]``); returns ``[M, H]``
   in ``x.dtype``: ``Σ_j w[t, j] · down_e(silu(gate_e(x_t)) · up_e(x_t))``. One opaque op, because which
-  experts run depends on the data (``torch.compile`` sees its fake implementation). CPU:
-  :mod:`ternary_rs.serving._ops_moe` (the (token, expert) pairs sorted by expert, two ``ternary_linear`` calls per
-  active expert).
+  experts run depends on the data (``torch.compile`` sees its fake implementation). CPU: native
+  (bindings ``torch/moe_op.rs`` → core ``kernels/cpu/moe.rs``: the (token, expert) pairs sorted by expert,
+  activations quantized once per projection, the experts with few tokens in one parallel region);
+  :mod:`ternary_rs.serving._ops_moe` is the same composition through ``ternary_linear`` calls, for a torch
+  without the stable C ABI (``NATIVE_MOE_UNAVAILABLE`` says why it runs).
 
   CUDA is **designed, not built** (the vLLM method refuses a CUDA device, naming the layer): the same
   schema, so the vLLM side does not change, with ``prepare_weight``'s CUDA layout per expert stacked the
@@ -84,9 +86,9 @@ def _fake_moe(x, topk_weights, topk_ids, w13_qweight, w13_scales, w2_qweight, w2
     return torch.empty_like(x)
 
 
-def _define() -> tuple[str | None, str | None]:
-    """Define the op once per process; returns why the CPU and the CUDA kernel are not native (None if
-    they are)."""
+def _define() -> tuple[str | None, str | None, str | None]:
+    """Define the ops once per process; returns why the CPU linear, the CUDA linear and the CPU MoE kernel
+    are not native (None where they are)."""
     global _LIBRARY
     _LIBRARY = torch.library.Library(LIB, "FRAGMENT")  # kept alive: dropping it removes the op
     _LIBRARY.define(SCHEMA)
@@ -102,13 +104,16 @@ def _define() -> tuple[str | None, str | None]:
         torch.library.impl(OP_NAME, "cuda", _ops_cuda.ternary_linear, lib=_LIBRARY)
     _LIBRARY.define(MOE_SCHEMA)
     torch.library.register_fake(MOE_OP_NAME, _fake_moe, lib=_LIBRARY)
-    torch.library.impl(MOE_OP_NAME, "cpu", _ops_moe.ternary_moe, lib=_LIBRARY)
-    return why_cpu, why_cuda
+    why_moe = _ops_cpu.register_native("ternary_moe")
+    if why_moe is not None:
+        log.warning("ternary_rs: native CPU MoE op registration unavailable (%s); using the Python path", why_moe)
+        torch.library.impl(MOE_OP_NAME, "cpu", _ops_moe.ternary_moe, lib=_LIBRARY)
+    return why_cpu, why_cuda, why_moe
 
 
 _LIBRARY: torch.library.Library | None = None
-NATIVE_CPU_UNAVAILABLE, NATIVE_CUDA_UNAVAILABLE = _define()
-"""Why the CPU / the CUDA kernel runs through Python (None: it is registered natively)."""
+NATIVE_CPU_UNAVAILABLE, NATIVE_CUDA_UNAVAILABLE, NATIVE_MOE_UNAVAILABLE = _define()
+"""Why the CPU linear / the CUDA linear / the CPU MoE kernel runs through Python (None: registered natively)."""
 
 
 def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias=None, activations=AUTO):

@@ -24,6 +24,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_set_kernel_variant, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_set_default_int8, m)?)?;
     m.add_function(wrap_pyfunction!(register_torch_cpu_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(register_torch_cpu_moe_kernel, m)?)?;
     m.add("ACTIVATIONS_AUTO", torch::ACTIVATIONS_AUTO)?;
     m.add("ACTIVATIONS_EXACT", torch::ACTIVATIONS_EXACT)?;
     m.add("ACTIVATIONS_INT8_GROUP", torch::ACTIVATIONS_INT8_GROUP)?;
@@ -36,6 +37,12 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 #[pyfunction]
 fn register_torch_cpu_kernel(libtorch_cpu: &str) -> PyResult<()> {
     torch::register_cpu(libtorch_cpu).map_err(pyo3::exceptions::PyRuntimeError::new_err)
+}
+
+/// Register the native CPU kernel of `ternary_rs::ternary_moe` (routed experts) likewise.
+#[pyfunction]
+fn register_torch_cpu_moe_kernel(libtorch_cpu: &str) -> PyResult<()> {
+    torch::register_cpu_moe(libtorch_cpu).map_err(pyo3::exceptions::PyRuntimeError::new_err)
 }
 
 /// Force a CPU kernel variant for every later call (None or "auto": the best supported one).

@@ -19,6 +19,7 @@
 mod abi;
 mod cpu_op;
 mod cuda_op;
+mod moe_op;
 mod policy;
 mod pool;
 mod tensor;
@@ -27,6 +28,7 @@ use std::ffi::{c_char, CStr, CString};
 
 pub(crate) use cpu_op::register as register_cpu;
 pub(crate) use cuda_op::{register as register_cuda, set_dequant_min_m};
+pub(crate) use moe_op::register as register_cpu_moe;
 pub(crate) use policy::{
     resolve_precision, set_default_int8, set_variant, ACTIVATIONS_AUTO, ACTIVATIONS_EXACT,
     ACTIVATIONS_INT8_GROUP, ACTIVATIONS_INT8_TOKEN,
@@ -52,6 +54,17 @@ const BUILD_ABI_VERSION: u64 = (2 << 56) | (10 << 48);
 /// The registration names the caller's source line (`torch._C._dispatch_dump` shows it).
 #[track_caller]
 pub(crate) fn register_boxed(api: &Api, key: &CStr, entry: BoxedFn) -> Result<usize, String> {
+    register_boxed_op(api, key, c"ternary_linear", entry)
+}
+
+/// [`register_boxed`] for the op `name` of the `ternary_rs` library.
+#[track_caller]
+pub(crate) fn register_boxed_op(
+    api: &Api,
+    key: &CStr,
+    name: &CStr,
+    entry: BoxedFn,
+) -> Result<usize, String> {
     let at = std::panic::Location::caller();
     let file = CString::new(at.file()).unwrap_or_default();
     let mut lib: Handle = std::ptr::null_mut();
@@ -72,10 +85,12 @@ pub(crate) fn register_boxed(api: &Api, key: &CStr, entry: BoxedFn) -> Result<us
         ));
     }
     // SAFETY: `lib` is the library just created; the entry point follows the boxed convention.
-    let status =
-        unsafe { (api.library_impl)(lib, c"ternary_linear".as_ptr(), entry, BUILD_ABI_VERSION) };
+    let status = unsafe { (api.library_impl)(lib, name.as_ptr(), entry, BUILD_ABI_VERSION) };
     if status != 0 {
-        return Err("torch_library_impl(ternary_linear) failed (is the schema defined?)".into());
+        return Err(format!(
+            "torch_library_impl({}) failed (is the schema defined?)",
+            name.to_string_lossy()
+        ));
     }
     Ok(lib as usize)
 }
@@ -110,14 +125,29 @@ pub(crate) unsafe fn run_boxed(
     err_len: usize,
     kernel: LinearFn,
 ) -> i32 {
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        // SAFETY: forwarded from our caller's contract.
-        unsafe { boxed(stack, num_args, num_outputs, kernel) }
-    }));
+    // SAFETY: forwarded from our caller's contract.
+    unsafe {
+        catch_boxed(err, err_len, "ternary_rs::ternary_linear", || {
+            boxed(stack, num_args, num_outputs, kernel)
+        })
+    }
+}
+
+/// Run one boxed call's body; an error or panic becomes a message in `err` (and a non-zero return).
+///
+/// # Safety
+/// `err` has `err_len` writable bytes.
+pub(crate) unsafe fn catch_boxed(
+    err: *mut c_char,
+    err_len: usize,
+    op: &str,
+    body: impl FnOnce() -> Result<(), String>,
+) -> i32 {
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body));
     let msg = match result {
         Ok(Ok(())) => return 0,
         Ok(Err(msg)) => msg,
-        Err(_) => "ternary_rs::ternary_linear: internal error (panic)".to_string(),
+        Err(_) => format!("{op}: internal error (panic)"),
     };
     if err_len > 0 {
         let bytes = msg.as_bytes();
@@ -129,6 +159,18 @@ pub(crate) unsafe fn run_boxed(
         }
     }
     1
+}
+
+/// Take the tensor handle at `stack[i]` (owned: freed when the returned value drops).
+///
+/// # Safety
+/// `stack[i]` is an owned `AtenTensorHandle`.
+pub(crate) unsafe fn take_tensor<'a>(api: &'a Api, stack: *mut u64, i: usize) -> Tensor<'a> {
+    // SAFETY: per the contract.
+    Tensor {
+        api,
+        h: unsafe { *stack.add(i) } as Handle,
+    }
 }
 
 unsafe fn boxed(

@@ -30,12 +30,15 @@
 //! * Prefill: inside torch, bf16 activations in the default mode with `M ≥` [`dense::DENSE_MIN_M`]
 //!   go to torch's own bf16 GEMM on row chunks decoded exactly to bf16 by [`dense`] — unless the
 //!   variant is [`Variant::Amx`], whose int8 tiles are faster than that GEMM.
+//! * Mixture-of-Experts layers: [`moe`] runs a layer's routed experts as two grouped GEMMs (pairs sorted
+//!   by expert, activations quantized once per projection, few-token experts in one parallel region).
 //! * Threads: row blocks are split over a [`ParallelFor`] (the ternary-rs rayon pool by default; torch's
 //!   intra-op pool inside torch), only when the weight is large enough to amortise the fork
 //!   ([`PARALLEL_MIN_WEIGHTS`]).
 
 pub mod dense;
 pub mod layout;
+pub mod moe;
 mod quant;
 mod scalar;
 
@@ -105,6 +108,10 @@ fn wide_min_m() -> usize {
 /// (min of interleaved runs); 128 tokens (1.5 MiB) 5.3 → 3.7 ms; 8 tokens (96 KiB) 0.55 → 0.52 ms.
 /// Smaller outputs (decode) stay cached for the next op.
 pub const STREAM_Y_MIN_BYTES: usize = 256 << 10;
+/// The per-row int8 kernel writes the outputs of up to this many row blocks at once ([`Job::int8_blocks`]),
+/// holding at most [`STORE_RUN_VALUES`] of them.
+const STORE_RUN_BLOCKS: usize = 16;
+const STORE_RUN_VALUES: usize = 4096;
 /// Below this many weights one thread does the whole product (forking costs more than it saves).
 pub const PARALLEL_MIN_WEIGHTS: usize = 1 << 20;
 /// Weights per parallel task at least (a task keeps its stream going for a while).
@@ -405,6 +412,97 @@ struct Scratch {
     wide: wide::Tokens,
 }
 
+/// The AMX and wide kernels' token buffers (none off x86-64).
+#[cfg(target_arch = "x86_64")]
+type TileScratch = amx::TokenTiles;
+#[cfg(target_arch = "x86_64")]
+type WideScratch = wide::Tokens;
+#[cfg(not(target_arch = "x86_64"))]
+type TileScratch = ();
+#[cfg(not(target_arch = "x86_64"))]
+type WideScratch = ();
+
+/// Activations quantized for the int8 kernels, `m` token rows: codes `[m][Kp]`, group scales and code
+/// sums `[m][Gp][ROWS]` ([`quant`]).
+#[derive(Clone, Copy)]
+pub(crate) struct QuantizedRows<'a> {
+    pub q: &'a [i8],
+    pub xs4: &'a [f32],
+    pub qsum4: &'a [f32],
+}
+
+impl<'a> QuantizedRows<'a> {
+    /// Token rows `rows` of these, for a weight of `k` columns in groups of `g`.
+    pub(crate) fn rows(
+        self,
+        rows: std::ops::Range<usize>,
+        k: usize,
+        g: usize,
+    ) -> QuantizedRows<'a> {
+        let (kp, gp4) = (layout::padded_cols(k), layout::padded_groups(k, g) * ROWS);
+        QuantizedRows {
+            q: &self.q[rows.start * kp..rows.end * kp],
+            xs4: &self.xs4[rows.start * gp4..rows.end * gp4],
+            qsum4: &self.qsum4[rows.start * gp4..rows.end * gp4],
+        }
+    }
+}
+
+/// The shape of [`quantize_rows`]' output in a [`Scratch`] (its buffers are borrowed afterwards).
+#[derive(Clone, Copy)]
+pub(crate) struct QuantizedShape {
+    rows: usize,
+    kp: usize,
+    gp4: usize,
+}
+
+impl QuantizedShape {
+    pub(crate) fn of<'a>(self, q: &'a [i8], xs4: &'a [f32], qsum4: &'a [f32]) -> QuantizedRows<'a> {
+        QuantizedRows {
+            q: &q[..self.rows * self.kp],
+            xs4: &xs4[..self.rows * self.gp4],
+            qsum4: &qsum4[..self.rows * self.gp4],
+        }
+    }
+}
+
+/// Quantize the `m` rows of `x` (`[m][K]`, K = `w.cols`) for `w`'s groups into `s.q`, `s.xs4` and
+/// `s.qsum4` (per group, or per token when `per_token`).
+fn quantize_rows<T: Activation>(
+    kernels: &Kernels,
+    w: PreparedRef<'_>,
+    x: &[T],
+    m: usize,
+    per_token: bool,
+    s: &mut Scratch,
+) -> QuantizedShape {
+    let k = w.cols;
+    let kp = layout::padded_cols(k);
+    let gp4 = layout::padded_groups(k, w.group_size) * ROWS;
+    let (q, xs4, qsum4) = (
+        resize(&mut s.q, m * kp),
+        resize(&mut s.xs4, m * gp4),
+        resize(&mut s.qsum4, m * gp4),
+    );
+    let xf = resize(&mut s.xf, kp);
+    for mi in 0..m {
+        T::to_f32_slice(&x[mi * k..(mi + 1) * k], &mut xf[..k]);
+        let r = mi * gp4..(mi + 1) * gp4;
+        // SAFETY: `kernels` comes from `Variant::kernels`, which checked the CPU features.
+        unsafe {
+            (kernels.quantize)(
+                xf,
+                &mut q[mi * kp..(mi + 1) * kp],
+                w.group_size,
+                per_token,
+                &mut xs4[r.clone()],
+                &mut qsum4[r],
+            )
+        };
+    }
+    QuantizedShape { rows: m, kp, gp4 }
+}
+
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
@@ -517,44 +615,50 @@ impl<T: Activation> Job<'_, T> {
     /// int8 activations: x quantized per row (per group, or per token when `per_token`), then the
     /// AMX tiles, the wide kernel or the per-row int8 kernel, by what the CPU has and M.
     fn run_int8(&self, s: &mut Scratch, x: &[T], per_token: bool, par: &dyn ParallelFor) {
-        let (w, m, kernels) = (self.w, self.m, self.kernels);
-        let k = w.cols;
-        let kp = layout::padded_cols(k);
-        let gp = layout::padded_groups(k, w.group_size);
-        let (q, xs4, qsum4) = (
-            resize(&mut s.q, m * kp),
-            resize(&mut s.xs4, m * gp * ROWS),
-            resize(&mut s.qsum4, m * gp * ROWS),
-        );
-        let xf = resize(&mut s.xf, kp);
-        for mi in 0..m {
-            T::to_f32_slice(&x[mi * k..(mi + 1) * k], &mut xf[..k]);
-            let r = mi * gp * ROWS..(mi + 1) * gp * ROWS;
-            // SAFETY: `kernels` comes from `Variant::kernels`, which checked the CPU features.
-            unsafe {
-                (kernels.quantize)(
-                    xf,
-                    &mut q[mi * kp..(mi + 1) * kp],
-                    w.group_size,
-                    per_token,
-                    &mut xs4[r.clone()],
-                    &mut qsum4[r],
-                )
-            };
+        let xq = quantize_rows(self.kernels, self.w, x, self.m, per_token, s);
+        #[cfg(target_arch = "x86_64")]
+        let (tiles, wide) = (&mut s.tiles, &mut s.wide);
+        #[cfg(not(target_arch = "x86_64"))]
+        let (tiles, wide) = (&mut (), &mut ());
+        self.run_quantized(xq.of(&s.q, &s.xs4, &s.qsum4), tiles, wide, par);
+    }
+
+    /// Whether [`Job::run_quantized`] takes the per-row int8 kernel (not AMX tiles or the wide one).
+    fn int8_is_per_row(&self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if (self.kernels.amx_int8 && self.m >= AMX_MIN_M)
+            || (self.kernels.int8_wide && self.m >= wide_min_m())
+        {
+            return false;
         }
+        true
+    }
+
+    /// The int8 modes on activations already quantized ([`quantize_rows`]).
+    fn run_quantized(
+        &self,
+        xq: QuantizedRows<'_>,
+        tiles: &mut TileScratch,
+        wide: &mut WideScratch,
+        par: &dyn ParallelFor,
+    ) {
+        let (w, m, kernels) = (self.w, self.m, self.kernels);
+        let kp = layout::padded_cols(w.cols);
+        let gp = layout::padded_groups(w.cols, w.group_size);
         #[cfg(target_arch = "x86_64")]
         if kernels.amx_int8 && m >= AMX_MIN_M {
-            s.tiles.fill(q, xs4, m, kp, gp);
-            self.int8_amx(&s.tiles, par);
+            tiles.fill(xq.q, xq.xs4, m, kp, gp);
+            self.int8_amx(tiles, par);
             return;
         }
         #[cfg(target_arch = "x86_64")]
         if kernels.int8_wide && m >= wide_min_m() {
-            s.wide.fill(xs4, qsum4, m, gp);
-            self.int8_wide(q, &s.wide, par);
+            wide.fill(xq.xs4, xq.qsum4, m, gp);
+            self.int8_wide(xq.q, wide, par);
             return;
         }
-        self.int8(q, xs4, qsum4, par);
+        let _ = (kernels, kp, gp, tiles, wide);
+        self.int8(xq, par);
     }
 
     /// Exact activations: bf16 straight into the bf16 kernel for small M, else an f32 copy of x
@@ -694,16 +798,29 @@ impl<T: Activation> Job<'_, T> {
     }
 
     /// Int8 modes: every row block against token tiles of up to [`INT8_TILE`].
-    fn int8(&self, q: &[i8], xs4: &[f32], qsum4: &[f32], par: &dyn ParallelFor) {
+    fn int8(&self, xq: QuantizedRows<'_>, par: &dyn ParallelFor) {
+        let kp = layout::padded_cols(self.w.cols);
+        let blocks = layout::row_blocks(self.w.rows);
+        self.split(blocks, ROWS * kp, par, &|range| self.int8_blocks(xq, range));
+    }
+
+    /// [`Job::int8`] for row blocks `range` on the calling thread.
+    fn int8_blocks(&self, xq: QuantizedRows<'_>, range: std::ops::Range<usize>) {
         let (k, g) = (self.w.cols, self.w.group_size);
         let kp = layout::padded_cols(k);
         let gp = layout::padded_groups(k, g);
         let m = self.m;
-        let blocks = layout::row_blocks(self.w.rows);
-        self.split(blocks, ROWS * kp, par, &|range| {
-            let mut cs = vec![0f32; INT8_TILE * gp * ROWS];
-            let mut corr = [[0f32; ROWS]; INT8_TILE];
-            for b in range {
+        let QuantizedRows { q, xs4, qsum4 } = xq;
+        let mut cs = vec![0f32; INT8_TILE * gp * ROWS];
+        let mut corr = [[0f32; ROWS]; INT8_TILE];
+        // Outputs of a run of row blocks are kept and written per token in one conversion: one
+        // store per 4-row block was a fifth of a decode GEMV's time (M = 1, 2048 columns).
+        let chunk = (STORE_RUN_VALUES / (m * ROWS)).clamp(1, STORE_RUN_BLOCKS);
+        let mut out = vec![0f32; m * chunk * ROWS];
+        let mut c0 = range.start;
+        while c0 < range.end {
+            let c1 = (c0 + chunk).min(range.end);
+            for b in c0..c1 {
                 let (block, scales) = self.w.block(b);
                 for m0 in (0..m).step_by(INT8_TILE) {
                     let tile = INT8_TILE.min(m - m0);
@@ -730,16 +847,22 @@ impl<T: Activation> Job<'_, T> {
                         group_size: g,
                     };
                     // SAFETY: as above; every slice is Kp / Gp·4 long as the kernels expect.
-                    let mut sums = unsafe { (self.kernels.int8[tile - 1])(&args) };
+                    let sums = unsafe { (self.kernels.int8[tile - 1])(&args) };
                     for t in 0..tile {
+                        let dst = &mut out[((m0 + t) * chunk + b - c0) * ROWS..][..ROWS];
                         for r in 0..ROWS {
-                            sums[t][r] -= corr[t][r];
+                            dst[r] = sums[t][r] - corr[t][r];
                         }
                     }
-                    self.store(b, m0, &sums, tile);
                 }
             }
-        });
+            let n0 = c0 * ROWS;
+            let rows = (c1 * ROWS).min(self.w.rows) - n0;
+            for t in 0..m {
+                self.store_row(t, n0, &mut out[t * chunk * ROWS..][..rows]);
+            }
+            c0 = c1;
+        }
     }
 
     /// Int8 modes on AMX: 32-row groups of the weight against 16-token tiles ([`amx`]), token block

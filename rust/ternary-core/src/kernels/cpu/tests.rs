@@ -904,3 +904,193 @@ fn int8_gfni_unpack_matches_shift_unpack_bit_for_bit() {
         }
     }
 }
+
+/// The per-expert composition [`moe::moe`] must equal: sorted pairs, one [`gemm`] per expert and
+/// projection, SiLU-and-mul in f32 rounded once, slot-order f32 sums rounded once.
+fn moe_by_expert<T: Activation>(
+    w13: &[PreparedRef<'_>],
+    w2: &[PreparedRef<'_>],
+    x: &[T],
+    routing: &moe::Routing<'_>,
+    choice: KernelChoice,
+) -> Vec<T> {
+    let (ids, weights, top_k) = (routing.ids, routing.weights, routing.top_k);
+    let on_input = routing.weight_on_input;
+    let (hidden, inter) = (w13[0].cols, w13[0].rows / 2);
+    let m = x.len() / hidden;
+    let mut out_of_pair = vec![Vec::new(); ids.len()];
+    for e in 0..w13.len() {
+        let pairs: Vec<usize> = (0..ids.len()).filter(|&p| ids[p] as usize == e).collect();
+        if pairs.is_empty() {
+            continue;
+        }
+        let mut xe = vec![T::default(); pairs.len() * hidden];
+        let mut f = vec![0f32; 2 * inter.max(hidden)];
+        for (row, &p) in xe.chunks_exact_mut(hidden).zip(&pairs) {
+            let src = &x[(p / top_k) * hidden..][..hidden];
+            T::to_f32_slice(src, &mut f[..hidden]);
+            let s = if on_input { weights[p] } else { 1.0 };
+            f[..hidden].iter_mut().for_each(|v| *v *= s);
+            T::from_f32_slice(&f[..hidden], row);
+        }
+        let mut h = vec![T::default(); pairs.len() * 2 * inter];
+        gemm(w13[e], &xe, pairs.len(), None, &mut h, choice, &Rayon).unwrap();
+        let mut a = vec![T::default(); pairs.len() * inter];
+        for (hr, ar) in h.chunks_exact(2 * inter).zip(a.chunks_exact_mut(inter)) {
+            T::to_f32_slice(hr, &mut f[..2 * inter]);
+            let (gate, up) = f[..2 * inter].split_at_mut(inter);
+            for (g, u) in gate.iter_mut().zip(up.iter()) {
+                *g = *g / (1.0 + (-*g).exp()) * u;
+            }
+            T::from_f32_slice(gate, ar);
+        }
+        let mut o = vec![T::default(); pairs.len() * hidden];
+        gemm(w2[e], &a, pairs.len(), None, &mut o, choice, &Rayon).unwrap();
+        for (row, &p) in o.chunks_exact(hidden).zip(&pairs) {
+            out_of_pair[p] = row.to_vec();
+        }
+    }
+    let mut y = vec![T::default(); m * hidden];
+    let (mut acc, mut f) = (vec![0f32; hidden], vec![0f32; hidden]);
+    for t in 0..m {
+        acc.fill(0.0);
+        for j in 0..top_k {
+            let p = t * top_k + j;
+            T::to_f32_slice(&out_of_pair[p], &mut f);
+            let w = if on_input { 1.0 } else { weights[p] };
+            acc.iter_mut().zip(&f).for_each(|(a, v)| *a += v * w);
+        }
+        T::from_f32_slice(&acc, &mut y[t * hidden..(t + 1) * hidden]);
+    }
+    y
+}
+
+#[test]
+fn moe_matches_per_expert_gemms_bit_for_bit() {
+    // 5 experts, one never routed; token counts per expert reach the AMX / wide tilings at m = 20
+    // (expert 0 takes every token's first slot); the parallel region is used from a few tokens.
+    let (n_expert, hidden, inter) = (5, 512, 256);
+    let up: Vec<Case> = (0..n_expert)
+        .map(|e| case(0, 2 * inter, hidden, 128, 40 + e as u64))
+        .collect();
+    let down: Vec<Case> = (0..n_expert)
+        .map(|e| case(0, hidden, inter, 64, 50 + e as u64))
+        .collect();
+    let (p13, p2): (Vec<_>, Vec<_>) = (
+        up.iter().map(Case::prepared).collect(),
+        down.iter().map(Case::prepared).collect(),
+    );
+    let w13: Vec<PreparedRef<'_>> = up.iter().zip(&p13).map(|(c, p)| c.weight(p)).collect();
+    let w2: Vec<PreparedRef<'_>> = down.iter().zip(&p2).map(|(c, p)| c.weight(p)).collect();
+    let experts = moe::Experts { w13: &w13, w2: &w2 };
+    for (m, top_k, on_input) in [
+        (1, 2, false),
+        (3, 2, false),
+        (9, 2, false),
+        (20, 2, false),
+        (6, 1, true),
+    ] {
+        let xin = case(m, 1, hidden, 128, 60 + m as u64).x;
+        let mut st = 77 + m as u64;
+        let ids: Vec<i32> = (0..m * top_k)
+            .map(|p| {
+                if p % top_k == 0 {
+                    0
+                } else {
+                    1 + (xorshift(&mut st) % 3) as i32
+                }
+            })
+            .collect();
+        let weights: Vec<f32> = (0..m * top_k)
+            .map(|p| 0.25 + 0.1 * (p % 5) as f32)
+            .collect();
+        let routing = moe::Routing {
+            ids: &ids,
+            weights: &weights,
+            top_k,
+            weight_on_input: on_input,
+        };
+        for variant in supported() {
+            for precision in [Precision::Int8Group, Precision::Int8Token, Precision::Exact] {
+                let choice = KernelChoice { variant, precision };
+                let xb: Vec<bf16> = xin.iter().map(|&v| bf16::from_f32(v)).collect();
+                let mut yb = vec![bf16::ZERO; m * hidden];
+                moe::moe(&experts, &xb, m, &routing, &mut yb, choice, &Rayon).unwrap();
+                let want = moe_by_expert(&w13, &w2, &xb, &routing, choice);
+                let same = yb
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "bf16 m={m} top_k={top_k} {variant:?} {precision:?}");
+                let mut yf = vec![0f32; m * hidden];
+                moe::moe(&experts, &xin, m, &routing, &mut yf, choice, &Rayon).unwrap();
+                let want = moe_by_expert(&w13, &w2, &xin, &routing, choice);
+                let same = yf
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "f32 m={m} top_k={top_k} {variant:?} {precision:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn moe_refuses_bad_routing_and_mismatched_experts() {
+    let up = case(0, 128, 256, 64, 1);
+    let down = case(0, 256, 64, 64, 2);
+    let odd = case(0, 256, 128, 64, 3);
+    let (pu, pd, po) = (up.prepared(), down.prepared(), odd.prepared());
+    let (w13, w2) = (
+        [up.weight(&pu), up.weight(&pu)],
+        [down.weight(&pd), down.weight(&pd)],
+    );
+    let choice = KernelChoice {
+        variant: Variant::Scalar,
+        precision: Precision::Int8Group,
+    };
+    let x = vec![0.5f32; 2 * 256];
+    let mut y = vec![0f32; 2 * 256];
+    let run = |w13: &[PreparedRef<'_>], w2: &[PreparedRef<'_>], ids: &[i32], y: &mut [f32]| {
+        let routing = moe::Routing {
+            ids,
+            weights: &[0.5; 4][..ids.len()],
+            top_k: 2,
+            weight_on_input: false,
+        };
+        moe::moe(
+            &moe::Experts { w13, w2 },
+            &x,
+            2,
+            &routing,
+            y,
+            choice,
+            &Rayon,
+        )
+        .map_err(|e| e.to_string())
+    };
+    let err = run(&w13, &w2, &[0, 1, 1, 2], &mut y).unwrap_err();
+    assert!(
+        err.contains("expert id 2 (token 1, slot 1) is outside [0, 2)"),
+        "{err}"
+    );
+    let err = run(&w13, &w2, &[0, -1, 1, 0], &mut y).unwrap_err();
+    assert!(err.contains("expert id -1 (token 0, slot 1)"), "{err}");
+    let err = run(&w13, &w2, &[0, 1], &mut y).unwrap_err();
+    assert!(err.contains("2 ids and 2 weights"), "{err}");
+    let err = run(
+        &w13,
+        &[down.weight(&pd), odd.weight(&po)],
+        &[0, 1, 1, 0],
+        &mut y,
+    )
+    .unwrap_err();
+    assert!(
+        err.contains("MoE expert 1 has weights [128, 256] g64 and [256, 128] g64"),
+        "{err}"
+    );
+    let err = run(&w13, &w2, &[0, 1, 1, 0], &mut y[..10]).unwrap_err();
+    assert!(err.contains("y 10 elements"), "{err}");
+    run(&w13, &w2, &[0, 1, 1, 0], &mut y).unwrap();
+    assert!(y.iter().all(|v| v.is_finite()));
+}
