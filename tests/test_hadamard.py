@@ -95,6 +95,30 @@ def test_higher_dims_and_noncontiguous_and_empty():
     assert torch.ops.ternary_rs.fwht(torch.empty(0, 64), 64, None, False, None).shape == (0, 64)
 
 
+def test_many_rows_on_torch_pool_equal_rayon_bit_for_bit():
+    """The op's CPU path splits many rows over torch's intra-op pool (``torch_pool=True``), conversions over
+    the rayon pool: the same transform row by row, so the same bits (and a few rows stay on one thread)."""
+    from ternary_rs import _core
+    from ternary_rs.serving import ops
+
+    assert ops.NATIVE_CPU_UNAVAILABLE is None  # the torch pool is reachable once the native op is registered
+    rng = np.random.default_rng(7)
+    for rows, width, gather in ((64, 5120, True), (3, 17408, False), (1, 1024, False)):
+        x = torch.from_numpy(rng.standard_normal((rows, width)).astype(np.float32)).bfloat16()
+        signs = rand_signs(rng, width)
+        g = rng.permutation(width).astype(np.uint32) if gather else None
+        src = x.view(torch.int16).numpy().view(np.uint16)
+        outs = []
+        for pool in (True, False):
+            out = torch.empty_like(x)
+            _core.fwht(src, out.view(torch.int16).numpy().view(np.uint16), 1024, "bfloat16", False, signs, g,
+                       torch_pool=pool)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), (rows, width)
+        ref = scipy_reference(x.float().numpy(), 1024, signs, False, g)
+        np.testing.assert_allclose(outs[0].float().numpy(), ref, atol=2e-2 * np.abs(ref).max())
+
+
 def test_torch_fallback_matches_reference():
     rng = np.random.default_rng(3)
     x = rng.standard_normal((4, 1024)).astype(np.float32)

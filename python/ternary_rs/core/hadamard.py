@@ -8,9 +8,9 @@ Embedding rows are stored inverse-rotated and are recovered as ``e = H·row`` th
 
 This module holds
 
-* the op ``torch.ops.ternary_rs.fwht(x, block_size, signs, inverse, gather)`` (CPU: Rust, ``_core.fwht``;
-  CUDA: ``cuda/fwht.cu`` when the extension was built with CUDA, else a torch butterfly; a fake impl for
-  ``torch.compile``),
+* the op ``torch.ops.ternary_rs.fwht(x, block_size, signs, inverse, gather)`` (CPU: Rust, ``_core.fwht``,
+  many rows on torch's intra-op pool; CUDA: ``cuda/fwht.cu`` when the extension was built with CUDA, else a
+  torch butterfly; a fake impl for ``torch.compile``),
 * :class:`HadamardSpec` — the validated rotation description, read from GGUF ``prism.hadamard.*`` metadata or
   MLX ``hadamard.json`` (versions 1 and 2 — 2 adds ``tied_output``, see :func:`tied_output`; ``axis`` and
   ``sign_mode`` required as upstream requires them; ``sign_mode`` ``explicit`` or ``identity``) and written to / read from ``quantization_config["hadamard"]`` of a converted
@@ -115,7 +115,8 @@ def fwht_cpu_numpy(x: torch.Tensor, block_size: int, signs: np.ndarray | None, i
         a, b = src.numpy(), out.numpy()
     else:
         a, b = src.view(torch.int16).numpy().view(np.uint16), out.view(torch.int16).numpy().view(np.uint16)
-    _core.fwht(a, b, int(block_size), kind, bool(inverse), signs, gather)
+    # Many rows run on torch's intra-op pool: its threads are awake after the previous op.
+    _core.fwht(a, b, int(block_size), kind, bool(inverse), signs, gather, torch_pool=True)
     return out
 
 

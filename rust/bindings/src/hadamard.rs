@@ -11,6 +11,7 @@ use numpy::{
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use ternary_core::hadamard::{self, Direction, Transform};
+use ternary_core::threads::{ParallelFor, Rayon};
 
 use crate::errors::to_py;
 
@@ -59,8 +60,10 @@ fn with_rows<'t, T: Element>(
 ///
 /// `dtype` is "float32" (float32 arrays) or "bfloat16"/"float16" (uint16 arrays holding the raw bits).
 /// `inverse=False`: `x → x[gather] → ·signs → H/√block`; `inverse=True`: `x → H/√block → ·signs`.
+/// `torch_pool=True`: many rows run on torch's intra-op pool (once the native op is registered;
+/// otherwise, and by default, on the ternary-rs rayon pool).
 #[pyfunction]
-#[pyo3(signature = (input, output, block_size, dtype, inverse=false, signs=None, gather=None))]
+#[pyo3(signature = (input, output, block_size, dtype, inverse=false, signs=None, gather=None, torch_pool=false))]
 // One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 fn fwht(
@@ -72,7 +75,15 @@ fn fwht(
     inverse: bool,
     signs: Option<PyReadonlyArray1<'_, f32>>,
     gather: Option<PyReadonlyArray1<'_, u32>>,
+    torch_pool: bool,
 ) -> PyResult<()> {
+    // Inside torch (the op's CPU path) many rows go to torch's own pool, whose threads spin awake after
+    // the previous op: the rayon pool woke up against them (M = 16, 17408 wide: 495 -> 1270 us).
+    let pool = torch_pool.then(crate::torch::intra_op_pool).flatten();
+    let par: &(dyn ParallelFor + Sync) = match &pool {
+        Some(p) => p,
+        None => &Rayon,
+    };
     let direction = if inverse {
         Direction::Inverse
     } else {
@@ -97,13 +108,15 @@ fn fwht(
     };
     match dtype {
         "float32" => with_rows::<f32>(input, output, transform, |t, s, d| {
-            py.detach(|| t.apply(s, d)).map_err(to_py)
+            py.detach(|| t.apply_on(s, d, par)).map_err(to_py)
         }),
         "bfloat16" | "float16" => with_rows::<u16>(input, output, transform, |t, s, d| {
             if dtype == "bfloat16" {
-                py.detach(|| t.apply::<bf16>(s.reinterpret_cast(), d.reinterpret_cast_mut()))
+                py.detach(|| {
+                    t.apply_on::<bf16>(s.reinterpret_cast(), d.reinterpret_cast_mut(), par)
+                })
             } else {
-                py.detach(|| t.apply::<f16>(s.reinterpret_cast(), d.reinterpret_cast_mut()))
+                py.detach(|| t.apply_on::<f16>(s.reinterpret_cast(), d.reinterpret_cast_mut(), par))
             }
             .map_err(to_py)
         }),

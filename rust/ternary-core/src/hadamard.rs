@@ -12,18 +12,31 @@
 //! transformed in place, and stored once (normalization — and for `Inverse` the signs — fused into the
 //! store). [`fwht_block_reference`] is the plain textbook butterfly; the fast path [`fwht_block`] performs
 //! the very same additions in the same order (a fused 8-point kernel for the first three stages, then
-//! contiguous, auto-vectorizable half-block loops), so both agree bit for bit. Many rows run on the
-//! ternary-rs rayon pool; a single row (decode) runs on the calling thread.
+//! contiguous, auto-vectorizable half-block loops), so both agree bit for bit. Many rows run on a
+//! [`ParallelFor`] ([`Transform::apply_on`]: inside torch its own pool, whose threads are awake after the
+//! previous op; [`Transform::apply`]: the ternary-rs rayon pool); a few rows (decode) run on the calling
+//! thread.
 
 use half::{bf16, f16};
-use rayon::prelude::*;
 
+use crate::threads::{ParallelFor, Rayon};
 use crate::{Error, Result};
 
 /// Largest block size accepted (2^16): far above Bonsai 2's 1024, and keeps the f32 scratch small.
 pub const MAX_BLOCK_SIZE: usize = 1 << 16;
-/// Rows below this many total elements are done on the calling thread (rayon start-up costs more).
+/// Rows below this many total elements are done on the calling thread (a fork costs more).
 const PARALLEL_MIN_ELEMENTS: usize = 1 << 15;
+
+/// The output rows tasks write (disjoint rows of one buffer).
+struct RowsOut<T>(*mut T);
+// SAFETY: tasks write disjoint rows; the buffer outlives the parallel call.
+unsafe impl<T: Send> Sync for RowsOut<T> {}
+
+impl<T> RowsOut<T> {
+    fn row(&self, r: usize, width: usize) -> *mut T {
+        self.0.wrapping_add(r * width)
+    }
+}
 
 /// Which way the transform goes (see module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -168,8 +181,19 @@ impl<'a> Transform<'a> {
         self.width
     }
 
-    /// Transform every row of `input` (row-major, `rows × width`) into `output` (same shape).
+    /// Transform every row of `input` (row-major, `rows × width`) into `output` (same shape), many
+    /// rows on the ternary-rs rayon pool.
     pub fn apply<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        self.apply_on(input, output, &Rayon)
+    }
+
+    /// [`Transform::apply`] with many rows split over `par`.
+    pub fn apply_on<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        par: &dyn ParallelFor,
+    ) -> Result<()> {
         if input.len() != output.len() || !input.len().is_multiple_of(self.width) {
             return Err(Error::invalid(format!(
                 "hadamard input has {} values and output {}; both must be the same multiple of the row width {}",
@@ -178,7 +202,9 @@ impl<'a> Transform<'a> {
                 self.width
             )));
         }
-        if input.len() < PARALLEL_MIN_ELEMENTS {
+        let rows = input.len() / self.width;
+        let threads = par.threads().max(1);
+        if input.len() < PARALLEL_MIN_ELEMENTS || threads == 1 || rows < 2 {
             let mut scratch = vec![0f32; self.width];
             for (src, dst) in input
                 .chunks_exact(self.width)
@@ -186,17 +212,20 @@ impl<'a> Transform<'a> {
             {
                 self.row(src, dst, &mut scratch);
             }
-        } else {
-            crate::threads::install(|| {
-                input
-                    .par_chunks_exact(self.width)
-                    .zip(output.par_chunks_exact_mut(self.width))
-                    .for_each_init(
-                        || vec![0f32; self.width],
-                        |scratch, (src, dst)| self.row(src, dst, scratch),
-                    );
-            });
+            return Ok(());
         }
+        // A few tasks per thread, each with one scratch row.
+        let per_task = rows.div_ceil(4 * threads);
+        let out = RowsOut(output.as_mut_ptr());
+        let w = self.width;
+        par.run(rows.div_ceil(per_task), &|tasks| {
+            let mut scratch = vec![0f32; w];
+            for r in tasks.start * per_task..(tasks.end * per_task).min(rows) {
+                // SAFETY: `output` has rows · w elements; each row is written by one task only.
+                let dst = unsafe { std::slice::from_raw_parts_mut(out.row(r, w), w) };
+                self.row(&input[r * w..(r + 1) * w], dst, &mut scratch);
+            }
+        });
         Ok(())
     }
 

@@ -36,10 +36,16 @@ pub(crate) use policy::{
 
 use abi::{registered_api, Api, BoxedFn, Handle};
 use tensor::Tensor;
+use ternary_core::threads::ParallelFor;
 
 extern "C" {
     /// `csrc/torch_boxed.cpp`: frees a heap StableIValue on a torch without `torch_delete_stable_ivalue`.
     fn ternary_rs_delete_stable_ivalue(p: *mut u64);
+}
+
+/// torch's intra-op pool, once a native kernel is registered (the torch library is loaded).
+pub(crate) fn intra_op_pool() -> Option<impl ParallelFor + Send> {
+    registered_api().map(pool::TorchPool)
 }
 
 /// The schema's argument count: x, qweight, scales, out_features, in_features, group_size, bias,
