@@ -53,8 +53,8 @@ pub unsafe extern "C" fn ternary_rs_cpu_linear_boxed(
     unsafe { super::run_boxed(stack, num_args, num_outputs, err, err_len, linear) }
 }
 
-/// The name of a supported activation dtype.
-fn dtype_name(api: &Api, x: &Tensor<'_>) -> Result<&'static str, String> {
+/// The name of a supported activation dtype of `op`'s x.
+pub(crate) fn dtype_name(api: &Api, x: &Tensor<'_>, op: &str) -> Result<&'static str, String> {
     let dtype = x.dtype()?;
     if dtype == api.dtype_bf16 {
         Ok("bfloat16")
@@ -63,7 +63,9 @@ fn dtype_name(api: &Api, x: &Tensor<'_>) -> Result<&'static str, String> {
     } else if dtype == api.dtype_f32 {
         Ok("float32")
     } else {
-        Err("ternary_linear: x dtype is not supported; use bfloat16, float16 or float32".into())
+        Err(format!(
+            "{op}: x dtype is not supported; use bfloat16, float16 or float32"
+        ))
     }
 }
 
@@ -132,7 +134,7 @@ fn checked_bias<'a>(
 }
 
 fn linear<'a>(api: &'a Api, op: LinearOp<'a>) -> Result<Tensor<'a>, String> {
-    let name = dtype_name(api, &op.x)?;
+    let name = dtype_name(api, &op.x, "ternary_linear")?;
     check_operands(api, &op)?;
     let LinearOp {
         x,

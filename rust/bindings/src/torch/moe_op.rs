@@ -10,6 +10,7 @@ use ternary_core::kernels::cpu::moe::{self, Experts, Routing};
 use ternary_core::kernels::cpu::{layout, Activation, KernelChoice, PreparedRef};
 
 use super::abi::{api, Api};
+use super::cpu_op::dtype_name;
 use super::policy::{resolve_precision, variant};
 use super::pool::TorchPool;
 use super::tensor::Tensor;
@@ -183,17 +184,7 @@ fn run<'a>(
         ));
     }
     let dtype = x.dtype()?;
-    let name = if dtype == api.dtype_bf16 {
-        "bfloat16"
-    } else if dtype == api.dtype_f16 {
-        "float16"
-    } else if dtype == api.dtype_f32 {
-        "float32"
-    } else {
-        return Err(format!(
-            "{OP}: x dtype is not supported; use bfloat16, float16 or float32"
-        ));
-    };
+    let name = dtype_name(api, &x, OP)?;
     let w13 = stacked(api, &w13q, &w13s, (2 * a.inter, hidden, a.g13), "w13")?;
     let w2 = stacked(api, &w2q, &w2s, (hidden, a.inter, a.g2), "w2")?;
     if w13.len() != w2.len() {
