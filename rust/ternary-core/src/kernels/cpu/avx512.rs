@@ -61,10 +61,10 @@ pub(crate) const KERNELS_AMX: Kernels = Kernels {
     ..KERNELS_BF16_GFNI
 };
 
-/// The AVX-512 set for this CPU (the caller checked [`is_supported`]): with `vdpbf16ps` and GFNI
-/// where present (Cooper Lake has the first, Ice Lake the second, Zen 4 and Sapphire Rapids both).
+/// The AVX-512 set for this CPU (the caller checked [`is_supported`]): with `vdpbf16ps` where present
+/// (Cooper Lake, Zen 4, Sapphire Rapids) and the GFNI unpack where it pays ([`gfni_unpack_pays`]).
 pub(crate) fn kernels() -> &'static Kernels {
-    match (has_bf16_dot(), has_gfni()) {
+    match (has_bf16_dot(), gfni_unpack_pays()) {
         (true, true) => &KERNELS_BF16_GFNI,
         (true, false) => &KERNELS_BF16,
         (false, true) => &KERNELS_GFNI,
@@ -78,6 +78,28 @@ pub(crate) fn has_bf16_dot() -> bool {
 
 pub(crate) fn has_gfni() -> bool {
     is_x86_feature_detected!("gfni")
+}
+
+/// Whether the small-M GEMV should unpack with GFNI ([`unpack_gfni`]) rather than shift + AND: on
+/// Intel cores the 512-bit shifts share a port with `vpdpbusd` and GFNI saves a quarter of the
+/// instructions (Sapphire Rapids, M = 1: 1–7 % faster from DRAM, 1–10 % from cache). On AMD's Zen 4
+/// it is the other way round — `gf2p8affineqb` competes with `vpdpbusd` and the FMAs for the
+/// multiply pipes, while shifts and ANDs go to the others — and the shift unpack is faster (EPYC
+/// Zen 4, one thread, min of interleaved runs, 5120 → 17408 / 17408 → 5120 / 5120 → 6144: from cache
+/// 84 → 90, 78 → 88, 86 → 95 G weights/s; from DRAM 68 → 72, 51 → 52, 66 → 66). Zen 5 (full-width
+/// 512-bit units) is unmeasured and keeps the AMD choice.
+pub(crate) fn gfni_unpack_pays() -> bool {
+    has_gfni() && !is_amd()
+}
+
+/// Whether the CPU vendor string (cpuid leaf 0) is AMD's.
+fn is_amd() -> bool {
+    static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AMD.get_or_init(|| {
+        let l0 = __cpuid(0);
+        // "AuthenticAMD" as ebx, edx, ecx.
+        (l0.ebx, l0.edx, l0.ecx) == (0x6874_7541, 0x6974_6E65, 0x444D_4163)
+    })
 }
 
 pub(crate) fn is_supported() -> bool {
@@ -147,7 +169,8 @@ pub(crate) unsafe fn unpack(w: __m512i, i: usize, mask: __m512i) -> __m512i {
 
 /// Software prefetch distance of the int8 GEMV in the weight stream. The hardware prefetchers alone
 /// left a DRAM-bound M = 1 at 21–26 G weights/s on one thread; 2 KiB ahead gave 31, 4 KiB 30–41,
-/// 8 KiB 27–34 (5120 → 17408 and 2048 → 12288, same run).
+/// 8 KiB 27–34 (5120 → 17408 and 2048 → 12288, same run). On EPYC Zen 4 (~30 GB/s on one thread)
+/// 2, 4, 8 and 12 KiB were within noise of each other.
 pub(crate) const PREFETCH_BYTES: usize = 4096;
 
 #[inline(always)]
@@ -170,9 +193,10 @@ pub(crate) unsafe fn int8_gfni<const T: usize>(a: &Int8Tile<'_>) -> [[f32; ROWS]
 }
 
 /// Byte codes of sub-vector `i` (1..4) in one `gf2p8affineqb` instead of a 16-bit shift and an AND:
-/// the M = 1 GEMV issues about 8 vector instructions per 128 weights and row, and the 512-bit shifts
-/// compete with `vpdpbusd` for the same port, so this is a quarter fewer instructions (at M = 1 here:
-/// 1–7 % faster from DRAM, 1–10 % from cache). Matrix byte `7 − j` selects the input bits of result
+/// the M = 1 GEMV issues about 8 vector instructions per 128 weights and row, and on Intel cores the
+/// 512-bit shifts compete with `vpdpbusd` for the same port, so this is a quarter fewer instructions
+/// (Sapphire Rapids, M = 1: 1–7 % faster from DRAM, 1–10 % from cache; not on Zen 4:
+/// [`gfni_unpack_pays`]). Matrix byte `7 − j` selects the input bits of result
 /// bit `j`: bit 0 ← bit 2i, bit 1 ← bit 2i + 1, the rest 0. (Sub-vector 0 is a single AND already.)
 #[inline(always)]
 unsafe fn unpack_gfni(w: __m512i, i: usize) -> __m512i {

@@ -847,8 +847,8 @@ fn int8_every_m_to_20() {
 }
 
 /// The small-M int8 GEMV unpacking with GFNI equals the one unpacking with shifts bit for bit (every
-/// token count and group size): CPUs without GFNI run the second, and the variant tests above run
-/// only the first where GFNI is present.
+/// token count and group size): CPUs without GFNI, and AMD's (`avx512::gfni_unpack_pays`), run the
+/// second, so the variant tests above run only one of them on any one machine.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn int8_gfni_unpack_matches_shift_unpack_bit_for_bit() {
