@@ -2,7 +2,8 @@
 //!
 //! The layout makes every mode start the same way: one 64-byte load per row and superblock, then
 //! `(chunk >> 2i) & 3` gives the 64 byte codes `c = t + 1` of sub-vector `i`.
-//! (The small-M int8 GEMV gets the same codes from one `gf2p8affineqb` where the CPU has GFNI.)
+//! (The small-M int8 GEMV gets the same codes from one `gf2p8affineqb` where GFNI pays, and at one or
+//! two tokens and g ≥ 128 takes them as `4·c` / `64·c` so that one shift serves the four: `scaled_codes`.)
 //! * int8: `vpdpbusd` multiplies those unsigned codes by the signed int8 activations, 64 weights per
 //!   instruction, straight into i32 lanes; per scale unit (`min(g, 128)` weights) the lanes are converted
 //!   to f32 and multiplied by the combined scale `s · xs` (one FMA with an embedded broadcast). The `+1`
@@ -231,6 +232,8 @@ unsafe fn int8_body<const T: usize, const GF: bool>(a: &Int8Tile<'_>) -> [[f32; 
     let mask = _mm512_set1_epi8(3);
     let zero = _mm512_setzero_si512();
     let mut facc = [[_mm512_setzero_ps(); ROWS]; T];
+    // The ×64 accumulators of the scaled-code path (unused, and optimized away, otherwise).
+    let mut facc64 = [[_mm512_setzero_ps(); ROWS]; T];
     // Combined scale of (token t, group gi, row r): the FMA's broadcast operand.
     let scale = |t: usize, gi: usize, r: usize| -> __m512 {
         // SAFETY: t < T, gi < gp (asserted length above).
@@ -248,7 +251,28 @@ unsafe fn int8_body<const T: usize, const GF: bool>(a: &Int8Tile<'_>) -> [[f32; 
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(r * CHUNK_BYTES).cast());
             }
             let k_sb = sb * SUPER_K;
-            if g >= 128 {
+            if g >= 128 && T <= SCALED_MAX_T {
+                // Scaled codes (see `scaled_codes`): 4·c for sub-vectors 0 and 1, 64·c for 2 and 3,
+                // into the ×4 and ×64 accumulators.
+                for r in 0..ROWS {
+                    let [c0, c1, c2, c3] = scaled_codes::<GF>(w[r]);
+                    for (half, (ca, cb)) in [(c0, c1), (c2, c3)].into_iter().enumerate() {
+                        let k0 = k_sb + half * 128;
+                        let gi = k0 / g;
+                        for t in 0..T {
+                            let x0 = _mm512_loadu_si512(xp[t].add(k0).cast());
+                            let x1 = _mm512_loadu_si512(xp[t].add(k0 + SUB_K).cast());
+                            let i = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, ca, x0), cb, x1);
+                            let acc = if half == 0 {
+                                &mut facc[t][r]
+                            } else {
+                                &mut facc64[t][r]
+                            };
+                            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), scale(t, gi, r), *acc);
+                        }
+                    }
+                }
+            } else if g >= 128 {
                 // Scale units of 128 weights (two sub-vectors; g = 256 uses one scale for both).
                 for half in 0..2 {
                     let k0 = k_sb + half * 128;
@@ -293,10 +317,50 @@ unsafe fn int8_body<const T: usize, const GF: bool>(a: &Int8Tile<'_>) -> [[f32; 
     let mut out = [[0f32; ROWS]; INT8_TILE];
     for t in 0..T {
         for r in 0..ROWS {
-            out[t][r] = _mm512_reduce_add_ps(facc[t][r]);
+            out[t][r] = if g >= 128 && T <= SCALED_MAX_T {
+                // Exact powers of two: the sums of 4·c·x and 64·c·x back at the codes' scale.
+                _mm512_reduce_add_ps(facc[t][r]) * 0.25
+                    + _mm512_reduce_add_ps(facc64[t][r]) * (1.0 / 64.0)
+            } else {
+                _mm512_reduce_add_ps(facc[t][r])
+            };
         }
     }
     out
+}
+
+/// Token counts up to which the int8 GEMV (g ≥ 128) uses [`scaled_codes`]: each token needs a
+/// second set of `ROWS` accumulators, and at three tokens the 24 of them no longer leave registers
+/// for the codes.
+const SCALED_MAX_T: usize = 2;
+
+/// The codes of a 64-byte chunk's four sub-vectors, scaled so that one 16-bit shift serves all four:
+/// `4·c` for sub-vectors 0 and 1 (bits 2–3 of `w << 2` and of `w`), `64·c` for 2 and 3 (bits 6–7 of
+/// the same). `vpdpbusd` sums them exactly (products ≤ 192 · 128 fit its 16-bit intermediates), and
+/// the sums stay exact in f32 (|64 · Σ_128 c·x| ≤ 64 · 128 · 3 · 128 < 2²⁴), so scaling the two
+/// accumulators by ¼ and ¹⁄₆₄ at the end is exact: one shift and four ANDs instead of three shifts and
+/// four ANDs per chunk (on Zen 4 the 512-bit shifts, like `vpdpbusd`, run on only two of the four
+/// vector pipes). With `GF` the two shifted codes are one `gf2p8affineqb` each (bit for bit the same).
+#[inline(always)]
+unsafe fn scaled_codes<const GF: bool>(w: __m512i) -> [__m512i; 4] {
+    // SAFETY: AVX-512 BW everywhere; `GF` only inside `int8_gfni` (GFNI).
+    unsafe {
+        let (lo, hi) = (_mm512_set1_epi8(0x0C), _mm512_set1_epi8(0xC0u8 as i8));
+        let (c0, c2) = if GF {
+            // Matrix byte 7 − j selects the input bits of result bit j: 2 ← 0, 3 ← 1; 6 ← 4, 7 ← 5.
+            let m0 = (1u64 << 40) | (2u64 << 32);
+            let m2 = (0x10u64 << 8) | 0x20;
+            (
+                _mm512_gf2p8affine_epi64_epi8::<0>(w, _mm512_set1_epi64(m0 as i64)),
+                _mm512_gf2p8affine_epi64_epi8::<0>(w, _mm512_set1_epi64(m2 as i64)),
+            )
+        } else {
+            // Bits pushed into the next byte land below bit 2 and are masked off.
+            let s = _mm512_slli_epi16::<2>(w);
+            (_mm512_and_si512(s, lo), _mm512_and_si512(s, hi))
+        };
+        [c0, _mm512_and_si512(w, lo), c2, _mm512_and_si512(w, hi)]
+    }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")]
