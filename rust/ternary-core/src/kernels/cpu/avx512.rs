@@ -221,9 +221,10 @@ unsafe fn unpack_codes<const GF: bool>(w: __m512i, i: usize, mask: __m512i) -> _
 
 /// One row block (4 rows) per pass over the tokens' activations, the weight read front to back.
 ///
-/// At one token the rate falls with K (EPYC Zen 4, one thread, from cache: K = 5120 95 G weights/s,
-/// 8192 82, 12288 65, 17408 57), and confining the activations to 4 KiB gave 75 at 17408, so L1
-/// residency of the activations is most of that gap. What did not close it, measured and reverted:
+/// At one token the rate falls with K (EPYC Zen 4, one thread: K = 5120 95 G weights/s, 8192 82,
+/// 12288 65, 17408 57) with the weight read from DRAM; from L3, 17408 → 5120 runs 93–95 like the
+/// 5120-wide shapes. Confining the activations to 4 KiB gave 75 at 17408, so the activations'
+/// L1 residency is most of that gap. What did not close it, measured and reverted:
 /// K panels across row blocks (2× slower: the weight is no longer one sequential stream), software
 /// prefetch of the activations (5–8 % slower), NTA prefetch of the weights (no change), and eight
 /// rows per pass (two blocks as two streams, each activation vector loaded once per eight rows):
