@@ -74,6 +74,13 @@ def kernel_variant() -> str:
     return _core.cpu_kernel_best() if _variant == "auto" else _variant
 
 
+def dense_prefill_pays(variant: str | None = None) -> bool:
+    """Whether bf16 prefill calls (M >= 48, default mode) with ``variant`` (default: the one in use)
+    take the dense path, decoded bf16 chunks through torch's GEMM: only where that GEMM has native bf16
+    dot products and the int8 path is not AMX's (``dense::prefill_pays`` in the core crate)."""
+    return bool(_core.cpu_dense_prefill_pays(variant or kernel_variant()))
+
+
 def set_kernel_variant(name: str) -> None:
     """Force a kernel variant (``"auto"``, ``"amx"``, ``"avx512"``, ``"avx2"`` or ``"scalar"``)."""
     global _variant

@@ -21,6 +21,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_prepared_shapes, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernel_variants, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernel_best, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_dense_prefill_pays, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_set_kernel_variant, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_set_default_int8, m)?)?;
     m.add_function(wrap_pyfunction!(register_torch_cpu_kernel, m)?)?;
@@ -136,6 +137,14 @@ fn cpu_kernel_variants() -> Vec<&'static str> {
 #[pyfunction]
 fn cpu_kernel_best() -> &'static str {
     Variant::best().name()
+}
+
+/// Whether bf16 prefill calls with the variant `name` take the dense path (decoded bf16 chunks through
+/// torch's GEMM) on this machine (`dense::prefill_pays`).
+#[pyfunction]
+fn cpu_dense_prefill_pays(name: &str) -> PyResult<bool> {
+    let v = Variant::parse(name).map_err(to_py)?;
+    Ok(ternary_core::kernels::cpu::dense::prefill_pays(v))
 }
 
 /// Permute canonical `qweight` (u8 `[rows, cols/4]`) and `scales` (f16 `[rows, cols/g]`) into the

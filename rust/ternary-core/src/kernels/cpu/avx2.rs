@@ -1,9 +1,15 @@
 //! AVX2 kernels (with FMA and F16C), for x86-64 CPUs without AVX-512.
 //!
 //! A 64-byte chunk is two 32-byte halves; `(half >> 2i) & 3` gives 32 byte codes. The int8 mode sums
-//! `code · q` with `vpmaddubsw` (pairs into i16: at most 2·2·128, no saturation) and `vpmaddwd` against
-//! ones (into i32); the exact mode sign-extends `t = code − 1` 8 at a time and uses FMA. With only 16
-//! ymm registers the kernels walk one row of the block at a time (the block stays in L1 meanwhile).
+//! `code · q` with `vpmaddubsw` (pairs into i16: at most 2·2·128, no saturation), adds a group's
+//! vectors in i16 and widens once per group with `vpmaddwd` against ones; the exact mode sign-extends
+//! `t = code − 1` 8 at a time and uses FMA. With only 16 ymm registers the kernels walk one row of the
+//! block at a time (the int8 GEMV one panel of columns at a time, so the activations stay in L1).
+//!
+//! Every loop that decides per 32 weights whether a group ends is monomorphized per group size: a
+//! run-time `k % g` there is a 64-bit division per 32 weights, and it was what bounded these kernels
+//! (EPYC Zen 2, one thread, M = 1, 5120 → 17408 from DRAM: 6.6 → 43.5 G weights/s with the panels and
+//! the prefetch below).
 
 // Register arrays (per token) are indexed in lockstep; index loops say that most plainly.
 #![allow(clippy::needless_range_loop)]
@@ -15,13 +21,14 @@ use half::f16;
 use super::layout::{CHUNK_BYTES, ROWS, SUB_K, SUPER_K};
 use super::{Int8Tile, Kernels, ACC_STRIDE, INT8_TILE, LANES, MICRO_M};
 
-/// The scalar table with its hot loops replaced (the row quantizer and the flags stay the scalar ones).
+/// The scalar table with its hot loops replaced (the flags stay the scalar ones).
 pub(crate) static KERNELS: Kernels = Kernels {
     int8: [int8::<1>, int8::<2>, int8::<3>, int8::<4>],
     prepass,
     exact,
     decode,
     micro,
+    quantize,
     ..super::scalar::KERNELS
 };
 
@@ -55,107 +62,221 @@ unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
 }
 
+/// The int8 GEMV for a tile of `T` tokens, monomorphized per group size (a run-time `k % g` per 32
+/// weights was a 64-bit division each: 6.6 G weights/s at M = 1 on Zen 2).
 #[target_feature(enable = "avx2,fma")]
 unsafe fn int8<const T: usize>(a: &Int8Tile<'_>) -> [[f32; ROWS]; INT8_TILE] {
+    // SAFETY: same features; `int8_body` checks its own bounds.
+    unsafe {
+        match a.group_size {
+            32 => int8_body::<T, 1>(a),
+            64 => int8_body::<T, 2>(a),
+            128 => int8_body::<T, 4>(a),
+            _ => int8_body::<T, 8>(a),
+        }
+    }
+}
+
+/// Superblocks per panel of [`int8_body`]: the four rows walk a panel one after another, so the tile's
+/// activations for the panel (T · 2 KiB) and the panel's codes (2 KiB) stay in L1 while the rows reuse
+/// them. Walking whole rows re-read every token's activations from L2 once per row once they
+/// outgrew L1 beside the block (Zen 2, 32 KiB L1: K = 14336 ran at half the rate of K = 5120).
+const PANEL_SB: usize = 8;
+/// How far ahead (in superblocks, 256 bytes each) the first row of a panel prefetches the weight.
+const PREFETCH_SB: usize = 16;
+
+/// One row of the block at a time within a panel of [`PANEL_SB`] superblocks, `V` 32-weight vectors per
+/// group. `vpmaddubsw` gives pairwise `code · q` sums in i16 lanes; a group's vectors are added in i16
+/// (at most 8 vectors × 2 × 2 × 128 = 4096 per lane: no overflow) and widened once per group with
+/// `vpmaddwd`, so the multiply pipe does one `vpmaddubsw` per 32 weight-tokens plus one widening per
+/// group instead of one of each per 32.
+#[inline(always)]
+unsafe fn int8_body<const T: usize, const V: usize>(a: &Int8Tile<'_>) -> [[f32; ROWS]; INT8_TILE] {
     let kp = a.block.len();
-    let g = a.group_size;
+    let g = 32 * V;
+    assert_eq!(
+        a.group_size, g,
+        "group size {} is not 32 · {V}",
+        a.group_size
+    );
     let gp = kp / g;
     assert!(kp.is_multiple_of(SUPER_K) && a.cs.len() >= T * gp * ROWS);
     assert!(a.x.iter().take(T).all(|x| x.len() >= kp));
     let bp = a.block.as_ptr();
+    let cs = a.cs.as_ptr();
     let xp: [*const i8; T] = std::array::from_fn(|t| a.x[t].as_ptr());
-    let mask = _mm256_set1_epi8(3);
-    let ones = _mm256_set1_epi16(1);
     let mut out = [[0f32; ROWS]; INT8_TILE];
-    for r in 0..ROWS {
-        let mut facc = [_mm256_setzero_ps(); T];
-        let mut iacc = [_mm256_setzero_si256(); T];
-        for sb in 0..kp / SUPER_K {
-            // SAFETY (whole loop): sb < Kp/256; x offsets k + 32 ≤ Kp; cs index < T·Gp·4 (asserts).
-            unsafe {
-                let w = [load_half(bp, sb, r, 0), load_half(bp, sb, r, 1)];
-                for sub in 0..4 {
-                    for h in 0..2 {
-                        let c = unpack(w[h], sub, mask);
-                        let k = sb * SUPER_K + sub * SUB_K + 32 * h;
-                        for t in 0..T {
-                            let x = _mm256_loadu_si256(xp[t].add(k).cast());
-                            let d = _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), ones);
-                            iacc[t] = _mm256_add_epi32(iacc[t], d);
+    // SAFETY (whole body): AVX2 and FMA (the caller's target features); sb < Kp/256, so the chunk
+    // halves and the x bytes 256·sb + 32·v .. + 32 of every token are in bounds, and the scale index
+    // (t·Gp + gi)·4 + r < T·Gp·4 (asserts above).
+    unsafe {
+        let mask = _mm256_set1_epi8(3);
+        let ones = _mm256_set1_epi16(1);
+        let mut facc = [[_mm256_setzero_ps(); T]; ROWS];
+        let sbs = kp / SUPER_K;
+        for sb0 in (0..sbs).step_by(PANEL_SB) {
+            for r in 0..ROWS {
+                let mut f = facc[r];
+                let mut acc = [_mm256_setzero_si256(); T];
+                for sb in sb0..(sb0 + PANEL_SB).min(sbs) {
+                    if r == 0 {
+                        // The first row touches one line in four of the panel: ask for the whole of
+                        // the superblock PREFETCH_SB ahead (past the block's end it is the next block's
+                        // weight or nothing; a prefetch never faults).
+                        let ahead = bp.wrapping_add((sb + PREFETCH_SB) * ROWS * CHUNK_BYTES);
+                        for line in 0..ROWS {
+                            _mm_prefetch::<_MM_HINT_T0>(
+                                ahead.wrapping_add(line * CHUNK_BYTES).cast(),
+                            );
                         }
-                        if (k + 32).is_multiple_of(g) {
-                            let gi = k / g;
+                    }
+                    let w = [load_half(bp, sb, r, 0), load_half(bp, sb, r, 1)];
+                    // Vector v of the superblock is sub-vector v / 2, half v % 2: weights 256·sb + 32·v ..
+                    for v in 0..SUPER_K / 32 {
+                        let c = unpack(w[v % 2], v / 2, mask);
+                        let k = sb * SUPER_K + 32 * v;
+                        for t in 0..T {
+                            let p =
+                                _mm256_maddubs_epi16(c, _mm256_loadu_si256(xp[t].add(k).cast()));
+                            acc[t] = if v % V == 0 {
+                                p
+                            } else {
+                                _mm256_add_epi16(acc[t], p)
+                            };
+                        }
+                        if (v + 1) % V == 0 {
+                            let gi = sb * (SUPER_K / g) + v / V;
                             for t in 0..T {
-                                let s = _mm256_set1_ps(a.cs[(t * gp + gi) * ROWS + r]);
-                                facc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[t]), s, facc[t]);
-                                iacc[t] = _mm256_setzero_si256();
+                                let i = _mm256_madd_epi16(acc[t], ones);
+                                let s = _mm256_set1_ps(*cs.add((t * gp + gi) * ROWS + r));
+                                f[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), s, f[t]);
                             }
                         }
                     }
                 }
+                facc[r] = f;
             }
         }
-        for t in 0..T {
-            out[t][r] = hsum(facc[t]);
+        for r in 0..ROWS {
+            for t in 0..T {
+                out[t][r] = hsum(facc[r][t]);
+            }
         }
     }
     out
 }
 
+/// Eight combined scales per step, the correction summed in two chains (one chain of 4-wide FMAs was
+/// latency-bound: a tenth of an M = 1 GEMV at K = 4096 on Zen 2).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn prepass(scales: &[f16], xs4: &[f32], qsum4: &[f32], cs: &mut [f32]) -> [f32; ROWS] {
     let n = cs.len();
     assert!(n.is_multiple_of(ROWS) && scales.len() >= n && xs4.len() >= n && qsum4.len() >= n);
-    let mut corr = _mm_setzero_ps();
-    for i in (0..n).step_by(ROWS) {
-        // SAFETY: i + 4 ≤ n ≤ every slice's length.
-        unsafe {
-            let s = _mm_cvtph_ps(_mm_loadl_epi64(scales.as_ptr().add(i).cast()));
-            let c = _mm_mul_ps(s, _mm_loadu_ps(xs4.as_ptr().add(i)));
-            _mm_storeu_ps(cs.as_mut_ptr().add(i), c);
-            corr = _mm_fmadd_ps(c, _mm_loadu_ps(qsum4.as_ptr().add(i)), corr);
+    let (sp, xp, qp, cp) = (
+        scales.as_ptr(),
+        xs4.as_ptr(),
+        qsum4.as_ptr(),
+        cs.as_mut_ptr(),
+    );
+    let mut corr = [_mm256_setzero_ps(); 2];
+    let mut i = 0;
+    // SAFETY (both loops): i + 8 (then i + 4) ≤ n ≤ every slice's length.
+    unsafe {
+        while i + 16 <= n {
+            for j in 0..2 {
+                let o = i + 8 * j;
+                let s = _mm256_cvtph_ps(_mm_loadu_si128(sp.add(o).cast()));
+                let c = _mm256_mul_ps(s, _mm256_loadu_ps(xp.add(o)));
+                _mm256_storeu_ps(cp.add(o), c);
+                corr[j] = _mm256_fmadd_ps(c, _mm256_loadu_ps(qp.add(o)), corr[j]);
+            }
+            i += 16;
         }
+        let mut tail = _mm_setzero_ps();
+        while i < n {
+            let s = _mm_cvtph_ps(_mm_loadl_epi64(sp.add(i).cast()));
+            let c = _mm_mul_ps(s, _mm_loadu_ps(xp.add(i)));
+            _mm_storeu_ps(cp.add(i), c);
+            tail = _mm_fmadd_ps(c, _mm_loadu_ps(qp.add(i)), tail);
+            i += ROWS;
+        }
+        let both = _mm256_add_ps(corr[0], corr[1]);
+        let four = _mm_add_ps(
+            _mm_add_ps(
+                _mm256_castps256_ps128(both),
+                _mm256_extractf128_ps::<1>(both),
+            ),
+            tail,
+        );
+        std::mem::transmute::<__m128, [f32; ROWS]>(four)
     }
-    std::mem::transmute(corr)
 }
 
+/// The exact GEMV, monomorphized per group size like [`int8`].
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn exact(block: &[u8], scales: &[f16], x: &[f32], g: usize) -> [f32; ROWS] {
+    // SAFETY: same features; `exact_body` checks its own bounds.
+    unsafe {
+        match g {
+            32 => exact_body::<1>(block, scales, x),
+            64 => exact_body::<2>(block, scales, x),
+            128 => exact_body::<4>(block, scales, x),
+            _ => exact_body::<8>(block, scales, x),
+        }
+    }
+}
+
+/// `t = code − 1` sign-extended 8 at a time and FMAs with x, into four accumulators per group (one
+/// chain of dependent FMAs ran at one 8-wide FMA per latency: 5.4 G weights/s on Zen 2).
+#[inline(always)]
+unsafe fn exact_body<const V: usize>(block: &[u8], scales: &[f16], x: &[f32]) -> [f32; ROWS] {
+    let g = 32 * V;
     let kp = block.len();
     assert!(kp.is_multiple_of(SUPER_K) && x.len() >= kp && scales.len() * g >= kp * ROWS);
-    let bp = block.as_ptr();
-    let mask = _mm256_set1_epi8(3);
-    let one = _mm256_set1_epi8(1);
-    let mut trits = [0i8; 32];
-    std::array::from_fn(|r| {
-        let (mut total, mut group) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        for sb in 0..kp / SUPER_K {
-            // SAFETY (whole loop): chunk and x offsets are inside Kp (asserts); `trits` is read 8 at a time.
-            unsafe {
+    let (bp, xp) = (block.as_ptr(), x.as_ptr());
+    // SAFETY (whole body): AVX2, FMA and F16C (the caller's target features); chunk and x offsets are
+    // inside Kp and the scale index (Kp/g − 1)·4 + r is inside `scales` (asserts above).
+    unsafe {
+        let mask = _mm256_set1_epi8(3);
+        let one = _mm256_set1_epi8(1);
+        // A loop, not `array::from_fn`: a closure here would not inherit the caller's target features,
+        // and the intrinsics in it would stay out-of-line calls.
+        let mut out = [0f32; ROWS];
+        for r in 0..ROWS {
+            let mut total = _mm256_setzero_ps();
+            let mut group = [_mm256_setzero_ps(); 4];
+            for sb in 0..kp / SUPER_K {
                 let w = [load_half(bp, sb, r, 0), load_half(bp, sb, r, 1)];
-                for sub in 0..4 {
-                    for h in 0..2 {
-                        let t = _mm256_sub_epi8(unpack(w[h], sub, mask), one);
-                        _mm256_storeu_si256(trits.as_mut_ptr().cast(), t);
-                        let k0 = sb * SUPER_K + sub * SUB_K + 32 * h;
-                        for piece in 0..4 {
-                            let t8 = _mm_loadl_epi64(trits.as_ptr().add(8 * piece).cast());
-                            let tf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(t8));
-                            let xv = _mm256_loadu_ps(x.as_ptr().add(k0 + 8 * piece));
-                            group = _mm256_fmadd_ps(tf, xv, group);
-                        }
-                        if (k0 + 32).is_multiple_of(g) {
-                            let s = _mm256_set1_ps(scales[(k0 / g) * ROWS + r].to_f32());
-                            total = _mm256_fmadd_ps(group, s, total);
-                            group = _mm256_setzero_ps();
-                        }
+                for v in 0..SUPER_K / 32 {
+                    let t = _mm256_sub_epi8(unpack(w[v % 2], v / 2, mask), one);
+                    let k0 = sb * SUPER_K + 32 * v;
+                    let halves = [_mm256_castsi256_si128(t), _mm256_extracti128_si256::<1>(t)];
+                    for piece in 0..4 {
+                        let t8 = if piece % 2 == 0 {
+                            halves[piece / 2]
+                        } else {
+                            _mm_unpackhi_epi64(halves[piece / 2], halves[piece / 2])
+                        };
+                        let tf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(t8));
+                        let xv = _mm256_loadu_ps(xp.add(k0 + 8 * piece));
+                        group[piece] = _mm256_fmadd_ps(tf, xv, group[piece]);
+                    }
+                    if (v + 1) % V == 0 {
+                        let gi = sb * (SUPER_K / g) + v / V;
+                        let s = _mm256_set1_ps(scales.get_unchecked(gi * ROWS + r).to_f32());
+                        let sum = _mm256_add_ps(
+                            _mm256_add_ps(group[0], group[1]),
+                            _mm256_add_ps(group[2], group[3]),
+                        );
+                        total = _mm256_fmadd_ps(sum, s, total);
+                        group = [_mm256_setzero_ps(); 4];
                     }
                 }
             }
+            out[r] = hsum(total);
         }
-        // SAFETY: AVX available (target feature of this function).
-        unsafe { hsum(total) }
-    })
+        out
+    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -168,6 +289,8 @@ unsafe fn decode(
     stride: usize,
 ) {
     let kc = super::decode_span(block, scales, g, k0, out, stride);
+    // Group sizes are powers of two: a shift, not a division per 32 weights.
+    let gshift = g.trailing_zeros();
     let bp = block.as_ptr();
     let mask = _mm256_set1_epi8(3);
     let one = _mm256_set1_epi8(1);
@@ -182,7 +305,7 @@ unsafe fn decode(
                         let t = _mm256_sub_epi8(unpack(w, sub, mask), one);
                         _mm256_storeu_si256(trits.as_mut_ptr().cast(), t);
                         let kb = sb * SUPER_K + sub * SUB_K + 32 * h;
-                        let s = _mm256_set1_ps(scales[(kb / g) * ROWS + r].to_f32());
+                        let s = _mm256_set1_ps(scales[(kb >> gshift) * ROWS + r].to_f32());
                         for piece in 0..4 {
                             let t8 = _mm_loadl_epi64(trits.as_ptr().add(8 * piece).cast());
                             let v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(t8)), s);
@@ -227,6 +350,86 @@ unsafe fn micro(x: [&[f32]; MICRO_M], w: [&[f32]; ROWS], acc: &mut [f32]) {
                     _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), a[i][h]));
                 }
             }
+        }
+    }
+}
+
+/// max of the absolute values' bit patterns over `n` floats (a multiple of 8): NaN (above every
+/// infinity as an integer) propagates, as in the scalar `abs_max`.
+#[target_feature(enable = "avx2")]
+unsafe fn abs_bits_max(x: *const f32, n: usize) -> u32 {
+    let abs = _mm256_set1_epi32(0x7FFF_FFFF);
+    let mut m = _mm256_setzero_si256();
+    for i in (0..n).step_by(8) {
+        // SAFETY: the caller passes n readable floats.
+        let v = unsafe { _mm256_loadu_si256(x.add(i).cast()) };
+        m = _mm256_max_epu32(m, _mm256_and_si256(v, abs));
+    }
+    let m = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256::<1>(m));
+    let m = _mm_max_epu32(m, _mm_shuffle_epi32::<0b01_00_11_10>(m));
+    let m = _mm_max_epu32(m, _mm_shuffle_epi32::<0b10_11_00_01>(m));
+    _mm_cvtsi128_si32(m) as u32
+}
+
+/// Bit-for-bit [`super::quant::quantize_row`], 32 values per step (`vcvtps2dq` rounds half to even
+/// under the default MXCSR; the scalar one was a libm `rintf` call per value).
+#[target_feature(enable = "avx2")]
+unsafe fn quantize(
+    x: &[f32],
+    q: &mut [i8],
+    g: usize,
+    per_token: bool,
+    xs4: &mut [f32],
+    qsum4: &mut [f32],
+) {
+    use super::quant::{domain_scale, INT8_MAX};
+    let kp = x.len();
+    assert!(q.len() >= kp && kp.is_multiple_of(g) && g.is_multiple_of(32));
+    assert!(xs4.len() >= kp / g * 4 && qsum4.len() >= kp / g * 4);
+    let amax = |p: *const f32, n: usize| f32::from_bits(unsafe { abs_bits_max(p, n) });
+    let token = per_token.then(|| domain_scale(amax(x.as_ptr(), kp), true));
+    let hi = _mm256_set1_epi32(INT8_MAX as i32);
+    let lo = _mm256_set1_epi32(if per_token { -128 } else { -(INT8_MAX as i32) });
+    let indefinite = _mm256_set1_epi32(i32::MIN);
+    // packs leave the dwords of four 8-value vectors as v0[0..4] v1[0..4] v2[0..4] v3[0..4] v0[4..8] ...
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for gi in 0..kp / g {
+        // SAFETY: group gi covers x[gi·g .. (gi+1)·g] and q the same (asserts above).
+        unsafe {
+            let xg = x.as_ptr().add(gi * g);
+            let (mul, xs) = token.unwrap_or_else(|| domain_scale(amax(xg, g), false));
+            let mulv = _mm256_set1_ps(mul);
+            let mut sum = _mm256_setzero_si256();
+            for i in (0..g).step_by(32) {
+                let v: [__m256i; 4] = std::array::from_fn(|j| {
+                    let v =
+                        _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg.add(i + 8 * j)), mulv));
+                    // NaN · 0 converts to the "integer indefinite" 0x80000000; such a group's scale is
+                    // NaN, so its codes never matter — but match the scalar 0 anyway.
+                    let v = _mm256_andnot_si256(_mm256_cmpeq_epi32(v, indefinite), v);
+                    _mm256_min_epi32(_mm256_max_epi32(v, lo), hi)
+                });
+                sum = _mm256_add_epi32(
+                    sum,
+                    _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3])),
+                );
+                // Values are within [−128, 127]: the saturating packs are exact.
+                let w = _mm256_packs_epi16(
+                    _mm256_packs_epi32(v[0], v[1]),
+                    _mm256_packs_epi32(v[2], v[3]),
+                );
+                let w = _mm256_permutevar8x32_epi32(w, order);
+                _mm256_storeu_si256(q.as_mut_ptr().add(gi * g + i).cast(), w);
+            }
+            let s = _mm_add_epi32(
+                _mm256_castsi256_si128(sum),
+                _mm256_extracti128_si256::<1>(sum),
+            );
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+            let total = _mm_cvtsi128_si32(s) as f32;
+            xs4[gi * 4..gi * 4 + 4].fill(xs);
+            qsum4[gi * 4..gi * 4 + 4].fill(total);
         }
     }
 }

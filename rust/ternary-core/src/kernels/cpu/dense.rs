@@ -1,9 +1,10 @@
 //! Decoding a prepared weight back to dense bf16 rows, for the large-M (prefill) path.
 //!
-//! At large M the product is compute-bound, and torch's bf16 GEMM on this class of CPU (oneDNN with
-//! AMX-BF16) does more multiply-adds per cycle than any VNNI kernel can. So for bf16 activations and
-//! `M ≥` [`DENSE_MIN_M`] — where the CPU has no AMX-INT8 of its own to use (`super::amx`, faster
-//! still), or the VNNI variant is forced — the torch op decodes row chunks of the weight to bf16 (this module) and hands
+//! At large M the product is compute-bound, and torch's bf16 GEMM on a CPU with native bf16 dot
+//! products (oneDNN with AVX512_BF16 or AMX-BF16) does more multiply-adds per cycle than any VNNI
+//! kernel can. So for bf16 activations and `M ≥` [`DENSE_MIN_M`] — where the CPU has such bf16 dot
+//! products but no AMX-INT8 of its own to use (`super::amx`, faster still), or the VNNI variant is
+//! forced: [`prefill_pays`] — the torch op decodes row chunks of the weight to bf16 (this module) and hands
 //! each chunk to torch's own GEMM: the weight is still stored (and streamed from DRAM) at 2 bits, only
 //! a cache-sized chunk exists dense at a time.
 //!
@@ -24,6 +25,23 @@ use crate::{Error, Result};
 /// measured crossover of the int8 kernel and decode + torch bf16 GEMM on the 27B shapes (5120 → 17408,
 /// one thread: int8 28.5 ms vs 35.8 ms at M = 32, 56.1 ms vs 43.2 ms at M = 64).
 pub const DENSE_MIN_M: usize = 48;
+
+/// Whether the dense prefill beats the int8 kernels of `variant` on this CPU. Only where the CPU has
+/// native bf16 dot products (AVX512_BF16; every AMX CPU has it) for torch's GEMM to use, and the int8
+/// path is not AMX's (faster still). Without them torch converts bf16 and its GEMM crawls: EPYC Zen 2
+/// (AVX2), 5120 → 17408, one thread, M = 64 / 512: 1382 / 10910 ms through torch against the AVX2 int8
+/// kernel's ~60 G weight-tokens/s (~95 / ~750 ms).
+pub fn prefill_pays(variant: super::Variant) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        variant != super::Variant::Amx && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = variant;
+        false
+    }
+}
 
 /// Lanes sharing one scale at least (every group size is a multiple of 32).
 const HALF: usize = 32;

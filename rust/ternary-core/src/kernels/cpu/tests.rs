@@ -509,7 +509,7 @@ proptest! {
 
 const GROUP_SIZES_FOR_TEST: [usize; 4] = crate::canonical::GROUP_SIZES;
 
-/// Throughput of the whole kernel at M = 1..128 (VNNI and AMX) on a weight larger than the caches, single-threaded
+/// Throughput of the whole kernel at M = 1..128 (AVX2, VNNI and AMX) on a weight larger than the caches, single-threaded
 /// (run by hand: `cargo test --release -p ternary-core kernel_throughput -- --ignored --nocapture`).
 /// The benchmarks in `benches/` are the numbers to quote; this is for quick iteration on the kernel.
 #[test]
@@ -521,7 +521,7 @@ fn kernel_throughput() {
     let w = c.weight(&prepared);
     let xb: Vec<bf16> = c.x.iter().map(|&v| bf16::from_f32(v)).collect();
     let mut y = vec![bf16::ZERO; 128 * n];
-    let variants: Vec<Variant> = [Variant::Avx512, Variant::Amx]
+    let variants: Vec<Variant> = [Variant::Avx2, Variant::Avx512, Variant::Amx]
         .into_iter()
         .filter(|v| v.is_supported())
         .collect();
@@ -552,10 +552,7 @@ fn kernel_throughput() {
                     m,
                     None,
                     &mut y[..m * n],
-                    KernelChoice {
-                        variant: Variant::best(),
-                        precision,
-                    },
+                    KernelChoice { variant, precision },
                     &crate::threads::Serial,
                 )
                 .unwrap();
@@ -1093,4 +1090,41 @@ fn moe_refuses_bad_routing_and_mismatched_experts() {
     assert!(err.contains("y 10 elements"), "{err}");
     run(&w13, &w2, &[0, 1, 1, 0], &mut y).unwrap();
     assert!(y.iter().all(|v| v.is_finite()));
+}
+
+/// The per-row int8 kernel alone on one row block (K = 14336, hot in L1/L2), per tile size: its own
+/// rate without quantization, prepass or stores (by hand: `cargo test --release -p ternary-core
+/// int8_kernel_alone -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn int8_kernel_alone() {
+    let (n, k, g) = (4, 14336, 128);
+    let c = case(4, n, k, g, 3);
+    let prepared = c.prepared();
+    let q: Vec<i8> = (0..4 * k).map(|i| ((i * 37) % 255) as i8).collect();
+    let cs = vec![0.5f32; 4 * (k / g) * ROWS];
+    for v in supported().into_iter().filter(|&v| v != Variant::Scalar) {
+        let kern = v.kernels().unwrap();
+        for t in 1..=INT8_TILE {
+            let x: [&[i8]; INT8_TILE] = std::array::from_fn(|i| &q[i * k..(i + 1) * k]);
+            let a = Int8Tile {
+                block: &prepared.0,
+                x,
+                cs: &cs,
+                group_size: g,
+            };
+            let reps = 200_000;
+            let t0 = std::time::Instant::now();
+            let mut s = 0f32;
+            for _ in 0..reps {
+                s += unsafe { (kern.int8[t - 1])(std::hint::black_box(&a)) }[0][0];
+            }
+            let dt = t0.elapsed().as_secs_f64() / reps as f64;
+            println!(
+                "{:7} T={t}: {:6.1} G weight-tokens/s ({s})",
+                v.name(),
+                (ROWS * k * t) as f64 / dt / 1e9
+            );
+        }
+    }
 }
