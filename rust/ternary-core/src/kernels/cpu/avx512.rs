@@ -234,6 +234,7 @@ unsafe fn int8_body<const T: usize, const GF: bool>(a: &Int8Tile<'_>) -> [[f32; 
     let kp = a.block.len();
     let g = a.group_size;
     let gp = kp / g;
+    let gshift = g.trailing_zeros(); // group sizes are powers of two: no division per 128 weights
     assert!(kp.is_multiple_of(SUPER_K) && a.cs.len() >= T * gp * ROWS);
     assert!(a.x.iter().take(T).all(|x| x.len() >= kp));
     let bp = a.block.as_ptr();
@@ -269,7 +270,7 @@ unsafe fn int8_body<const T: usize, const GF: bool>(a: &Int8Tile<'_>) -> [[f32; 
                     let [c0, c1, c2, c3] = scaled_codes::<GF>(w[r]);
                     for (half, (ca, cb)) in [(c0, c1), (c2, c3)].into_iter().enumerate() {
                         let k0 = k_sb + half * 128;
-                        let gi = k0 / g;
+                        let gi = k0 >> gshift;
                         for t in 0..T {
                             let x0 = _mm512_loadu_si512(xp[t].add(k0).cast());
                             let x1 = _mm512_loadu_si512(xp[t].add(k0 + SUB_K).cast());
@@ -287,7 +288,7 @@ unsafe fn int8_body<const T: usize, const GF: bool>(a: &Int8Tile<'_>) -> [[f32; 
                 // Scale units of 128 weights (two sub-vectors; g = 256 uses one scale for both).
                 for half in 0..2 {
                     let k0 = k_sb + half * 128;
-                    let gi = k0 / g;
+                    let gi = k0 >> gshift;
                     for r in 0..ROWS {
                         let c0 = unpack_codes::<GF>(w[r], 2 * half, mask);
                         let c1 = unpack_codes::<GF>(w[r], 2 * half + 1, mask);
@@ -401,6 +402,8 @@ unsafe fn prepass(scales: &[f16], xs4: &[f32], qsum4: &[f32], cs: &mut [f32]) ->
 unsafe fn exact(block: &[u8], scales: &[f16], x: &[f32], g: usize) -> [f32; ROWS] {
     let kp = block.len();
     assert!(kp.is_multiple_of(SUPER_K) && x.len() >= kp && scales.len() * g >= kp * ROWS);
+    // Group sizes are powers of two: masks and shifts, not a division per 16 or 32 weights.
+    let gshift = g.trailing_zeros();
     let bp = block.as_ptr();
     let xp = x.as_ptr();
     let mask = _mm512_set1_epi8(3);
@@ -428,8 +431,8 @@ unsafe fn exact(block: &[u8], scales: &[f16], x: &[f32], g: usize) -> [f32; ROWS
                         let tf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(t8));
                         group[r] = _mm512_fmadd_ps(tf, xv, group[r]);
                     }
-                    if (k + 16).is_multiple_of(g) {
-                        let gi = k / g;
+                    if (k + 16) & (g - 1) == 0 {
+                        let gi = k >> gshift;
                         for r in 0..ROWS {
                             let s = _mm512_set1_ps(scales[gi * ROWS + r].to_f32());
                             total[r] = _mm512_fmadd_ps(group[r], s, total[r]);
@@ -451,6 +454,8 @@ unsafe fn exact(block: &[u8], scales: &[f16], x: &[f32], g: usize) -> [f32; ROWS
 unsafe fn exact_bf16(block: &[u8], scales: &[f16], x: &[u16], g: usize) -> [f32; ROWS] {
     let kp = block.len();
     assert!(kp.is_multiple_of(SUPER_K) && x.len() >= kp && scales.len() * g >= kp * ROWS);
+    // Group sizes are powers of two: masks and shifts, not a division per 16 or 32 weights.
+    let gshift = g.trailing_zeros();
     let bp = block.as_ptr();
     let xp = x.as_ptr();
     let mask = _mm512_set1_epi8(3);
@@ -499,8 +504,8 @@ unsafe fn exact_bf16(block: &[u8], scales: &[f16], x: &[u16], g: usize) -> [f32;
                             xv,
                         );
                     }
-                    if (k + 32).is_multiple_of(g) {
-                        let gi = k / g;
+                    if (k + 32) & (g - 1) == 0 {
+                        let gi = k >> gshift;
                         for r in 0..ROWS {
                             let s = _mm512_set1_ps(scales[gi * ROWS + r].to_f32());
                             total[r] = _mm512_fmadd_ps(group[r], s, total[r]);
@@ -524,6 +529,7 @@ unsafe fn decode(
     stride: usize,
 ) {
     let kc = super::decode_span(block, scales, g, k0, out, stride);
+    let gshift = g.trailing_zeros();
     let bp = block.as_ptr();
     let mask = _mm512_set1_epi8(3);
     let one = _mm512_set1_epi8(1);
@@ -538,7 +544,7 @@ unsafe fn decode(
                     _mm512_storeu_si512(trits.as_mut_ptr().cast(), t);
                     for piece in 0..4 {
                         let k = sb * SUPER_K + sub * SUB_K + 16 * piece;
-                        let s = _mm512_set1_ps(scales[(k / g) * ROWS + r].to_f32());
+                        let s = _mm512_set1_ps(scales[(k >> gshift) * ROWS + r].to_f32());
                         let t8 = _mm_loadu_si128(trits.as_ptr().add(16 * piece).cast());
                         let v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(t8)), s);
                         _mm512_storeu_ps(out.as_mut_ptr().add(r * stride + k - k0), v);
