@@ -843,6 +843,19 @@ fn int8_every_m_to_20() {
     }
 }
 
+/// Every token-tile size with every group size, K past one column panel of the AVX2 GEMV (8
+/// superblocks) with a partial last panel: each (tile, group size) is its own monomorphized loop there.
+#[test]
+fn int8_every_tile_and_group_size_across_panels() {
+    for precision in [Precision::Int8Group, Precision::Int8Token] {
+        for m in 1..=INT8_TILE {
+            for g in GROUP_SIZES_FOR_TEST {
+                check_int8(m, 9, 2304, g, 90 + (m * g) as u64, precision);
+            }
+        }
+    }
+}
+
 /// The small-M int8 GEMV unpacking with GFNI equals the one unpacking with shifts bit for bit (every
 /// token count and group size): CPUs without GFNI, and AMD's (`avx512::gfni_unpack_pays`), run the
 /// second, so the variant tests above run only one of them on any one machine.
@@ -1092,39 +1105,41 @@ fn moe_refuses_bad_routing_and_mismatched_experts() {
     assert!(y.iter().all(|v| v.is_finite()));
 }
 
-/// The per-row int8 kernel alone on one row block (K = 14336, hot in L1/L2), per tile size: its own
+/// The per-row int8 kernel alone on one row block (K = 14336, hot in L1/L2), per group and tile size: its own
 /// rate without quantization, prepass or stores (by hand: `cargo test --release -p ternary-core
 /// int8_kernel_alone -- --ignored --nocapture`).
 #[test]
 #[ignore]
 fn int8_kernel_alone() {
-    let (n, k, g) = (4, 14336, 128);
-    let c = case(4, n, k, g, 3);
-    let prepared = c.prepared();
-    let q: Vec<i8> = (0..4 * k).map(|i| ((i * 37) % 255) as i8).collect();
-    let cs = vec![0.5f32; 4 * (k / g) * ROWS];
-    for v in supported().into_iter().filter(|&v| v != Variant::Scalar) {
-        let kern = v.kernels().unwrap();
-        for t in 1..=INT8_TILE {
-            let x: [&[i8]; INT8_TILE] = std::array::from_fn(|i| &q[i * k..(i + 1) * k]);
-            let a = Int8Tile {
-                block: &prepared.0,
-                x,
-                cs: &cs,
-                group_size: g,
-            };
-            let reps = 200_000;
-            let t0 = std::time::Instant::now();
-            let mut s = 0f32;
-            for _ in 0..reps {
-                s += unsafe { (kern.int8[t - 1])(std::hint::black_box(&a)) }[0][0];
+    for g in [32, 64, 128, 256] {
+        let (n, k) = (4, 14336);
+        let c = case(4, n, k, g, 3);
+        let prepared = c.prepared();
+        let q: Vec<i8> = (0..4 * k).map(|i| ((i * 37) % 255) as i8).collect();
+        let cs = vec![0.5f32; 4 * (k / g) * ROWS];
+        for v in supported().into_iter().filter(|&v| v != Variant::Scalar) {
+            let kern = v.kernels().unwrap();
+            for t in 1..=INT8_TILE {
+                let x: [&[i8]; INT8_TILE] = std::array::from_fn(|i| &q[i * k..(i + 1) * k]);
+                let a = Int8Tile {
+                    block: &prepared.0,
+                    x,
+                    cs: &cs,
+                    group_size: g,
+                };
+                let reps = 200_000;
+                let t0 = std::time::Instant::now();
+                let mut s = 0f32;
+                for _ in 0..reps {
+                    s += unsafe { (kern.int8[t - 1])(std::hint::black_box(&a)) }[0][0];
+                }
+                let dt = t0.elapsed().as_secs_f64() / reps as f64;
+                println!(
+                    "{:7} g{g} T={t}: {:6.1} G weight-tokens/s ({s})",
+                    v.name(),
+                    (ROWS * k * t) as f64 / dt / 1e9
+                );
             }
-            let dt = t0.elapsed().as_secs_f64() / reps as f64;
-            println!(
-                "{:7} T={t}: {:6.1} G weight-tokens/s ({s})",
-                v.name(),
-                (ROWS * k * t) as f64 / dt / 1e9
-            );
         }
     }
 }
