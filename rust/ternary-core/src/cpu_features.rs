@@ -15,3 +15,16 @@ pub(crate) fn avx512bw_available() -> bool {
         false
     }
 }
+
+/// Whether the AVX2 fast paths can run here.
+#[inline]
+pub(crate) fn avx2_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && !cfg!(miri)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}

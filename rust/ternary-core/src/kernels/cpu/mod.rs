@@ -271,6 +271,11 @@ impl Activation for bf16 {
             // SAFETY: AVX-512F is present (checked just above).
             return unsafe { avx512::f32_to_bf16(src, dst) };
         }
+        #[cfg(target_arch = "x86_64")]
+        if crate::cpu_features::avx2_available() {
+            // SAFETY: AVX2 is present (checked just above).
+            return unsafe { avx2::f32_to_bf16(src, dst) };
+        }
         dst.convert_from_f32_slice(src);
     }
     fn bf16_bits(src: &[bf16]) -> Option<&[u16]> {
