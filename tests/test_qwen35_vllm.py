@@ -99,7 +99,9 @@ def test_kv_space_model_matches_vllm_s_concurrency(served):
     number vLLM's KV cache manager itself reports for this hybrid model (pages per layer group: the 3
     Gated-DeltaNet layers and the attention layer share one page size; prefix caching, vLLM's default,
     gives each linear-attention layer two state pages): sequences of max_model_len tokens that fit in the
-    space. Measured: 468 here; 819 with prefix caching off (predicted 819.2, checked by hand)."""
+    space. Measured: 468 with an fp32 recurrent state (CPUs with AVX512_BF16, where vLLM resets "auto" to
+    float32), 780.14 with a bf16 one (AVX2 CPUs; predicted 780.19); 819 with prefix caching off and an fp32
+    state (predicted 819.2, checked by hand)."""
     from ternary_rs.serving.cpu import GIB, _sizes
 
     kv = served["kv_check"]

@@ -634,6 +634,39 @@ def test_serve_reads_the_paging_arguments():
     assert vllm_paging(cache(enable_prefix_caching=False)) == Paging(mamba_align=False)
     assert vllm_paging(cache(enable_prefix_caching=False, mamba_cache_mode="align")).mamba_align
     assert vllm_paging(cache(block_size=512, user_specified_block_size=True)).block_size == 512
+    # the recurrent state's width: an explicit --mamba-ssm-cache-dtype, else what vLLM CPU makes of "auto"
+    assert _paging(["--mamba-ssm-cache-dtype", "float32"]).recurrent_bytes == 4
+    assert _paging(["--mamba-ssm-cache-dtype=bfloat16"]).recurrent_bytes == 2
+    assert vllm_paging(cache(mamba_ssm_cache_dtype="float32")).recurrent_bytes == 4
+    assert vllm_paging(cache(mamba_ssm_cache_dtype="auto")) == _paging([]) == Paging()
+
+
+def test_recurrent_state_width_follows_vllm_cpu(monkeypatch, tmp_path):
+    """vLLM CPU 0.32 keeps a Gated-DeltaNet model's recurrent state in the model dtype (bf16) unless the CPU
+    has AVX512_BF16, where its platform resets "auto" to float32: the KV sizing halves the recurrent part of
+    the planned (fp32) state on other CPUs (checked against vLLM's own concurrency in test_qwen35_vllm.py)."""
+    from ternary_rs.serving import cpu as cs
+
+    monkeypatch.setattr(cs, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert cs.recurrent_state_bytes() == 4 and cs.recurrent_state_bytes("bfloat16") == 2
+    assert cs.Paging().recurrent_bytes == 4
+    monkeypatch.setattr(cs, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert cs.recurrent_state_bytes() == 2 and cs.recurrent_state_bytes("float32") == 4
+    monkeypatch.setattr(cs, "cpu_flags", lambda: None)
+    assert cs.recurrent_state_bytes() == 4  # unknown: the larger
+
+    plan = {"context": 256, "kv_cache_per_token": 512, "state_per_sequence": 3 * (262144 + 6144),
+            "recurrent_state_per_sequence": 3 * 262144, "attention_layers": 1, "linear_attention_layers": 3,
+            "total": 10 * cs.GIB, "kv_cache": 131072}
+    import ternary_rs.inspection.planner as planner
+
+    monkeypatch.setattr(planner, "plan", lambda *a, **k: plan)
+    wide = cs._sizes(tmp_path, 256, "fp16", cs.GIB, cs.Paging(recurrent_bytes=4))
+    narrow = cs._sizes(tmp_path, 256, "fp16", cs.GIB, cs.Paging(recurrent_bytes=2))
+    assert wide.state == 3 * (262144 + 6144) and narrow.state == 3 * (131072 + 6144)
+    assert wide.fixed == narrow.fixed  # weights, activations and runtime do not depend on it
+    # the tiny qwen35 of test_qwen35_vllm.py at 1 GiB: vLLM reported 468 (fp32 state) and 780 (bf16 state)
+    assert round(cs.GIB / wide.vllm_bytes(256)) == 468 and round(cs.GIB / narrow.vllm_bytes(256)) == 780
 
 
 def test_a_context_too_long_for_the_machine_is_fitted_not_fatal(monkeypatch, tmp_path):

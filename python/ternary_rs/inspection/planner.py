@@ -10,7 +10,10 @@ Memory model (bytes; every term is reported separately):
   hybrids such as qwen35, all layers otherwise); ``kv_bytes`` = 2 (fp16) or 1 (fp8).
 * ``state_per_sequence`` (hybrid linear-attention layers only, ``L_lin = layers − L_attn``):
   ``L_lin · (v_heads · k_dim · v_dim · 4 + (conv_kernel − 1) · (2·k_heads·k_dim + v_heads·v_dim) · 2)``
-  (fp32 recurrent state + fp16 conv state).
+  (fp32 recurrent state + fp16 conv state; reported apart as ``recurrent_state_per_sequence``). vLLM holds
+  the recurrent state in the model dtype unless told otherwise, and vLLM CPU in fp32 on AVX512_BF16 CPUs:
+  the plan counts the larger; ``serve``'s KV sizing uses the width vLLM CPU will use
+  (``serving.cpu.recurrent_state_bytes``).
 * ``activations = BATCHED_TOKENS · (4·hidden + 2·intermediate + q_dim + 2·kv_dim) · 2`` (one forward step
   of vLLM's default token budget, fp16) ``+ concurrency · vocab · 8`` (fp32 logits and probabilities).
 * ``overhead = RUNTIME_OVERHEAD`` (CUDA context, library workspaces, CUDA graphs).
@@ -71,14 +74,15 @@ def _attention_layers(cfg: dict[str, Any]) -> int:
     return layers
 
 
-def _state_per_sequence(cfg: dict[str, Any], linear_layers: int) -> int:
+def _state_per_sequence(cfg: dict[str, Any], linear_layers: int) -> tuple[int, int]:
+    """``(recurrent, conv)`` state bytes of one sequence: the fp32 recurrent state and the fp16 conv state."""
     keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
     if linear_layers <= 0 or any(cfg.get(k) is None for k in keys):
-        return 0
+        return 0, 0
     nk, nv = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
     dk, dv = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
     conv = int(cfg.get("linear_conv_kernel_dim") or 4)
-    return linear_layers * (nv * dk * dv * 4 + (conv - 1) * (2 * nk * dk + nv * dv) * 2)
+    return linear_layers * nv * dk * dv * 4, linear_layers * (conv - 1) * (2 * nk * dk + nv * dv) * 2
 
 
 def served_weight_bytes(report: dict[str, Any]) -> tuple[int, int]:
@@ -131,7 +135,8 @@ def plan(path, context: int = 8192, concurrency: int = 8, gpu_memory: int | floa
 
     weights, group = served_weight_bytes(report)
     kv_per_token = 2 * attn_layers * kv_heads * head_dim * kv_bytes
-    state = _state_per_sequence(cfg, layers - attn_layers)
+    recurrent, conv_state = _state_per_sequence(cfg, layers - attn_layers)
+    state = recurrent + conv_state
     per_token_act = (4 * hidden + 2 * inter + heads * head_dim + 2 * kv_heads * head_dim) * ACTIVATION_BYTES
     act_fixed = BATCHED_TOKENS * per_token_act
     logits_per_seq = vocab * LOGIT_BYTES_PER_ENTRY
@@ -163,6 +168,7 @@ def plan(path, context: int = 8192, concurrency: int = 8, gpu_memory: int | floa
         "kv_cache_per_token": kv_per_token,
         "kv_cache": kv_total,
         "state_per_sequence": state,
+        "recurrent_state_per_sequence": recurrent,
         "activations": activations,
         "overhead": RUNTIME_OVERHEAD,
         "context": context,

@@ -184,13 +184,51 @@ class Paging:
     # layer holds two state pages per sequence (the running state and the last block boundary's), not one.
     mamba_align: bool = True
     block_size: int | None = None  # the user's --block-size; vLLM CPU's own default is CPU_BLOCK_SIZE
+    # Bytes per element of the Gated-DeltaNet recurrent state as vLLM CPU stores it (recurrent_state_bytes).
+    recurrent_bytes: int = field(default_factory=lambda: recurrent_state_bytes())
 
     @staticmethod
-    def of(prefix_caching: bool, mamba_cache_mode: str, block_size: int | None) -> Paging:
+    def of(prefix_caching: bool, mamba_cache_mode: str, block_size: int | None,
+           ssm_cache_dtype: str = "auto") -> Paging:
         """From vLLM's settings: mode "align" is asked for, or set by vLLM when prefix caching is on and the
-        mode was left at "none"."""
+        mode was left at "none"; the recurrent state's width from ``--mamba-ssm-cache-dtype``."""
         return Paging(mamba_align=mamba_cache_mode == "align" or (mamba_cache_mode == "none" and prefix_caching),
-                      block_size=block_size or None)
+                      block_size=block_size or None, recurrent_bytes=recurrent_state_bytes(ssm_cache_dtype))
+
+
+def recurrent_state_bytes(ssm_cache_dtype: str = "auto") -> int:
+    """Bytes per element of a hybrid model's recurrent (SSM) state in vLLM CPU 0.32: an explicit
+    ``--mamba-ssm-cache-dtype`` is kept (for the Gated-DeltaNet models served here); ``auto`` is the conv
+    state's dtype — the model's, bf16 — except on CPUs with AVX512_BF16, where vLLM's platform resets it to
+    float32 for its accelerated GDN kernels (``CpuPlatform.check_and_update_config``). So an AVX2 CPU
+    holds half the state an AVX-512 one does (tiny qwen35 at 1 GiB on EPYC Zen 2: vLLM's concurrency 780,
+    not the 468 of an fp32 state)."""
+    if ssm_cache_dtype == "float32":
+        return 4
+    if ssm_cache_dtype in ("bfloat16", "float16"):
+        return 2
+    flags = cpu_flags()
+    if flags is None:
+        return 4  # unknown CPU: the larger state, so what is sized to fit fits either way
+    return 4 if "avx512_bf16" in flags else 2
+
+
+_CPU_FLAGS: frozenset[str] | None = None
+
+
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags (``/proc/cpuinfo``; what torch's ``_is_avx512_bf16_supported`` asks too,
+    without importing torch); ``None`` where there is no such file."""
+    global _CPU_FLAGS
+    if _CPU_FLAGS is None:
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("flags"):
+                    _CPU_FLAGS = frozenset(line.partition(":")[2].split())
+                    break
+        except OSError:
+            return None
+    return _CPU_FLAGS
 
 
 CPU_BLOCK_SIZE = 128  # vLLM CPU's default KV block (tokens); also the alignment of a hybrid model's block
@@ -259,9 +297,12 @@ def _sizes(model: str | os.PathLike, max_model_len: int | None, kv_dtype: str, a
 
     p = plan(model, context=max_model_len or 2048, concurrency=1, gpu_memory=f"{available}B", kv_dtype=kv_dtype,
              gpu_memory_utilization=1.0)
-    state = int(p["state_per_sequence"])
+    planned = int(p["state_per_sequence"])
+    # The plan counts an fp32 recurrent state; vLLM CPU may hold it narrower (recurrent_state_bytes).
+    recurrent = int(p.get("recurrent_state_per_sequence") or 0)
+    state = planned - recurrent + recurrent * paging.recurrent_bytes // 4
     return SequenceSizes(int(p["context"]), int(p["kv_cache_per_token"]), state, int(p["attention_layers"]),
-                         int(p.get("linear_attention_layers") or 0), int(p["total"]) - int(p["kv_cache"]) - state,
+                         int(p.get("linear_attention_layers") or 0), int(p["total"]) - int(p["kv_cache"]) - planned,
                          paging)
 
 

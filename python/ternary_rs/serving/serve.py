@@ -187,7 +187,8 @@ def _paging(vllm_args: list[str]):
         if a in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
             prefix = a == "--enable-prefix-caching"
     return Paging.of(prefix, option_value(vllm_args, "--mamba-cache-mode") or "none",
-                     _parse_count(option_value(vllm_args, "--block-size"), "--block-size"))
+                     _parse_count(option_value(vllm_args, "--block-size"), "--block-size"),
+                     option_value(vllm_args, "--mamba-ssm-cache-dtype") or "auto")
 
 
 def _is_ternary_rs_checkpoint(path: Path) -> bool:

@@ -67,7 +67,8 @@ def vllm_paging(cache_config):
     user_block = getattr(cache_config, "user_specified_block_size", False)
     return Paging.of(getattr(cache_config, "enable_prefix_caching", None) is not False,  # None: vLLM's default, on
                      str(getattr(cache_config, "mamba_cache_mode", "none") or "none"),
-                     int(cache_config.block_size) if user_block and cache_config.block_size else None)
+                     int(cache_config.block_size) if user_block and cache_config.block_size else None,
+                     str(getattr(cache_config, "mamba_ssm_cache_dtype", "auto") or "auto"))
 
 
 def apply_cpu_defaults(vllm_config) -> None:
