@@ -401,22 +401,20 @@ unsafe fn quantize(
     xs4: &mut [f32],
     qsum4: &mut [f32],
 ) {
-    use super::quant::{domain_scale, INT8_MAX};
-    let kp = x.len();
-    assert!(q.len() >= kp && kp.is_multiple_of(g) && g.is_multiple_of(32));
-    assert!(xs4.len() >= kp / g * 4 && qsum4.len() >= kp / g * 4);
-    let amax = |p: *const f32, n: usize| f32::from_bits(unsafe { abs_bits_max(p, n) });
-    let token = per_token.then(|| domain_scale(amax(x.as_ptr(), kp), true));
+    use super::quant::{quantize_groups, INT8_MAX};
     let hi = _mm256_set1_epi32(INT8_MAX as i32);
     let lo = _mm256_set1_epi32(if per_token { -128 } else { -(INT8_MAX as i32) });
     let indefinite = _mm256_set1_epi32(i32::MIN);
     // packs leave the dwords of four 8-value vectors as v0[0..4] v1[0..4] v2[0..4] v3[0..4] v0[4..8] ...
     let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for gi in 0..kp / g {
-        // SAFETY: group gi covers x[gi·g .. (gi+1)·g] and q the same (asserts above).
+    assert!(q.len() >= x.len() && g.is_multiple_of(32));
+    let (xp, qp) = (x.as_ptr(), q.as_mut_ptr());
+    // SAFETY (both closures): quantize_groups asks for x[from .. from + n] and group gi's g values of x
+    // and q, inside the slices it checked.
+    let amax = |from: usize, n: usize| f32::from_bits(unsafe { abs_bits_max(xp.add(from), n) });
+    let group = |gi: usize, mul: f32| -> i32 {
         unsafe {
-            let xg = x.as_ptr().add(gi * g);
-            let (mul, xs) = token.unwrap_or_else(|| domain_scale(amax(xg, g), false));
+            let (xg, qg) = (xp.add(gi * g), qp.add(gi * g));
             let mulv = _mm256_set1_ps(mul);
             let mut sum = _mm256_setzero_si256();
             for i in (0..g).step_by(32) {
@@ -437,8 +435,7 @@ unsafe fn quantize(
                     _mm256_packs_epi32(v[0], v[1]),
                     _mm256_packs_epi32(v[2], v[3]),
                 );
-                let w = _mm256_permutevar8x32_epi32(w, order);
-                _mm256_storeu_si256(q.as_mut_ptr().add(gi * g + i).cast(), w);
+                _mm256_storeu_si256(qg.add(i).cast(), _mm256_permutevar8x32_epi32(w, order));
             }
             let s = _mm_add_epi32(
                 _mm256_castsi256_si128(sum),
@@ -446,11 +443,10 @@ unsafe fn quantize(
             );
             let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
             let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
-            let total = _mm_cvtsi128_si32(s) as f32;
-            xs4[gi * 4..gi * 4 + 4].fill(xs);
-            qsum4[gi * 4..gi * 4 + 4].fill(total);
+            _mm_cvtsi128_si32(s)
         }
-    }
+    };
+    quantize_groups(x, g, per_token, xs4, qsum4, amax, group);
 }
 
 /// f32 → bf16 bits, 16 at a time: bit for bit `half::bf16::from_f32` (rounded to nearest even, NaN kept

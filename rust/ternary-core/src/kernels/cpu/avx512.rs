@@ -609,19 +609,17 @@ unsafe fn quantize(
     xs4: &mut [f32],
     qsum4: &mut [f32],
 ) {
-    use super::quant::{domain_scale, INT8_MAX};
-    let kp = x.len();
-    assert!(q.len() >= kp && kp.is_multiple_of(g) && g.is_multiple_of(16));
-    assert!(xs4.len() >= kp / g * 4 && qsum4.len() >= kp / g * 4);
-    let amax = |p: *const f32, n: usize| f32::from_bits(unsafe { abs_bits_max(p, n) });
-    let token = per_token.then(|| domain_scale(amax(x.as_ptr(), kp), true));
+    use super::quant::{quantize_groups, INT8_MAX};
     let hi = _mm512_set1_epi32(INT8_MAX as i32);
     let lo = _mm512_set1_epi32(if per_token { -128 } else { -(INT8_MAX as i32) });
-    for gi in 0..kp / g {
-        // SAFETY: group gi covers x[gi·g .. (gi+1)·g] and q the same (asserts above).
+    assert!(q.len() >= x.len() && g.is_multiple_of(16));
+    let (xp, qp) = (x.as_ptr(), q.as_mut_ptr());
+    // SAFETY (both closures): quantize_groups asks for x[from .. from + n] and group gi's g values of x
+    // and q, inside the slices it checked.
+    let amax = |from: usize, n: usize| f32::from_bits(unsafe { abs_bits_max(xp.add(from), n) });
+    let group = |gi: usize, mul: f32| -> i32 {
         unsafe {
-            let xg = x.as_ptr().add(gi * g);
-            let (mul, xs) = token.unwrap_or_else(|| domain_scale(amax(xg, g), false));
+            let (xg, qg) = (xp.add(gi * g), qp.add(gi * g));
             let mulv = _mm512_set1_ps(mul);
             let mut sum = _mm512_setzero_si512();
             for i in (0..g).step_by(16) {
@@ -635,14 +633,10 @@ unsafe fn quantize(
                 );
                 let v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
                 sum = _mm512_add_epi32(sum, v);
-                _mm_storeu_si128(
-                    q.as_mut_ptr().add(gi * g + i).cast(),
-                    _mm512_cvtepi32_epi8(v),
-                );
+                _mm_storeu_si128(qg.add(i).cast(), _mm512_cvtepi32_epi8(v));
             }
-            let total = _mm512_reduce_add_epi32(sum) as f32;
-            xs4[gi * 4..gi * 4 + 4].fill(xs);
-            qsum4[gi * 4..gi * 4 + 4].fill(total);
+            _mm512_reduce_add_epi32(sum)
         }
-    }
+    };
+    quantize_groups(x, g, per_token, xs4, qsum4, amax, group);
 }

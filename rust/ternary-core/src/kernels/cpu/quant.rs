@@ -73,6 +73,31 @@ pub fn quantize_row(
     }
 }
 
+/// The frame every SIMD quantizer shares with [`quantize_row`]: the token's or each group's scale
+/// ([`domain_scale`] of `amax(from, n)` = max |x| over `x[from .. from + n]`, NaN propagating) and the
+/// `xs4` / `qsum4` fill. `group(gi, mul)` writes the codes of group `gi` (`q[gi·g .. (gi+1)·g]`, clamped
+/// to [−128, 127] per token, [−127, 127] per group) at multiplier `mul` and returns their sum; the caller
+/// checks `q` is `x.len()` long and `g` a multiple of its step.
+pub(crate) fn quantize_groups(
+    x: &[f32],
+    g: usize,
+    per_token: bool,
+    xs4: &mut [f32],
+    qsum4: &mut [f32],
+    amax: impl Fn(usize, usize) -> f32,
+    mut group: impl FnMut(usize, f32) -> i32,
+) {
+    let kp = x.len();
+    assert!(kp.is_multiple_of(g) && xs4.len() >= kp / g * 4 && qsum4.len() >= kp / g * 4);
+    let token = per_token.then(|| domain_scale(amax(0, kp), true));
+    for gi in 0..kp / g {
+        let (mul, xs) = token.unwrap_or_else(|| domain_scale(amax(gi * g, g), false));
+        let total = group(gi, mul) as f32;
+        xs4[gi * 4..gi * 4 + 4].fill(xs);
+        qsum4[gi * 4..gi * 4 + 4].fill(total);
+    }
+}
+
 /// [`quantize_row`] as a [`QuantizeFn`] (the scalar and AVX2 variants use it).
 pub(crate) unsafe fn quantize_row_fn(
     x: &[f32],
