@@ -276,6 +276,10 @@ fn int8_within_quantization_bound() {
             (6, 70, 1280, 32),
             (7, 20, 1536, 128),
             (8, 33, 576, 64),
+            // Per-row kernel: several token tiles over several 16-block runs, the last run and the
+            // last block partial.
+            (9, 150, 512, 128),
+            (6, 131, 256, 32),
         ] {
             check_int8(m, n, k, g, 7 + n as u64 + m as u64, precision);
         }
