@@ -2,7 +2,7 @@
 
     python benches/bench_27b.py [--workdir DIR] [--layers 64] [--tokens 32] [--batch 1,8,16] [--keep]
                                 [--max-model-len 1024] [--kv-space-gib GIB] [--eager]
-                                [--rotation rotated|unrotated|both] [--profile STEPS]
+                                [--rotation rotated|unrotated|both] [--profile STEPS] [--llama-cpp]
 
 1. Builds a synthetic Ternary-Bonsai-2-27B-shaped checkpoint in ternary_rs's vLLM layout (qwen35 text:
    hidden 5120, 64 layers — 48 Gated-DeltaNet + 16 full attention at layers 3, 7, …, 63 —, ffn 17408,
@@ -22,6 +22,12 @@
    and the weight bytes read per second as a fraction of the streaming bandwidth measured in the same run
    (``torch.sum``, as ``bench_cpu_op.py``). ``--rotation both`` then serves the same weights without the
    rotation (the shards linked, the config without it).
+3. ``--llama-cpp`` (needs ``LLAMA_CPP_BIN``, ``scripts/build_llama_cpp.sh``): the unrotated weights as a TQ2_0
+   GGUF written by ``ternary-rs convert --gguf-type TQ2_0 --requantize`` (TQ2_0 has one scale per 256
+   weights, so group 128 is re-ternarized: other values, the same shapes and 2.06 instead of 2.13 bits per
+   weight; speed is what is compared), with a small trained tokenizer beside it (llama.cpp needs a
+   vocabulary; both sides are fed token ids), then ``llama-bench -p 0 -n TOKENS`` on as many threads as
+   vLLM has: upstream llama.cpp's batch-1 decode on the same shapes, and our batch 1 against it.
 
 By design it fits in 24 GiB: weights stay ternary in vLLM (linear, lm_head and — through the plugin's
 Qwen3.5 class — embed_tokens), vLLM's placeholder dense embedding is never touched (no resident pages), the
@@ -270,6 +276,39 @@ def unrotated_twin(rotated: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def llama_cpp_gguf(unrotated: Path, out: Path) -> Path:
+    """``unrotated`` as a TQ2_0 GGUF upstream llama.cpp runs (module doc, item 3); kept beside the checkpoint."""
+    if out.is_file():
+        return out
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from support.gguf_models import train_qwen2_tokenizer
+
+    src = out.with_name(out.stem + "-src")  # the checkpoint linked, plus the tokenizer the GGUF needs
+    shutil.rmtree(src, ignore_errors=True)
+    src.mkdir(parents=True)
+    try:
+        for f in unrotated.iterdir():
+            (src / f.name).symlink_to(f.resolve())
+        train_qwen2_tokenizer(src)
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "ternary_rs", "convert", str(src), str(out), "--gguf-type", "TQ2_0",
+                        "--requantize", "--no-progress"], check=True)
+        print(f"wrote {out} ({out.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.0f} s")
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+    return out
+
+
+def llama_bench(gguf_path: Path, tokens: int, threads: int) -> float:
+    """llama.cpp's batch-1 decode rate (``llama-bench -p 0 -n tokens``, the mean of two repetitions)."""
+    exe = Path(os.environ["LLAMA_CPP_BIN"]) / "llama-bench"
+    proc = subprocess.run([str(exe), "-m", str(gguf_path), "-p", "0", "-n", str(tokens), "-t", str(threads),
+                           "-r", "2", "-o", "json"], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        sys.exit(f"llama-bench failed ({proc.returncode}) on {gguf_path}:\n{proc.stderr[-3000:]}")
+    return float(json.loads(proc.stdout[proc.stdout.index("["):])[0]["avg_ts"])
+
+
 def _profile(llm, prompts: list, steps: int) -> None:
     """Where a decode step's time goes: the torch profiler over ``steps`` decode steps (the engine runs
     in this process), after a warm prefill, printed as the top operators by self CPU time."""
@@ -316,9 +355,13 @@ def main() -> None:
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="turn vLLM's prefix caching off (on by default in vLLM; for a hybrid model it keeps two "
                          "recurrent-state pages per layer and sequence)")
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="also time upstream llama.cpp (LLAMA_CPP_BIN) on the unrotated weights as a TQ2_0 GGUF")
     ap.add_argument("--serve-child", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
+    if args.llama_cpp and not os.environ.get("LLAMA_CPP_BIN"):
+        sys.exit("--llama-cpp needs LLAMA_CPP_BIN (the folder with llama-bench: scripts/build_llama_cpp.sh)")
     if args.serve_child is not None:
         print("RESULT " + json.dumps(serve(args.serve_child, args.tokens, batches, args.max_model_len,
                                              not args.eager, args.profile, not args.no_prefix_caching)))
@@ -347,14 +390,25 @@ def main() -> None:
               f"{per_token / 1e9:.2f} GB of weights")
         variants = {"rotated": [ckpt], "unrotated": [unrotated_twin(ckpt, root / (ckpt.name + "-unrotated"))]}
         variants["both"] = variants["rotated"] + variants["unrotated"]
-        for model in variants[args.rotation]:
-            run_one(args, model, batches, size, per_token, bandwidth)
+        batch1 = {model.name: run_one(args, model, batches, size, per_token, bandwidth)
+                  for model in variants[args.rotation]}
+        if args.llama_cpp:
+            unrotated = variants["unrotated"][0]
+            gguf_path = llama_cpp_gguf(unrotated, root / (unrotated.name + "-TQ2_0.gguf"))
+            theirs = llama_bench(gguf_path, args.tokens, threads)
+            print(f"== upstream llama.cpp, {gguf_path.name}, {threads} threads, batch 1: {theirs:.2f} tok/s "
+                  f"(weights {theirs * per_token / 1e9:.2f} GB/s, {theirs * per_token / 1e9 / bandwidth:.0%} of "
+                  f"streaming, counting our bytes per step)")
+            for name, ours in batch1.items():
+                if ours:
+                    print(f"   {name} batch 1: {ours:.2f} tok/s = {ours / theirs:.2f}x llama.cpp (goal 1.8x)")
     finally:
         if not args.keep and args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def run_one(args, model: Path, batches: list[int], size: int, per_token: int, bandwidth: float) -> None:
+def run_one(args, model: Path, batches: list[int], size: int, per_token: int, bandwidth: float) -> float | None:
+    """Serve ``model`` in a fresh process and print its figures; returns the batch-1 decode tok/s (if timed)."""
     env = dict(os.environ)
     if args.kv_space_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_space_gib:g}"
@@ -395,6 +449,7 @@ def run_one(args, model: Path, batches: list[int], size: int, per_token: int, ba
         steps = rate / x["batch"]  # decode steps per second: each reads the weights once
         print(f"{x['batch']:>5} {x['ttft_s']:>13.2f} {rate:>12.2f} {(rate / one if one else float('nan')):>9.2f} "
               f"{steps * per_token / 1e9:>12.2f} {steps * per_token / 1e9 / bandwidth:>12.0%}")
+    return one
 
 
 if __name__ == "__main__":

@@ -215,7 +215,7 @@ def test_native_moe_kernel_matches_the_python_composition():
     bad routing is refused, naming the token and slot."""
     import torch
 
-    from ternary_rs.serving import _ops_moe, ops
+    from ternary_rs.serving import _ops_cpu, _ops_moe, ops
 
     assert ops.NATIVE_MOE_UNAVAILABLE is None, ops.NATIVE_MOE_UNAVAILABLE
     n_expert, hidden, inter, g = 8, 512, 256, 128
@@ -238,6 +238,10 @@ def test_native_moe_kernel_matches_the_python_composition():
             assert same == 1.0 if m < 4 else same > 0.97, (m, dtype, same)
             int64_ids = torch.ops.ternary_rs.ternary_moe(*args[:2], ids.long(), *args[3:])
             assert torch.equal(int64_ids, native)
+    with _ops_cpu.warm_up_pass():  # vLLM's discarded warm-up forward: zeros, no products
+        skipped = torch.ops.ternary_rs.ternary_moe(*args)
+        assert skipped.shape == native.shape and skipped.dtype == native.dtype and not skipped.any()
+    assert torch.equal(torch.ops.ternary_rs.ternary_moe(*args), native)
     bad = ids.clone()
     bad[2, 0] = n_expert
     with pytest.raises(RuntimeError, match=rf"expert id {n_expert} \(token 2, slot 0\) is outside \[0, {n_expert}\)"):

@@ -302,6 +302,28 @@ print(threads() - before, pool_cpu_ticks() - ticks)
     assert new_threads == 0 and pool_ticks <= 1, f"op calls used the rayon pool: {out.stdout}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_warm_up_pass_returns_zeros_and_always_ends(dtype):
+    """Inside ``warm_up_pass`` (vLLM's discarded warm-up forward) the native op, the Python path and the
+    MoE op return zeros of the right shape and dtype without computing; on the way out — also by an
+    exception — every call computes again."""
+    rng = np.random.default_rng(5)
+    n, k, g = 37, 512, 128
+    q, s = make_weight(rng, n, k, g)
+    qk, sk = ops.prepare_weight(q, s, g)
+    x = torch.randn(2, 3, k).to(dtype)
+    want = run_op(x, qk, sk, n, k, g, activations=ops.AUTO)
+    assert want.abs().sum() > 0
+    with _ops_cpu.warm_up_pass():
+        for y in (run_op(x, qk, sk, n, k, g, activations=ops.AUTO), _ops_cpu.ternary_linear(x, qk, sk, n, k, g)):
+            assert y.shape == (2, 3, n) and y.dtype == dtype and not y.any()
+    with pytest.raises(RuntimeError, match="inside"):
+        with _ops_cpu.warm_up_pass():
+            raise RuntimeError("inside")
+    for y in (run_op(x, qk, sk, n, k, g, activations=ops.AUTO), _ops_cpu.ternary_linear(x, qk, sk, n, k, g)):
+        assert torch.equal(y, want)
+
+
 def reference_layout(q: torch.Tensor, s: torch.Tensor, k: int, g: int) -> tuple[np.ndarray, np.ndarray]:
     """The CPU layout written from its description (``_ops_cpu``): rows in blocks of 4, K padded to 256
     with t = 0; per block and 256 weights the 64-byte chunks of rows 0..3, byte j of a chunk holding the

@@ -556,6 +556,40 @@ def test_plugin_cpu_defaults_respect_the_users_settings(demo, monkeypatch):
         assert c.cache_config.kv_cache_memory_bytes is None
 
 
+def test_plugin_warm_up_pass_skips_the_products_only_for_ternary_with_explicit_kv(monkeypatch):
+    """vLLM CPU's warm-up (one discarded forward pass of max_num_batched_tokens dummy tokens, to compile)
+    runs the ternary ops as zeros for a ternary model whose KV space is explicit; another quantization, or
+    a KV space vLLM will size from the resident memory after that pass, gets the real pass. Installed
+    once however often the quant config is asked."""
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationMode
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    from ternary_rs import _core
+    from ternary_rs.vllm.plugin import install_cpu_warm_up_pass
+
+    monkeypatch.setattr(CPUModelRunner, "warming_up_model", CPUModelRunner.warming_up_model)
+    install_cpu_warm_up_pass()
+    patched = CPUModelRunner.warming_up_model
+    install_cpu_warm_up_pass()
+    assert CPUModelRunner.warming_up_model is patched and patched._ternary_rs
+
+    def runner(quant: str, kv_bytes):
+        seen = []
+        config = SimpleNamespace(
+            quant_config=SimpleNamespace(get_name=lambda: quant),
+            cache_config=SimpleNamespace(kv_cache_memory_bytes=kv_bytes),
+            compilation_config=SimpleNamespace(mode=CompilationMode.VLLM_COMPILE, inductor_compile_config={}))
+        return SimpleNamespace(vllm_config=config, profile_run=lambda: seen.append(_core.cpu_warm_up_pass())), seen
+
+    for quant, kv_bytes, skipped in (("ternary", 1 << 30, True), ("ternary", None, False), ("fp8", 1 << 30, False)):
+        r, seen = runner(quant, kv_bytes)
+        CPUModelRunner.warming_up_model(r)
+        assert seen == [skipped], (quant, kv_bytes)
+        assert not _core.cpu_warm_up_pass()
+
+
 def test_kv_space_counts_vllm_s_hybrid_pages(monkeypatch):
     """A hybrid model's sequence costs vLLM whole pages per layer group (SequenceSizes.vllm_bytes, checked
     against vLLM itself in test_qwen35_vllm.py), so the space is sized for that, and a user's setting that

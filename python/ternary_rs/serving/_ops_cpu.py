@@ -131,6 +131,18 @@ def kernel_options(variant: str | None = None, int8: bool | None = None):
         _push_settings()
 
 
+@contextlib.contextmanager
+def warm_up_pass():
+    """While inside, every CPU call of the ops (native or through Python) returns zeros without computing:
+    for a forward pass whose outputs are thrown away (vLLM's warm-up on dummy tokens, which exists to
+    compile the graph). Always switched off again on the way out, exception or not."""
+    _core.cpu_set_warm_up_pass(True)
+    try:
+        yield
+    finally:
+        _core.cpu_set_warm_up_pass(False)
+
+
 _GROUP_SIZES_TEXT = ", ".join(map(str, _core.GROUP_SIZES))
 
 
@@ -192,6 +204,8 @@ def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bi
         _check(tuple(bias.shape) == (n,), f"ternary_linear: bias must be [{n}], got {tuple(bias.shape)}")
         bias = bias.to(dtype=x.dtype).contiguous()
         b_ptr = bias.data_ptr()
+    if _core.cpu_warm_up_pass():
+        return y.zero_().reshape(*lead, n)
     if m > 0 and n > 0:
         _core.ternary_gemm_cpu(
             x2.data_ptr(), name, m, k, qweight.data_ptr(), scales.data_ptr(), n, g, b_ptr, y.data_ptr(),

@@ -162,7 +162,9 @@ class TernaryConfig(QuantizationConfig):
 
         from .embedding import TernaryEmbeddingMethod
         from .linear import TernaryLinearMethod
+        from .plugin import install_cpu_warm_up_pass
 
+        install_cpu_warm_up_pass()
         if isinstance(layer, ParallelLMHead):
             # A tied lm_head has no tensors of its own: it is whatever embed_tokens is.
             ternary = self._embedding_is_ternary() if self.tie_word_embeddings else self._is_ternary(prefix)

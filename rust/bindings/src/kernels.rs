@@ -24,6 +24,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_dense_prefill_pays, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_set_kernel_variant, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_set_default_int8, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_set_warm_up_pass, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_warm_up_pass, m)?)?;
     m.add_function(wrap_pyfunction!(register_torch_cpu_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(register_torch_cpu_moe_kernel, m)?)?;
     m.add("ACTIVATIONS_AUTO", torch::ACTIVATIONS_AUTO)?;
@@ -64,6 +66,19 @@ fn cpu_set_kernel_variant(name: Option<&str>) -> PyResult<()> {
 #[pyo3(signature = (value = None))]
 fn cpu_set_default_int8(value: Option<bool>) {
     torch::set_default_int8(value);
+}
+
+/// While set, the CPU ops (native and Python path) return zeros without computing: vLLM's warm-up
+/// pass, whose outputs vLLM discards (`ternary_rs.vllm.plugin`).
+#[pyfunction]
+fn cpu_set_warm_up_pass(on: bool) {
+    torch::set_warm_up_pass(on);
+}
+
+/// Whether the warm-up pass is on ([`cpu_set_warm_up_pass`]).
+#[pyfunction]
+fn cpu_warm_up_pass() -> bool {
+    torch::warm_up_pass()
 }
 
 /// A slice over `len` elements of `T` at address `addr` (checked non-null and aligned).

@@ -11,7 +11,7 @@ use ternary_core::kernels::cpu::{
 use ternary_core::threads::ParallelFor;
 
 use super::abi::{api, Api, TorchGemm};
-use super::policy::{prefers_dense_prefill, resolve_precision, variant};
+use super::policy::{prefers_dense_prefill, resolve_precision, variant, warm_up_pass};
 use super::pool::TorchPool;
 use super::tensor::{check, Tensor};
 use super::{register_boxed, LinearOp};
@@ -158,6 +158,10 @@ fn linear<'a>(api: &'a Api, op: LinearOp<'a>) -> Result<Tensor<'a>, String> {
         return Ok(y);
     }
     let precision = resolve_precision(activations, name == "float32")?;
+    if warm_up_pass() {
+        y.fill_zero_cpu(m * n, if name == "float32" { 4 } else { 2 })?;
+        return Ok(y);
+    }
     let ptrs = Pointers {
         x: x.data()? as usize,
         planes: qweight.data()? as usize,

@@ -30,8 +30,8 @@ pub(crate) use cpu_op::register as register_cpu;
 pub(crate) use cuda_op::{register as register_cuda, set_dequant_min_m};
 pub(crate) use moe_op::register as register_cpu_moe;
 pub(crate) use policy::{
-    resolve_precision, set_default_int8, set_variant, ACTIVATIONS_AUTO, ACTIVATIONS_EXACT,
-    ACTIVATIONS_INT8_GROUP, ACTIVATIONS_INT8_TOKEN,
+    resolve_precision, set_default_int8, set_variant, set_warm_up_pass, warm_up_pass,
+    ACTIVATIONS_AUTO, ACTIVATIONS_EXACT, ACTIVATIONS_INT8_GROUP, ACTIVATIONS_INT8_TOKEN,
 };
 
 use abi::{registered_api, Api, BoxedFn, Handle};

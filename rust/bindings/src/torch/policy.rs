@@ -1,7 +1,7 @@
 //! The global CPU-kernel settings the Python side sets and how an op call's `activations` argument
 //! resolves against them.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 use ternary_core::kernels::cpu::{dense, Precision, Variant};
 
@@ -15,6 +15,20 @@ pub const ACTIVATIONS_INT8_TOKEN: i64 = 3;
 /// `TERNARY_RS_CPU_INT8` default), read by every native call.
 static VARIANT: AtomicU8 = AtomicU8::new(0); // 0 auto, 1 scalar, 2 avx2, 3 avx512, 4 amx
 static DEFAULT_MODE: AtomicU8 = AtomicU8::new(0); // 0 by dtype, 1 exact, 2 int8
+
+/// Set while vLLM runs its warm-up forward pass on dummy tokens (`ternary_rs.vllm.plugin`): that pass
+/// exists to compile the model's graph and vLLM throws its outputs away, so the CPU ops return zeros
+/// instead of doing M = max_num_batched_tokens worth of products (a 27B model's 4096-token pass took
+/// over 15 minutes on a 2-core AVX2 machine before the server could start).
+static WARM_UP_PASS: AtomicBool = AtomicBool::new(false);
+
+pub fn set_warm_up_pass(on: bool) {
+    WARM_UP_PASS.store(on, Ordering::SeqCst);
+}
+
+pub fn warm_up_pass() -> bool {
+    WARM_UP_PASS.load(Ordering::SeqCst)
+}
 
 pub fn set_variant(v: Option<Variant>) {
     let code = match v {

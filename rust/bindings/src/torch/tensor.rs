@@ -137,6 +137,18 @@ impl<'a> Tensor<'a> {
         Ok(p)
     }
 
+    /// Zero the first `numel` elements of `elem_bytes` each of this contiguous CPU tensor (all-zero
+    /// bits are 0.0 in every float dtype).
+    pub(crate) fn fill_zero_cpu(&self, numel: usize, elem_bytes: usize) -> Result<(), String> {
+        if !self.is_cpu()? || !self.is_contiguous()? || self.numel()? < numel {
+            return Err("fill_zero_cpu: not a contiguous CPU tensor of that many elements".into());
+        }
+        // SAFETY: a contiguous CPU tensor of at least `numel` elements (checked), of `elem_bytes` each
+        // (the caller's dtype).
+        unsafe { std::ptr::write_bytes(self.data()? as *mut u8, 0, numel * elem_bytes) };
+        Ok(())
+    }
+
     pub(crate) fn numel(&self) -> Result<usize, String> {
         Ok(self.sizes()?.iter().map(|&s| s as usize).product())
     }
