@@ -65,8 +65,8 @@ def install_cpu_warm_up_pass() -> None:
 
     ``CPUModelRunner.warming_up_model`` runs one forward pass of ``max_num_batched_tokens`` dummy tokens
     (4096 for ``LLM()``, 2048 for the server) so that torch.compile builds the graph; vLLM discards its
-    outputs. The ternary ops' products are nearly all of that pass's time — a 27B model's took over 15
-    minutes on a 2-core AVX2 machine before the first request — so during it they return zeros
+    outputs. The ternary ops' products are nearly all of that pass's time — a 27B model's ran over an hour
+    on a 2-core AVX2 machine before the first request — so during it they return zeros
     (:func:`ternary_rs.serving._ops_cpu.warm_up_pass`); the rest of the model, and the compile, run as
     before. Only when the KV cache space is explicit (the plugin's choice or the user's): otherwise vLLM
     sizes the cache from the resident memory after this pass.

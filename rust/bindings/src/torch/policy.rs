@@ -18,8 +18,8 @@ static DEFAULT_MODE: AtomicU8 = AtomicU8::new(0); // 0 by dtype, 1 exact, 2 int8
 
 /// Set while vLLM runs its warm-up forward pass on dummy tokens (`ternary_rs.vllm.plugin`): that pass
 /// exists to compile the model's graph and vLLM throws its outputs away, so the CPU ops return zeros
-/// instead of doing M = max_num_batched_tokens worth of products (a 27B model's 4096-token pass took
-/// over 15 minutes on a 2-core AVX2 machine before the server could start).
+/// instead of doing M = max_num_batched_tokens worth of products (a 27B model's 4096-token pass ran
+/// over an hour on a 2-core AVX2 machine before the server could start).
 static WARM_UP_PASS: AtomicBool = AtomicBool::new(false);
 
 pub fn set_warm_up_pass(on: bool) {
