@@ -567,7 +567,7 @@ def test_plugin_warm_up_pass_skips_the_products_only_for_ternary_with_explicit_k
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     from ternary_rs import _core
-    from ternary_rs.vllm.plugin import install_cpu_warm_up_pass
+    from ternary_rs.vllm.warm_up import install_cpu_warm_up_pass
 
     monkeypatch.setattr(CPUModelRunner, "warming_up_model", CPUModelRunner.warming_up_model)
     install_cpu_warm_up_pass()

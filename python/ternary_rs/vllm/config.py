@@ -162,7 +162,7 @@ class TernaryConfig(QuantizationConfig):
 
         from .embedding import TernaryEmbeddingMethod
         from .linear import TernaryLinearMethod
-        from .plugin import install_cpu_warm_up_pass
+        from .warm_up import install_cpu_warm_up_pass
 
         install_cpu_warm_up_pass()
         if isinstance(layer, ParallelLMHead):

@@ -69,7 +69,7 @@ fn cpu_set_default_int8(value: Option<bool>) {
 }
 
 /// While set, the CPU ops (native and Python path) return zeros without computing: vLLM's warm-up
-/// pass, whose outputs vLLM discards (`ternary_rs.vllm.plugin`).
+/// pass, whose outputs vLLM discards (`ternary_rs.vllm.warm_up`).
 #[pyfunction]
 fn cpu_set_warm_up_pass(on: bool) {
     torch::set_warm_up_pass(on);

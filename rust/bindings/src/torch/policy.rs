@@ -16,7 +16,7 @@ pub const ACTIVATIONS_INT8_TOKEN: i64 = 3;
 static VARIANT: AtomicU8 = AtomicU8::new(0); // 0 auto, 1 scalar, 2 avx2, 3 avx512, 4 amx
 static DEFAULT_MODE: AtomicU8 = AtomicU8::new(0); // 0 by dtype, 1 exact, 2 int8
 
-/// Set while vLLM runs its warm-up forward pass on dummy tokens (`ternary_rs.vllm.plugin`): that pass
+/// Set while vLLM runs its warm-up forward pass on dummy tokens (`ternary_rs.vllm.warm_up`): that pass
 /// exists to compile the model's graph and vLLM throws its outputs away, so the CPU ops return zeros
 /// instead of doing M = max_num_batched_tokens worth of products (a 27B model's 4096-token pass ran
 /// over an hour on a 2-core AVX2 machine before the server could start).
