@@ -159,7 +159,7 @@ fn linear<'a>(api: &'a Api, op: LinearOp<'a>) -> Result<Tensor<'a>, String> {
     }
     let precision = resolve_precision(activations, name == "float32")?;
     if warm_up_pass() {
-        y.fill_zero_cpu(m * n, if name == "float32" { 4 } else { 2 })?;
+        y.zero_cpu()?;
         return Ok(y);
     }
     let ptrs = Pointers {

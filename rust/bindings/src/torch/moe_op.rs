@@ -203,7 +203,7 @@ fn run<'a>(
     }
     let precision = resolve_precision(a.activations, name == "float32")?;
     if super::warm_up_pass() {
-        y.fill_zero_cpu(m * hidden, if name == "float32" { 4 } else { 2 })?;
+        y.zero_cpu()?;
         return Ok(y);
     }
     // SAFETY: contiguous CPU tensors of the checked shapes and dtypes, alive for this call.

@@ -137,15 +137,21 @@ impl<'a> Tensor<'a> {
         Ok(p)
     }
 
-    /// Zero the first `numel` elements of `elem_bytes` each of this contiguous CPU tensor (all-zero
-    /// bits are 0.0 in every float dtype).
-    pub(crate) fn fill_zero_cpu(&self, numel: usize, elem_bytes: usize) -> Result<(), String> {
-        if !self.is_cpu()? || !self.is_contiguous()? || self.numel()? < numel {
-            return Err("fill_zero_cpu: not a contiguous CPU tensor of that many elements".into());
+    /// Set every element of this contiguous bf16 / fp16 / f32 CPU tensor to 0.0 (all-zero bits in each).
+    pub(crate) fn zero_cpu(&self) -> Result<(), String> {
+        let dtype = self.dtype()?;
+        let elem_bytes = if dtype == self.api.dtype_f32 {
+            4
+        } else if dtype == self.api.dtype_bf16 || dtype == self.api.dtype_f16 {
+            2
+        } else {
+            return Err("zero_cpu: not a bf16, fp16 or f32 tensor".into());
+        };
+        if !self.is_cpu()? || !self.is_contiguous()? {
+            return Err("zero_cpu: not a contiguous CPU tensor".into());
         }
-        // SAFETY: a contiguous CPU tensor of at least `numel` elements (checked), of `elem_bytes` each
-        // (the caller's dtype).
-        unsafe { std::ptr::write_bytes(self.data()? as *mut u8, 0, numel * elem_bytes) };
+        // SAFETY: a contiguous CPU tensor (checked) of numel elements of elem_bytes each (its dtype).
+        unsafe { std::ptr::write_bytes(self.data()? as *mut u8, 0, self.numel()? * elem_bytes) };
         Ok(())
     }
 

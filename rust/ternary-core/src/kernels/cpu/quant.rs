@@ -98,7 +98,7 @@ pub(crate) fn quantize_groups(
     }
 }
 
-/// [`quantize_row`] as a [`QuantizeFn`] (the scalar and AVX2 variants use it).
+/// [`quantize_row`] as a [`QuantizeFn`] (the scalar variant's; AVX2 and AVX-512 have their own).
 pub(crate) unsafe fn quantize_row_fn(
     x: &[f32],
     q: &mut [i8],
