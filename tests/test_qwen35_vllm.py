@@ -15,6 +15,7 @@ One vLLM start for the whole module (each start costs 30–60 s on 2 cores).
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -25,6 +26,12 @@ from support.bonsai2_model import (
     expected_mtp_acceptance,
     mtp_reference_logits,
     write_prism_gguf,
+)
+from ternary_rs.vllm.gdn_prefill import (
+    GDN_ATTENTION_MODULE,
+    bf16_gemm_is_native,
+    causal_conv1d_fn_cpu,
+    chunk_gated_delta_rule_cpu,
 )
 
 pytestmark = pytest.mark.vllm
@@ -80,6 +87,9 @@ def served(tmp_path_factory):
         got = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
         prompt_lens = [len(o.prompt_token_ids) for o in outs]
         served_layers = llm.apply_model(_embedding_layers)[0]
+        gdn = sys.modules.get(GDN_ATTENTION_MODULE)
+        gdn_prefill = (getattr(gdn, "causal_conv1d_torch", None),
+                       getattr(getattr(gdn, "ops", None), "chunk_gated_delta_rule_cpu", None))
         del llm
     finally:
         os.environ.clear()
@@ -91,7 +101,16 @@ def served(tmp_path_factory):
 
     ref = AutoModelForCausalLM.from_pretrained(tiny.hf_dir, dtype=torch.float32).eval()
     return {"tiny": tiny, "ckpt": ckpt, "sequences": got, "prompt_lens": prompt_lens, "ref": ref,
-            "layers": served_layers, "kv_check": kv_check}
+            "layers": served_layers, "kv_check": kv_check, "gdn_prefill": gdn_prefill}
+
+
+def test_gdn_prefill_is_the_plugin_s(served):
+    """The greedy tokens above went through the plugin's GDN prefill (ternary_rs.vllm.gdn_prefill): vLLM's
+    CPU module calls its convolution in place of the bf16 F.conv1d, and, where torch's bf16 GEMM is not
+    native, its float32 chunked delta rule in place of the C++ one."""
+    conv, delta_rule = served["gdn_prefill"]
+    assert conv is causal_conv1d_fn_cpu
+    assert (delta_rule is chunk_gated_delta_rule_cpu) == (not bf16_gemm_is_native())
 
 
 def test_kv_space_model_matches_vllm_s_concurrency(served):

@@ -161,10 +161,12 @@ class TernaryConfig(QuantizationConfig):
         from vllm.model_executor.layers.fused_moe import RoutedExperts
 
         from .embedding import TernaryEmbeddingMethod
+        from .gdn_prefill import install_cpu_gdn_prefill
         from .linear import TernaryLinearMethod
         from .warm_up import install_cpu_warm_up_pass
 
         install_cpu_warm_up_pass()
+        install_cpu_gdn_prefill()
         if isinstance(layer, ParallelLMHead):
             # A tied lm_head has no tensors of its own: it is whatever embed_tokens is.
             ternary = self._embedding_is_ternary() if self.tie_word_embeddings else self._is_ternary(prefix)

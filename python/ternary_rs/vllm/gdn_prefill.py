@@ -1,0 +1,208 @@
+"""The Gated-DeltaNet prefill on CPUs without native bf16 (docs/cli.md#serve, "Gated DeltaNet prefill").
+
+vLLM CPU runs two parts of a GDN layer's prefill with bf16 arithmetic that torch only does fast where the
+CPU has AVX512_BF16 or AMX; elsewhere (every AVX2 CPU, AVX-512 CPUs before Cooper Lake) both are scalar
+fallbacks. Measured on a 2-core EPYC Zen 2 at Bonsai 2's widths (10 240 conv channels, 16 key / 48 value
+heads of 128), per layer:
+
+* the causal depthwise convolution (width 4) is ``F.conv1d(groups=dim)`` on bf16 tensors, once per
+  sequence: torch unfolds it into a GEMM per channel — 73 ms for a 1-token chunk, 92 ms for 128 tokens
+  (float32: 0.2 and 4 ms). A 27B prefill of 16 sequences of 16 tokens spent ~57 s in it (48 GDN layers).
+  :func:`causal_conv1d_fn_cpu` is vLLM's ``causal_conv1d_fn_cpu`` with the four taps as float32
+  multiply-adds: the same outputs bit for bit (bf16, fp16; float32 weights keep ``F.conv1d``).
+* the chunked delta rule (vLLM's C++ ``chunk_gated_delta_rule_cpu``) multiplies its chunks with torch's
+  bf16 GEMM: 207 ms for 128 tokens, 436 ms for 16 sequences of 16. :func:`chunk_gated_delta_rule_cpu` is
+  the same algorithm in float32 torch (21 and 70 ms), within bf16 rounding of vLLM's and closer to a
+  float64 recurrence (tests/test_gdn_prefill.py).
+
+With both, a 128-token prefill of the 27B shape there went from 45.4 s to 27.9 s (39.0 s with the
+convolution alone), most of what is left being the ternary products. They are installed
+by :func:`install_cpu_gdn_prefill` into vLLM's GDN attention module only (its own names), in processes that
+load a ternary model.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+# The module whose global ``causal_conv1d_torch`` is the prefill convolution on CPUs without native bf16.
+GDN_ATTENTION_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
+
+
+def causal_conv1d_fn_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         conv_states: torch.Tensor, query_start_loc: torch.Tensor,
+                         cache_indices: torch.Tensor | None = None, has_initial_state: torch.Tensor | None = None,
+                         activation: str | bool | None = "silu", pad_slot_id: int | None = None,
+                         **kwargs) -> torch.Tensor:
+    """Causal depthwise convolution of each sequence of ``x`` (``dim × tokens``, sequences delimited by
+    ``query_start_loc``) with ``weight`` (``dim × width``), continuing from and updating ``conv_states``
+    (``slot × dim × ≥ width−1``); vLLM's ``causal_conv1d_fn_cpu`` contract."""
+    if pad_slot_id is None:
+        from vllm.v1.attention.backends.utils import PAD_SLOT_ID
+
+        pad_slot_id = PAD_SLOT_ID
+    if isinstance(activation, bool):
+        activation = "silu" if activation else None
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"causal_conv1d_fn_cpu: activation {activation!r} is not None, 'silu' or 'swish'")
+    if weight.dim() != 2 or x.dim() != 2 or x.shape[0] != weight.shape[0]:
+        raise ValueError(f"causal_conv1d_fn_cpu: x {tuple(x.shape)} and weight {tuple(weight.shape)} are not "
+                         "(dim, tokens) and (dim, width)")
+
+    original_dtype = x.dtype
+    x = x.to(conv_states.dtype)
+    out = torch.empty_like(x)
+    dim, width = weight.shape
+    state_len = width - 1
+    taps = weight.float()
+    bias32 = bias.to(torch.float32).unsqueeze(1) if bias is not None else None
+    # One host transfer each instead of two scalar reads per sequence.
+    starts = query_start_loc.tolist()
+    slots = cache_indices.tolist() if cache_indices is not None else None
+    initial = has_initial_state.tolist() if has_initial_state is not None else None
+    for seq, (bos, eos) in enumerate(zip(starts[:-1], starts[1:])):
+        if bos == eos:
+            continue
+        slot = slots[seq] if slots is not None else seq
+        if slot == pad_slot_id:
+            continue
+        seq_x = x[:, bos:eos]
+        if initial is not None and initial[seq]:
+            prior = conv_states[slot, :, :state_len]
+        else:
+            prior = torch.zeros(dim, state_len, dtype=seq_x.dtype)
+        # The input in the weight's dtype, as F.conv1d saw it; then exact float32 products.
+        conv_input = torch.cat([prior, seq_x], dim=-1).to(weight.dtype)
+        if weight.dtype == torch.float32:
+            # torch's float32 depthwise path is fast: keep vLLM's arithmetic exactly.
+            acc = torch.nn.functional.conv1d(conv_input.unsqueeze(0), weight.unsqueeze(1), bias, groups=dim)[0]
+        else:
+            wide = conv_input.float()
+            n = eos - bos
+            acc = wide[:, 0:n] * taps[:, 0:1]
+            for j in range(1, width):
+                acc.addcmul_(wide[:, j:j + n], taps[:, j:j + 1])
+            if bias32 is not None:
+                acc += bias32
+        # F.conv1d's output dtype is the weight's; vLLM then converts to x's.
+        seq_out = acc.to(weight.dtype).to(x.dtype)
+        if activation is not None:
+            seq_out = torch.nn.functional.silu(seq_out)
+        out[:, bos:eos] = seq_out
+        conv_states[slot, :, :state_len].copy_(conv_input[:, -state_len:])
+    return out.to(original_dtype)
+
+
+def chunk_gated_delta_rule_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, initial_state: torch.Tensor, output_final_state: bool,
+                               cu_seqlens: torch.Tensor, head_first: bool, use_qk_l2norm_in_kernel: bool,
+                               initial_state_indices: torch.Tensor, eps: float = 1e-5,
+                               max_chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's ``chunk_gated_delta_rule_cpu`` (the GDN prefill: ``query``/``key`` ``1 × T × Hk × K``, ``value``
+    ``1 × T × Hv × V``, log-decays ``g`` and ``beta`` ``1 × T × Hv``, sequences by ``cu_seqlens``, each one's
+    state ``initial_state[initial_state_indices[i]]`` (``Hv × K × V``) read and overwritten in place) in
+    float32 torch: vLLM's C++ kernel multiplies its chunks with torch's bf16 GEMM, which without native bf16
+    is the scalar fallback (207 ms per layer for 128 tokens at Bonsai 2's widths, Zen 2: a quarter of a 27B
+    prefill after the convolution above). The chunked form (UT transform per chunk of up to 64 tokens, then a
+    scan over chunks) is the one FLA and transformers' ``torch_chunk_gated_delta_rule`` use."""
+    if head_first:
+        raise ValueError("chunk_gated_delta_rule_cpu: head_first=True is not what vLLM's GDN layer passes")
+    out_dtype = query.dtype
+    hk, hv = query.shape[2], value.shape[2]
+    if hv % hk:
+        raise ValueError(f"chunk_gated_delta_rule_cpu: {hv} value heads are not a multiple of {hk} key heads")
+    out = torch.empty(value.shape, dtype=out_dtype)
+    starts = cu_seqlens.tolist()
+    slots = initial_state_indices.tolist()
+    for seq, (bos, eos) in enumerate(zip(starts[:-1], starts[1:])):
+        n = eos - bos
+        if n == 0:
+            continue
+        # Any chunk length gives the same result: short sequences (continuous batching's 16-token prompts)
+        # take the next power of two instead of padding to 64 (2.5x at 16 x 16 tokens).
+        chunk = min(max_chunk, 1 << (n - 1).bit_length())
+        causal = torch.ones(chunk, chunk, dtype=torch.bool).triu(1)
+        # heads first, float32: (H, n, D)
+        q = query[0, bos:eos].transpose(0, 1).float()
+        k = key[0, bos:eos].transpose(0, 1).float()
+        v = value[0, bos:eos].transpose(0, 1).float()
+        if use_qk_l2norm_in_kernel:
+            q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + eps)
+            k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + eps)
+        if hv != hk:  # value head h reads key head h // (Hv / Hk)
+            q = q.repeat_interleave(hv // hk, dim=0)
+            k = k.repeat_interleave(hv // hk, dim=0)
+        q = q * q.shape[-1] ** -0.5
+        decay = g[0, bos:eos].transpose(0, 1).float()  # (H, n)
+        b = beta[0, bos:eos].transpose(0, 1).float()
+        pad = (-n) % chunk
+        if pad:
+            q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+            decay, b = (torch.nn.functional.pad(t, (0, pad)) for t in (decay, b))
+        c = (n + pad) // chunk
+        q, k, v = (t.reshape(hv, c, chunk, -1) for t in (q, k, v))
+        decay = decay.reshape(hv, c, chunk).cumsum(-1)  # log-decay from the chunk's start to each position
+        b = b.reshape(hv, c, chunk, 1)
+        kb, vb = k * b, v * b
+        within = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(causal, float("-inf")).exp()
+        # I + strictly-lower(β k kᵀ ∘ decay) is solved (unit diagonal) for the chunk's corrected values
+        # and for the decayed keys that read the state carried in.
+        system = (kb @ k.transpose(-1, -2)) * within
+        fresh = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
+        reads = torch.linalg.solve_triangular(system, kb * decay.exp().unsqueeze(-1), upper=False,
+                                              unitriangular=True)
+        attn = (q @ k.transpose(-1, -2)) * within
+        q_dec = q * decay.exp().unsqueeze(-1)
+        k_dec = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
+        chunk_decay = decay[..., -1].exp()[..., None, None]  # (H, c, 1, 1)
+        slot = slots[seq]
+        state = initial_state[slot].float()  # (H, K, V)
+        o = torch.empty_like(v)
+        for i in range(c):
+            corrected = fresh[:, i] - reads[:, i] @ state
+            o[:, i] = q_dec[:, i] @ state + attn[:, i] @ corrected
+            state = state * chunk_decay[:, i] + k_dec[:, i].transpose(-1, -2) @ corrected
+        out[0, bos:eos] = o.reshape(hv, c * chunk, -1)[:, :n].transpose(0, 1).to(out_dtype)
+        if output_final_state:
+            initial_state[slot] = state.to(initial_state.dtype)
+    return out, initial_state
+
+
+def bf16_gemm_is_native() -> bool:
+    """Whether torch's bf16 GEMM on this CPU is oneDNN's (AVX512_BF16 or AMX; aarch64: left to vLLM) rather
+    than the scalar fallback."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+class _OpsWithFloat32Prefill:
+    """vLLM's ``_custom_ops`` as the GDN attention module sees it, with :func:`chunk_gated_delta_rule_cpu` in
+    place of the C++ one; every other name is vLLM's."""
+
+    def __init__(self, ops):
+        self._ops = ops
+        self.chunk_gated_delta_rule_cpu = chunk_gated_delta_rule_cpu
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+
+def install_cpu_gdn_prefill() -> bool:
+    """Put :func:`causal_conv1d_fn_cpu` and, where torch's bf16 GEMM is not native,
+    :func:`chunk_gated_delta_rule_cpu` in the GDN attention module (idempotent; only that module's names
+    change); whether the module was there to patch. A no-op until vLLM CPU has imported it (its GDN layers
+    import it when they are built, before their projections ask ``TernaryConfig.get_quant_method``, which
+    calls this)."""
+    module = sys.modules.get(GDN_ATTENTION_MODULE)
+    if module is None or not hasattr(module, "causal_conv1d_torch"):
+        return False
+    module.causal_conv1d_torch = causal_conv1d_fn_cpu
+    ops = getattr(module, "ops", None)
+    if ops is not None and not isinstance(ops, _OpsWithFloat32Prefill) and not bf16_gemm_is_native():
+        module.ops = _OpsWithFloat32Prefill(ops)
+    return True
