@@ -175,3 +175,43 @@ def test_install_wraps_the_ops_only_without_a_native_bf16_gemm(monkeypatch):
             assert fake.ops.fused_gdn_gating_cpu is _custom_ops.fused_gdn_gating_cpu  # the rest is vLLM's
             assert fake.ops._ops is _custom_ops  # not wrapped twice
     assert _custom_ops.chunk_gated_delta_rule_cpu is not gdn_conv.chunk_gated_delta_rule_cpu  # vLLM's module as it was
+
+
+# ------------------------------------------------------------------------------------------ spec-decode conv
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("length", [4, 5, 7, 40])
+def test_depthwise_conv1d_is_torch_s_bit_for_bit(dtype, length):
+    g = torch.Generator().manual_seed(length)
+    x = torch.randn(1, 96, length, generator=g).to(dtype)
+    w = torch.randn(96, 1, 4, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype)
+    for bias in (b, None):
+        ref = torch.nn.functional.conv1d(x, w, bias, groups=96)
+        ours = gdn_conv.depthwise_conv1d(x, w, bias)
+        assert ours.dtype == ref.dtype and torch.equal(ours, ref)
+        fast = gdn_conv._FunctionalWithFastDepthwise(torch.nn.functional)
+        assert torch.equal(fast.conv1d(x, w, bias, groups=96), ref)
+
+
+def test_functional_proxy_leaves_other_convolutions_and_names_to_torch():
+    fast = gdn_conv._FunctionalWithFastDepthwise(torch.nn.functional)
+    x = torch.randn(1, 8, 10)
+    w = torch.randn(8, 1, 3)
+    assert torch.equal(fast.conv1d(x, w, None, groups=8), torch.nn.functional.conv1d(x, w, None, groups=8))  # f32
+    w2 = torch.randn(4, 8, 3).bfloat16()
+    assert torch.equal(fast.conv1d(x.bfloat16(), w2), torch.nn.functional.conv1d(x.bfloat16(), w2))  # not depthwise
+    assert torch.equal(fast.conv1d(x.bfloat16(), w.bfloat16(), None, 1, 1, 1, 8),  # padded
+                       torch.nn.functional.conv1d(x.bfloat16(), w.bfloat16(), None, 1, 1, 1, 8))
+    assert fast.silu is torch.nn.functional.silu
+
+
+def test_install_wraps_the_module_s_functional_once(monkeypatch):
+    import types
+
+    fake = types.ModuleType(gdn_conv.GDN_ATTENTION_MODULE)
+    fake.causal_conv1d_torch = reference_module.causal_conv1d_fn_cpu
+    fake.F = torch.nn.functional
+    monkeypatch.setitem(sys.modules, gdn_conv.GDN_ATTENTION_MODULE, fake)
+    assert gdn_conv.install_cpu_gdn_prefill() and gdn_conv.install_cpu_gdn_prefill()
+    assert isinstance(fake.F, gdn_conv._FunctionalWithFastDepthwise) and fake.F._functional is torch.nn.functional
+    assert torch.nn.functional.conv1d is not fake.F.conv1d  # torch itself untouched

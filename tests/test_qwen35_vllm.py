@@ -89,7 +89,8 @@ def served(tmp_path_factory):
         served_layers = llm.apply_model(_embedding_layers)[0]
         gdn = sys.modules.get(GDN_ATTENTION_MODULE)
         gdn_prefill = (getattr(gdn, "causal_conv1d_torch", None),
-                       getattr(getattr(gdn, "ops", None), "chunk_gated_delta_rule_cpu", None))
+                       getattr(getattr(gdn, "ops", None), "chunk_gated_delta_rule_cpu", None),
+                       type(getattr(gdn, "F", None)).__name__)
         del llm
     finally:
         os.environ.clear()
@@ -108,8 +109,9 @@ def test_gdn_prefill_is_the_plugin_s(served):
     """The greedy tokens above went through the plugin's GDN prefill (ternary_rs.vllm.gdn_prefill): vLLM's
     CPU module calls its convolution in place of the bf16 F.conv1d, and, where torch's bf16 GEMM is not
     native, its float32 chunked delta rule in place of the C++ one."""
-    conv, delta_rule = served["gdn_prefill"]
+    conv, delta_rule, functional = served["gdn_prefill"]
     assert conv is causal_conv1d_fn_cpu
+    assert functional == "_FunctionalWithFastDepthwise"  # the MTP path's convolution
     assert (delta_rule is chunk_gated_delta_rule_cpu) == (not bf16_gemm_is_native())
 
 

@@ -1,6 +1,6 @@
 """The Gated-DeltaNet prefill on CPUs without native bf16 (docs/cli.md#serve, "Gated DeltaNet prefill").
 
-vLLM CPU runs two parts of a GDN layer's prefill with bf16 arithmetic that torch only does fast where the
+vLLM CPU runs two parts of a GDN layer's prefill (and one of its speculative decode) with bf16 arithmetic that torch only does fast where the
 CPU has AVX512_BF16 or AMX; elsewhere (every AVX2 CPU, AVX-512 CPUs before Cooper Lake) both are scalar
 fallbacks. Measured on a 2-core EPYC Zen 2 at Bonsai 2's widths (10 240 conv channels, 16 key / 48 value
 heads of 128), per layer:
@@ -14,9 +14,12 @@ heads of 128), per layer:
   bf16 GEMM: 207 ms for 128 tokens, 436 ms for 16 sequences of 16. :func:`chunk_gated_delta_rule_cpu` is
   the same algorithm in float32 torch (21 and 70 ms), within bf16 rounding of vLLM's and closer to a
   float64 recurrence (tests/test_gdn_prefill.py).
+* with an MTP drafter, the module's speculative-decoding path convolves each sequence's draft tokens with
+  the same bf16 ``F.conv1d`` at every decode step (95 ms per sequence and layer; 0.2-0.3 ms through
+  :func:`depthwise_conv1d`, bit for bit): the module's ``F`` becomes :class:`_FunctionalWithFastDepthwise`.
 
-With both, a 128-token prefill of the 27B shape there went from 45.4 s to 27.9 s (39.0 s with the
-convolution alone), most of what is left being the ternary products. They are installed
+With the first two, a 128-token prefill of the 27B shape there went from 45.4 s to 27.9 s (39.0 s with the
+convolution alone), most of what is left being the ternary products. All three are installed
 by :func:`install_cpu_gdn_prefill` into vLLM's GDN attention module only (its own names), in processes that
 load a ternary model.
 """
@@ -29,6 +32,42 @@ import torch
 
 # The module whose global ``causal_conv1d_torch`` is the prefill convolution on CPUs without native bf16.
 GDN_ATTENTION_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
+
+
+def depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.conv1d(x, weight, bias, groups=C)`` for ``x`` ``B × C × L`` and ``weight`` ``C × 1 × W`` (stride 1, no
+    padding) as ``W`` float32 multiply-adds, in ``x``'s dtype: products of bf16/fp16 values are exact in float32
+    and torch accumulates its half-precision convolution in float32 too, so the result is the same bit for bit
+    (tests/test_gdn_prefill.py) — at a fraction of the time where that convolution is torch's per-channel GEMM."""
+    width = weight.shape[-1]
+    n = x.shape[-1] - width + 1
+    wide = x.float()
+    taps = weight[:, 0].float()
+    acc = wide[..., 0:n] * taps[:, 0:1]
+    for j in range(1, width):
+        acc.addcmul_(wide[..., j:j + n], taps[:, j:j + 1])
+    if bias is not None:
+        acc += bias.to(torch.float32).unsqueeze(-1)
+    return acc.to(x.dtype)
+
+
+class _FunctionalWithFastDepthwise:
+    """``torch.nn.functional`` as the GDN attention module sees it, with half-precision depthwise ``conv1d``
+    (its speculative-decoding path's) through :func:`depthwise_conv1d`; everything else is torch's."""
+
+    def __init__(self, functional):
+        self._functional = functional
+
+    def conv1d(self, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        if (input.dtype in (torch.bfloat16, torch.float16) and weight.dtype == input.dtype and input.dim() == 3
+                and weight.dim() == 3 and weight.shape[1] == 1 and groups == input.shape[1] == weight.shape[0]
+                and stride in (1, (1,)) and padding in (0, (0,)) and dilation in (1, (1,))
+                and input.shape[-1] >= weight.shape[-1] and (bias is None or bias.dtype == input.dtype)):
+            return depthwise_conv1d(input, weight, bias)
+        return self._functional.conv1d(input, weight, bias, stride, padding, dilation, groups)
+
+    def __getattr__(self, name):
+        return getattr(self._functional, name)
 
 
 def causal_conv1d_fn_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -56,8 +95,6 @@ def causal_conv1d_fn_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     out = torch.empty_like(x)
     dim, width = weight.shape
     state_len = width - 1
-    taps = weight.float()
-    bias32 = bias.to(torch.float32).unsqueeze(1) if bias is not None else None
     # One host transfer each instead of two scalar reads per sequence.
     starts = query_start_loc.tolist()
     slots = cache_indices.tolist() if cache_indices is not None else None
@@ -79,13 +116,7 @@ def causal_conv1d_fn_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             # torch's float32 depthwise path is fast: keep vLLM's arithmetic exactly.
             acc = torch.nn.functional.conv1d(conv_input.unsqueeze(0), weight.unsqueeze(1), bias, groups=dim)[0]
         else:
-            wide = conv_input.float()
-            n = eos - bos
-            acc = wide[:, 0:n] * taps[:, 0:1]
-            for j in range(1, width):
-                acc.addcmul_(wide[:, j:j + n], taps[:, j:j + 1])
-            if bias32 is not None:
-                acc += bias32
+            acc = depthwise_conv1d(conv_input.unsqueeze(0), weight.unsqueeze(1), bias)[0]
         # F.conv1d's output dtype is the weight's; vLLM then converts to x's.
         seq_out = acc.to(weight.dtype).to(x.dtype)
         if activation is not None:
@@ -193,7 +224,8 @@ class _OpsWithFloat32Prefill:
 
 
 def install_cpu_gdn_prefill() -> bool:
-    """Put :func:`causal_conv1d_fn_cpu` and, where torch's bf16 GEMM is not native,
+    """Put :func:`causal_conv1d_fn_cpu`, the half-precision depthwise ``F.conv1d`` of its speculative-decoding
+    path (one per sequence and layer at every decode step with an MTP drafter) and, where torch's bf16 GEMM is not native,
     :func:`chunk_gated_delta_rule_cpu` in the GDN attention module (idempotent; only that module's names
     change); whether the module was there to patch. A no-op until vLLM CPU has imported it (its GDN layers
     import it when they are built, before their projections ask ``TernaryConfig.get_quant_method``, which
@@ -202,6 +234,9 @@ def install_cpu_gdn_prefill() -> bool:
     if module is None or not hasattr(module, "causal_conv1d_torch"):
         return False
     module.causal_conv1d_torch = causal_conv1d_fn_cpu
+    functional = getattr(module, "F", None)
+    if functional is not None and not isinstance(functional, _FunctionalWithFastDepthwise):
+        module.F = _FunctionalWithFastDepthwise(functional)
     ops = getattr(module, "ops", None)
     if ops is not None and not isinstance(ops, _OpsWithFloat32Prefill) and not bf16_gemm_is_native():
         module.ops = _OpsWithFloat32Prefill(ops)
