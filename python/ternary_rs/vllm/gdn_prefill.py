@@ -1,8 +1,8 @@
 """The Gated-DeltaNet prefill on CPUs without native bf16 (docs/cli.md#serve, "Gated DeltaNet prefill").
 
-vLLM CPU runs two parts of a GDN layer's prefill (and one of its speculative decode) with bf16 arithmetic that torch only does fast where the
-CPU has AVX512_BF16 or AMX; elsewhere (every AVX2 CPU, AVX-512 CPUs before Cooper Lake) both are scalar
-fallbacks. Measured on a 2-core EPYC Zen 2 at Bonsai 2's widths (10 240 conv channels, 16 key / 48 value
+vLLM CPU runs two parts of a GDN layer's prefill, and one of its speculative decode, with bf16 arithmetic
+that torch only does fast where the CPU has AVX512_BF16 or AMX; elsewhere (every AVX2 CPU, AVX-512 CPUs
+before Cooper Lake) they are scalar fallbacks. Measured on a 2-core EPYC Zen 2 at Bonsai 2's widths (10 240 conv channels, 16 key / 48 value
 heads of 128), per layer:
 
 * the causal depthwise convolution (width 4) is ``F.conv1d(groups=dim)`` on bf16 tensors, once per
