@@ -173,7 +173,7 @@ def test_install_wraps_the_ops_only_without_a_native_bf16_gemm(monkeypatch):
         else:
             assert fake.ops.chunk_gated_delta_rule_cpu is gdn_conv.chunk_gated_delta_rule_cpu
             assert fake.ops.fused_gdn_gating_cpu is _custom_ops.fused_gdn_gating_cpu  # the rest is vLLM's
-            assert fake.ops._ops is _custom_ops  # not wrapped twice
+            assert fake.ops._inner is _custom_ops  # not wrapped twice
     assert _custom_ops.chunk_gated_delta_rule_cpu is not gdn_conv.chunk_gated_delta_rule_cpu  # vLLM's module as it was
 
 
@@ -213,5 +213,5 @@ def test_install_wraps_the_module_s_functional_once(monkeypatch):
     fake.F = torch.nn.functional
     monkeypatch.setitem(sys.modules, gdn_conv.GDN_ATTENTION_MODULE, fake)
     assert gdn_conv.install_cpu_gdn_prefill() and gdn_conv.install_cpu_gdn_prefill()
-    assert isinstance(fake.F, gdn_conv._FunctionalWithFastDepthwise) and fake.F._functional is torch.nn.functional
+    assert isinstance(fake.F, gdn_conv._FunctionalWithFastDepthwise) and fake.F._inner is torch.nn.functional
     assert torch.nn.functional.conv1d is not fake.F.conv1d  # torch itself untouched

@@ -2,8 +2,8 @@
 
 vLLM CPU runs two parts of a GDN layer's prefill, and one of its speculative decode, with bf16 arithmetic
 that torch only does fast where the CPU has AVX512_BF16 or AMX; elsewhere (every AVX2 CPU, AVX-512 CPUs
-before Cooper Lake) they are scalar fallbacks. Measured on a 2-core EPYC Zen 2 at Bonsai 2's widths (10 240 conv channels, 16 key / 48 value
-heads of 128), per layer:
+before Cooper Lake) they are scalar fallbacks. Measured on a 2-core EPYC Zen 2 at Bonsai 2's widths
+(10 240 conv channels, 16 key / 48 value heads of 128), per layer:
 
 * the causal depthwise convolution (width 4) is ``F.conv1d(groups=dim)`` on bf16 tensors, once per
   sequence: torch unfolds it into a GEMM per channel — 73 ms for a 1-token chunk, 92 ms for 128 tokens
@@ -26,11 +26,12 @@ load a ternary model.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
 
-# The module whose global ``causal_conv1d_torch`` is the prefill convolution on CPUs without native bf16.
+# vLLM CPU's GDN attention module: its globals ``causal_conv1d_torch``, ``F`` and ``ops`` are what is replaced.
 GDN_ATTENTION_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 
 
@@ -51,12 +52,20 @@ def depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return acc.to(x.dtype)
 
 
-class _FunctionalWithFastDepthwise:
-    """``torch.nn.functional`` as the GDN attention module sees it, with half-precision depthwise ``conv1d``
-    (its speculative-decoding path's) through :func:`depthwise_conv1d`; everything else is torch's."""
+class _ModuleView:
+    """A module as the GDN attention module sees it: the names a subclass defines are its own, every other
+    name is the wrapped module's (which itself stays as it is)."""
 
-    def __init__(self, functional):
-        self._functional = functional
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _FunctionalWithFastDepthwise(_ModuleView):
+    """``torch.nn.functional`` with half-precision depthwise ``conv1d`` (the speculative-decoding path's)
+    through :func:`depthwise_conv1d`."""
 
     def conv1d(self, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         if (input.dtype in (torch.bfloat16, torch.float16) and weight.dtype == input.dtype and input.dim() == 3
@@ -64,10 +73,7 @@ class _FunctionalWithFastDepthwise:
                 and stride in (1, (1,)) and padding in (0, (0,)) and dilation in (1, (1,))
                 and input.shape[-1] >= weight.shape[-1] and (bias is None or bias.dtype == input.dtype)):
             return depthwise_conv1d(input, weight, bias)
-        return self._functional.conv1d(input, weight, bias, stride, padding, dilation, groups)
-
-    def __getattr__(self, name):
-        return getattr(self._functional, name)
+        return self._inner.conv1d(input, weight, bias, stride, padding, dilation, groups)
 
 
 def causal_conv1d_fn_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -117,8 +123,8 @@ def causal_conv1d_fn_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             acc = torch.nn.functional.conv1d(conv_input.unsqueeze(0), weight.unsqueeze(1), bias, groups=dim)[0]
         else:
             acc = depthwise_conv1d(conv_input.unsqueeze(0), weight.unsqueeze(1), bias)[0]
-        # F.conv1d's output dtype is the weight's; vLLM then converts to x's.
-        seq_out = acc.to(weight.dtype).to(x.dtype)
+        # Both give the weight's dtype, as F.conv1d does; vLLM then converts to x's.
+        seq_out = acc.to(x.dtype)
         if activation is not None:
             seq_out = torch.nn.functional.silu(seq_out)
         out[:, bos:eos] = seq_out
@@ -182,10 +188,10 @@ def chunk_gated_delta_rule_cpu(query: torch.Tensor, key: torch.Tensor, value: to
         # and for the decayed keys that read the state carried in.
         system = (kb @ k.transpose(-1, -2)) * within
         fresh = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
-        reads = torch.linalg.solve_triangular(system, kb * decay.exp().unsqueeze(-1), upper=False,
-                                              unitriangular=True)
+        gain = decay.exp().unsqueeze(-1)  # decay from the chunk's start to each position
+        reads = torch.linalg.solve_triangular(system, kb * gain, upper=False, unitriangular=True)
         attn = (q @ k.transpose(-1, -2)) * within
-        q_dec = q * decay.exp().unsqueeze(-1)
+        q_dec = q * gain
         k_dec = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
         chunk_decay = decay[..., -1].exp()[..., None, None]  # (H, c, 1, 1)
         slot = slots[seq]
@@ -201,6 +207,7 @@ def chunk_gated_delta_rule_cpu(query: torch.Tensor, key: torch.Tensor, value: to
     return out, initial_state
 
 
+@functools.cache
 def bf16_gemm_is_native() -> bool:
     """Whether torch's bf16 GEMM on this CPU is oneDNN's (AVX512_BF16 or AMX; aarch64: left to vLLM) rather
     than the scalar fallback."""
@@ -211,23 +218,17 @@ def bf16_gemm_is_native() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-class _OpsWithFloat32Prefill:
-    """vLLM's ``_custom_ops`` as the GDN attention module sees it, with :func:`chunk_gated_delta_rule_cpu` in
-    place of the C++ one; every other name is vLLM's."""
+class _OpsWithFloat32Prefill(_ModuleView):
+    """vLLM's ``_custom_ops`` with :func:`chunk_gated_delta_rule_cpu` in place of the C++ one."""
 
-    def __init__(self, ops):
-        self._ops = ops
-        self.chunk_gated_delta_rule_cpu = chunk_gated_delta_rule_cpu
-
-    def __getattr__(self, name):
-        return getattr(self._ops, name)
+    chunk_gated_delta_rule_cpu = staticmethod(chunk_gated_delta_rule_cpu)
 
 
 def install_cpu_gdn_prefill() -> bool:
     """Put :func:`causal_conv1d_fn_cpu`, the half-precision depthwise ``F.conv1d`` of its speculative-decoding
-    path (one per sequence and layer at every decode step with an MTP drafter) and, where torch's bf16 GEMM is not native,
-    :func:`chunk_gated_delta_rule_cpu` in the GDN attention module (idempotent; only that module's names
-    change); whether the module was there to patch. A no-op until vLLM CPU has imported it (its GDN layers
+    path (one per sequence and layer at every decode step with an MTP drafter) and, where torch's bf16 GEMM
+    is not native, :func:`chunk_gated_delta_rule_cpu` in the GDN attention module (idempotent; only that
+    module's names change); whether the module was there to patch. A no-op until vLLM CPU has imported it (its GDN layers
     import it when they are built, before their projections ask ``TernaryConfig.get_quant_method``, which
     calls this)."""
     module = sys.modules.get(GDN_ATTENTION_MODULE)
