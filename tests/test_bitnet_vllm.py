@@ -44,6 +44,7 @@ pytest.importorskip("accelerate")
 import ternary_rs
 from support.bitnet_model import build_tiny_bitnet, load_reference, write_bitnet_gguf
 from ternary_rs.serving import ops
+from ternary_rs.vllm.gdn_prefill import bf16_gemm_is_native
 
 pytestmark = pytest.mark.vllm
 
@@ -139,8 +140,9 @@ def check_layers(result: dict, dump: Path, model, tp: int) -> None:
         linear = [n for n in methods if n.endswith("_proj")]
         assert len(linear) == 4 * 2 and all(methods[n] == "TernaryLinearMethod" for n in linear), methods
         assert all(acts[n] == ops.INT8_TOKEN for n in linear), acts
-        assert methods["model.embed_tokens"] == "UnquantizedEmbeddingMethod"
-        assert methods.get("lm_head", "UnquantizedEmbeddingMethod") == "UnquantizedEmbeddingMethod"
+        assert methods["model.embed_tokens"] == "DenseEmbeddingMethod"
+        assert methods.get("lm_head", "DenseEmbeddingMethod") == "DenseEmbeddingMethod"
+        assert worker["dense_kernel"] == [], "float32 dense layers stay vLLM's"
         got = np.load(dump / f"rank{worker['rank']}.npz")
         want = expected_shards(model, tp, worker["rank"])
         assert sorted(got.files) == sorted(want)
@@ -263,6 +265,12 @@ def test_a_float32_compiled_bitlinear(engine_a):
 def test_b_bfloat16_master_weights(engine_b):
     hf, (result, dump) = engine_b
     assert "bfloat16" in result["dtype"]
+    # The dense bf16 head's product is ternary_rs.dense_linear exactly where torch's bf16 GEMM is not
+    # native (vLLM's oneDNN path refuses bf16 there); the generations below went through it.
+    for worker in result["workers"]:
+        head = "lm_head" if "lm_head" in worker["methods"] else "model.embed_tokens"
+        assert worker["methods"][head] == "DenseEmbeddingMethod"
+        assert (head in worker["dense_kernel"]) == (not bf16_gemm_is_native()), worker["dense_kernel"]
     stats = check_generation(result, load_reference(hf, "bfloat16"), "bfloat16")  # transformers' online WeightQuant
     assert stats["steps"] == len(PROMPTS) * MAX_TOKENS
 

@@ -55,17 +55,20 @@ def dump_weights(model, out_dir: str):
     from vllm.distributed import get_tensor_model_parallel_rank
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
+    from ternary_rs.vllm.dense import dense_cpu_linear
     from ternary_rs.vllm.embedding import TernaryEmbeddingMethod
     from ternary_rs.vllm.linear import TernaryLinearMethod
 
     rank = get_tensor_model_parallel_rank()
-    arrays, methods, activations = {}, {}, {}
+    arrays, methods, activations, dense_kernel = {}, {}, {}, []
     with torch.no_grad():
         for name, module in model.named_modules():
             qm = getattr(module, "quant_method", None)
             if qm is None:
                 continue
             methods[name] = type(qm).__name__
+            if getattr(module, "cpu_linear", None) is dense_cpu_linear:  # ternary_rs.dense_linear
+                dense_kernel.append(name)
             if hasattr(module, "ternary_activations"):  # the op's activation mode this layer asks for
                 activations[name] = int(module.ternary_activations)
             if isinstance(qm, TernaryLinearMethod) or (
@@ -80,7 +83,7 @@ def dump_weights(model, out_dir: str):
                 arrays[name + ".w13"], arrays[name + ".w2"] = moe_expert_weights(module)
     os.makedirs(out_dir, exist_ok=True)
     np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **arrays)
-    return {"rank": rank, "methods": methods, "activations": activations}
+    return {"rank": rank, "methods": methods, "activations": activations, "dense_kernel": dense_kernel}
 
 
 def moe_expert_weights(layer):

@@ -65,6 +65,8 @@ MOE_SCHEMA = (
     "Tensor w2_qweight, Tensor w2_scales, int intermediate_size, int w13_group_size, int w2_group_size, "
     "int activations=0, bool apply_router_weight_on_input=False) -> Tensor"
 )
+DENSE_OP_NAME = f"{LIB}::dense_linear"
+DENSE_SCHEMA = "dense_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor"
 AUTO, EXACT, INT8_GROUP, INT8_TOKEN = _ops_cpu.AUTO, _ops_cpu.EXACT, _ops_cpu.INT8_GROUP, _ops_cpu.INT8_TOKEN
 
 log = logging.getLogger("ternary_rs.ops")
@@ -86,9 +88,18 @@ def _fake_moe(x, topk_weights, topk_ids, w13_qweight, w13_scales, w2_qweight, w2
     return torch.empty_like(x)
 
 
-def _define() -> tuple[str | None, str | None, str | None]:
-    """Define the ops once per process; returns why the CPU linear, the CUDA linear and the CPU MoE kernel
-    are not native (None where they are)."""
+def _fake_dense(x, weight, bias=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _dense_linear_torch(x, weight, bias=None):
+    """The dense op where its native kernel is not registered: torch's own linear."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def _define() -> tuple[str | None, str | None, str | None, str | None]:
+    """Define the ops once per process; returns why the CPU linear, the CUDA linear, the CPU MoE kernel
+    and the CPU dense linear are not native (None where they are)."""
     global _LIBRARY
     _LIBRARY = torch.library.Library(LIB, "FRAGMENT")  # kept alive: dropping it removes the op
     _LIBRARY.define(SCHEMA)
@@ -108,12 +119,25 @@ def _define() -> tuple[str | None, str | None, str | None]:
     if why_moe is not None:
         log.warning("ternary_rs: native CPU MoE op registration unavailable (%s); using the Python path", why_moe)
         torch.library.impl(MOE_OP_NAME, "cpu", _ops_moe.ternary_moe, lib=_LIBRARY)
-    return why_cpu, why_cuda, why_moe
+    _LIBRARY.define(DENSE_SCHEMA)
+    torch.library.register_fake(DENSE_OP_NAME, _fake_dense, lib=_LIBRARY)
+    why_dense = _ops_cpu.register_native("dense_linear")
+    if why_dense is not None:
+        log.warning("ternary_rs: native CPU dense op registration unavailable (%s); using torch's linear", why_dense)
+        torch.library.impl(DENSE_OP_NAME, "cpu", _dense_linear_torch, lib=_LIBRARY)
+    return why_cpu, why_cuda, why_moe, why_dense
 
 
 _LIBRARY: torch.library.Library | None = None
-NATIVE_CPU_UNAVAILABLE, NATIVE_CUDA_UNAVAILABLE, NATIVE_MOE_UNAVAILABLE = _define()
-"""Why the CPU linear / the CUDA linear / the CPU MoE kernel runs through Python (None: registered natively)."""
+NATIVE_CPU_UNAVAILABLE, NATIVE_CUDA_UNAVAILABLE, NATIVE_MOE_UNAVAILABLE, NATIVE_DENSE_UNAVAILABLE = _define()
+"""Why the CPU linear / the CUDA linear / the CPU MoE kernel / the CPU dense linear runs through Python (None:
+registered natively)."""
+
+
+def dense_linear(x, weight, bias=None):
+    """``torch.ops.ternary_rs.dense_linear``: ``x · weightᵀ (+ bias)`` for a dense bf16 / f16 weight on the
+    CPU, f32 sums (``ternary_core::kernels::cpu::half_linear``); x has the weight's dtype."""
+    return torch.ops.ternary_rs.dense_linear(x, weight, bias)
 
 
 def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias=None, activations=AUTO):

@@ -24,12 +24,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
-    UnquantizedEmbeddingMethod,
     VocabParallelEmbedding,
 )
 
@@ -160,6 +159,7 @@ class TernaryConfig(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from vllm.model_executor.layers.fused_moe import RoutedExperts
 
+        from .dense import DenseEmbeddingMethod, DenseLinearMethod
         from .embedding import TernaryEmbeddingMethod
         from .gdn_prefill import install_cpu_gdn_prefill
         from .linear import TernaryLinearMethod
@@ -170,16 +170,16 @@ class TernaryConfig(QuantizationConfig):
         if isinstance(layer, ParallelLMHead):
             # A tied lm_head has no tensors of its own: it is whatever embed_tokens is.
             ternary = self._embedding_is_ternary() if self.tie_word_embeddings else self._is_ternary(prefix)
-            return TernaryEmbeddingMethod(self, prefix) if ternary else self._dense(prefix, UnquantizedEmbeddingMethod())
+            return TernaryEmbeddingMethod(self, prefix) if ternary else self._dense(prefix, DenseEmbeddingMethod())
         if isinstance(layer, VocabParallelEmbedding):
             # Some vLLM models (Llama's) build embed_tokens without a prefix: find it by its checkpoint name.
             if self._is_ternary(prefix) if prefix else self._embedding_is_ternary():
                 return TernaryEmbeddingMethod(self, prefix)
-            return self._dense(prefix, UnquantizedEmbeddingMethod())
+            return self._dense(prefix, DenseEmbeddingMethod())
         if isinstance(layer, LinearBase):
             if self._is_ternary(prefix):
                 return TernaryLinearMethod(self, prefix)
-            return self._dense(prefix, UnquantizedLinearMethod())
+            return self._dense(prefix, DenseLinearMethod())
         if isinstance(layer, RoutedExperts):
             from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 

@@ -19,6 +19,7 @@
 mod abi;
 mod cpu_op;
 mod cuda_op;
+mod dense_op;
 mod moe_op;
 mod policy;
 mod pool;
@@ -28,6 +29,7 @@ use std::ffi::{c_char, CStr, CString};
 
 pub(crate) use cpu_op::register as register_cpu;
 pub(crate) use cuda_op::{register as register_cuda, set_dequant_min_m};
+pub(crate) use dense_op::register as register_cpu_dense;
 pub(crate) use moe_op::register as register_cpu_moe;
 pub(crate) use policy::{
     resolve_precision, set_default_int8, set_variant, set_warm_up_pass, warm_up_pass,
@@ -179,6 +181,33 @@ pub(crate) unsafe fn take_tensor<'a>(api: &'a Api, stack: *mut u64, i: usize) ->
     }
 }
 
+/// Take the optional tensor at `stack[i]` (None, or an owned handle freed when the value drops); the
+/// heap box torch passed it in is freed here.
+///
+/// # Safety
+/// `stack[i]` is a boxed optional tensor: null, or a heap StableIValue holding an owned handle.
+pub(crate) unsafe fn take_optional_tensor<'a>(
+    api: &'a Api,
+    stack: *mut u64,
+    i: usize,
+) -> Option<Tensor<'a>> {
+    // SAFETY: per the contract.
+    let boxed = unsafe { *stack.add(i) } as *mut u64;
+    if boxed.is_null() {
+        return None;
+    }
+    // SAFETY: a non-null optional is a heap StableIValue holding an owned tensor handle.
+    let h = unsafe { *boxed } as Handle;
+    match api.delete_stable_ivalue {
+        Some(del) => unsafe { del(boxed) },
+        None => {
+            unsafe { ternary_rs_delete_stable_ivalue(boxed) };
+            0
+        }
+    };
+    Some(Tensor { api, h })
+}
+
 unsafe fn boxed(
     stack: *mut u64,
     num_args: u64,
@@ -207,21 +236,8 @@ unsafe fn boxed(
         api,
         h: arg(2) as Handle,
     };
-    let bias_box = arg(6) as *mut u64;
-    let bias = if bias_box.is_null() {
-        None
-    } else {
-        // SAFETY: a non-null optional is a heap StableIValue holding an owned tensor handle.
-        let h = unsafe { *bias_box } as Handle;
-        match api.delete_stable_ivalue {
-            Some(del) => unsafe { del(bias_box) },
-            None => {
-                unsafe { ternary_rs_delete_stable_ivalue(bias_box) };
-                0
-            }
-        };
-        Some(Tensor { api, h })
-    };
+    // SAFETY: argument 6 is an optional tensor by the schema.
+    let bias = unsafe { take_optional_tensor(api, stack, 6) };
     let int_arg = |i: usize, name: &str| -> Result<usize, String> {
         let v = arg(i) as i64;
         usize::try_from(v).map_err(|_| format!("ternary_linear: {name}={v} must be non-negative"))

@@ -37,6 +37,7 @@
 //!   ([`PARALLEL_MIN_WEIGHTS`]).
 
 pub mod dense;
+pub mod half_linear;
 pub mod layout;
 pub mod moe;
 mod quant;
