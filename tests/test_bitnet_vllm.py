@@ -44,7 +44,7 @@ pytest.importorskip("accelerate")
 import ternary_rs
 from support.bitnet_model import build_tiny_bitnet, load_reference, write_bitnet_gguf
 from ternary_rs.serving import ops
-from ternary_rs.vllm.gdn_prefill import bf16_gemm_is_native
+from ternary_rs.serving.cpu import bf16_gemm_is_native
 
 pytestmark = pytest.mark.vllm
 

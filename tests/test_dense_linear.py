@@ -112,8 +112,8 @@ def test_vllm_routing_rule():
     """Which dense weights the plugin sends to the kernel: 2-D bf16 / f16 CPU weights, only where torch's
     bf16 GEMM is not native; activations of another dtype keep torch's linear."""
     pytest.importorskip("vllm")
+    from ternary_rs.serving.cpu import bf16_gemm_is_native
     from ternary_rs.vllm import dense
-    from ternary_rs.vllm.gdn_prefill import bf16_gemm_is_native
 
     slow = not bf16_gemm_is_native()
     assert dense.takes_dense_kernel(torch.zeros(4, 8, dtype=torch.bfloat16)) == slow

@@ -27,9 +27,9 @@ from support.bonsai2_model import (
     mtp_reference_logits,
     write_prism_gguf,
 )
+from ternary_rs.serving.cpu import bf16_gemm_is_native
 from ternary_rs.vllm.gdn_prefill import (
     GDN_ATTENTION_MODULE,
-    bf16_gemm_is_native,
     causal_conv1d_fn_cpu,
     chunk_gated_delta_rule_cpu,
 )

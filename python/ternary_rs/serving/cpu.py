@@ -26,8 +26,10 @@ made (the variable in the environment, ``--kv-cache-memory-bytes``) always wins.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -439,3 +441,15 @@ def choose(model: str | os.PathLike, *, env: dict[str, str] | None = None, max_m
         out.kv_bytes = space
         out.choices.append(Choice(KV_ENV, str(space // GIB), why))
     return out
+
+
+@functools.cache
+def bf16_gemm_is_native() -> bool:
+    """Whether torch's bf16 GEMM on this CPU is oneDNN's (AVX512_BF16 or AMX; aarch64: left to vLLM) rather
+    than the scalar fallback. Where it is not, the plugin takes over the bf16 work vLLM CPU would hand it:
+    the Gated-DeltaNet prefill (``ternary_rs.vllm.gdn_prefill``) and dense layers (``ternary_rs.vllm.dense``)."""
+    import torch
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())

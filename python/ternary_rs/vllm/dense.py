@@ -18,7 +18,7 @@ from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
 from ..serving import ops
-from .gdn_prefill import bf16_gemm_is_native
+from ..serving.cpu import bf16_gemm_is_native
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 

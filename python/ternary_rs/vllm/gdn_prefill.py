@@ -26,10 +26,11 @@ load a ternary model.
 
 from __future__ import annotations
 
-import functools
 import sys
 
 import torch
+
+from ..serving.cpu import bf16_gemm_is_native
 
 # vLLM CPU's GDN attention module: its globals ``causal_conv1d_torch``, ``F`` and ``ops`` are what is replaced.
 GDN_ATTENTION_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
@@ -205,17 +206,6 @@ def chunk_gated_delta_rule_cpu(query: torch.Tensor, key: torch.Tensor, value: to
         if output_final_state:
             initial_state[slot] = state.to(initial_state.dtype)
     return out, initial_state
-
-
-@functools.cache
-def bf16_gemm_is_native() -> bool:
-    """Whether torch's bf16 GEMM on this CPU is oneDNN's (AVX512_BF16 or AMX; aarch64: left to vLLM) rather
-    than the scalar fallback."""
-    import platform
-
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return True
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 class _OpsWithFloat32Prefill(_ModuleView):
