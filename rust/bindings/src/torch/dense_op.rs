@@ -13,7 +13,7 @@ use super::abi::{api, Api};
 use super::policy::{variant, warm_up_pass};
 use super::pool::TorchPool;
 use super::tensor::Tensor;
-use super::{catch_boxed, register_boxed_op, take_optional_tensor, take_tensor};
+use super::{api_for_schema, catch_boxed, register_boxed_op, take_optional_tensor, take_tensor};
 
 extern "C" {
     /// `csrc/torch_boxed.cpp`: the boxed entry torch calls; it calls [`ternary_rs_cpu_dense_boxed`].
@@ -59,14 +59,7 @@ pub unsafe extern "C" fn ternary_rs_cpu_dense_boxed(
 }
 
 unsafe fn boxed(stack: *mut u64, num_args: u64, num_outputs: u64) -> Result<(), String> {
-    let api = super::abi::registered_api()
-        .ok_or("ternary_rs: native kernel called before registration")?;
-    if num_args != NUM_ARGS || num_outputs != 1 {
-        return Err(format!(
-            "{OP}: the registered schema has {num_args} arguments and {num_outputs} outputs, this kernel \
-             expects {NUM_ARGS} and 1 (ternary_rs's ops.py and _core are from different versions?)"
-        ));
-    }
+    let api = api_for_schema(OP, (num_args, num_outputs), NUM_ARGS)?;
     // Own every tensor handle first, so all are freed whatever fails below.
     // SAFETY: arguments 0 and 1 are tensors, 2 an optional tensor, by the schema.
     let (x, weight, bias) = unsafe {

@@ -181,6 +181,23 @@ pub(crate) unsafe fn take_tensor<'a>(api: &'a Api, stack: *mut u64, i: usize) ->
     }
 }
 
+/// The registered API, once the boxed call's schema (`got`: arguments, outputs) is the one `op`'s kernel
+/// was written for (`args` arguments, one output).
+pub(crate) fn api_for_schema(
+    op: &str,
+    (num_args, num_outputs): (u64, u64),
+    args: u64,
+) -> Result<&'static Api, String> {
+    let api = registered_api().ok_or("ternary_rs: native kernel called before registration")?;
+    if num_args != args || num_outputs != 1 {
+        return Err(format!(
+            "{op}: the registered schema has {num_args} arguments and {num_outputs} outputs, this kernel \
+             expects {args} and 1 (ternary_rs's ops.py and _core are from different versions?)"
+        ));
+    }
+    Ok(api)
+}
+
 /// Take the optional tensor at `stack[i]` (None, or an owned handle freed when the value drops); the
 /// heap box torch passed it in is freed here.
 ///
@@ -214,13 +231,11 @@ unsafe fn boxed(
     num_outputs: u64,
     kernel: LinearFn,
 ) -> Result<(), String> {
-    let api = registered_api().ok_or("ternary_rs: native kernel called before registration")?;
-    if num_args != NUM_ARGS || num_outputs != 1 {
-        return Err(format!(
-            "ternary_rs::ternary_linear: the registered schema has {num_args} arguments and {num_outputs} outputs, \
-             this kernel expects {NUM_ARGS} and 1 (ternary_rs's ops.py and _core are from different versions?)"
-        ));
-    }
+    let api = api_for_schema(
+        "ternary_rs::ternary_linear",
+        (num_args, num_outputs),
+        NUM_ARGS,
+    )?;
     // SAFETY: the stack holds NUM_ARGS entries.
     let arg = |i: usize| unsafe { *stack.add(i) };
     // Take ownership of every handle first, so all are freed whatever fails below.

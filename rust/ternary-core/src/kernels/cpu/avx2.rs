@@ -55,8 +55,10 @@ unsafe fn load_half(block: *const u8, sb: usize, r: usize, h: usize) -> __m256i 
     unsafe { _mm256_loadu_si256(block.add((sb * ROWS + r) * CHUNK_BYTES + 32 * h).cast()) }
 }
 
+/// The eight lanes' sum, in the fixed order `((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7))` (the dense
+/// kernel's reference, `half_linear::reference`, spells it out).
 #[inline(always)]
-unsafe fn hsum(v: __m256) -> f32 {
+pub(super) unsafe fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))

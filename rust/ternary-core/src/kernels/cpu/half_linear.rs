@@ -27,11 +27,6 @@ const TILE_ROWS: usize = 4;
 const TILE_TOKENS: usize = 2;
 /// Tiles whose outputs are converted to the half type together.
 const RUN_TILES: usize = 64;
-/// Smallest weight (elements × tokens) worth splitting over threads.
-const PARALLEL_MIN_WORK: usize = 1 << 20;
-/// Smallest task (weight elements) when split.
-const TASK_MIN_WEIGHTS: usize = 1 << 18;
-
 /// A half-precision element type of the weight (and of x and y).
 pub trait Half: Activation {
     fn to_f32(self) -> f32;
@@ -177,21 +172,7 @@ pub fn linear<T: Half>(
             }
         }
     };
-    let work = wn.saturating_mul(m.min(16));
-    let threads = pool.threads().max(1);
-    if work < PARALLEL_MIN_WORK || threads == 1 || tiles < 2 {
-        job(0..tiles);
-        return Ok(());
-    }
-    let per_task = (TASK_MIN_WEIGHTS / (TILE_ROWS * k).max(1))
-        .max(tiles.div_ceil(4 * threads))
-        .max(1);
-    let tasks = tiles.div_ceil(per_task);
-    pool.run(tasks, &|r: std::ops::Range<usize>| {
-        for task in r {
-            job(task * per_task..((task + 1) * per_task).min(tiles));
-        }
-    });
+    super::split_units(tiles, TILE_ROWS * k, m, pool, &job);
     Ok(())
 }
 
@@ -278,18 +259,8 @@ pub fn reference<T: Half, const N: usize>(
 mod avx2 {
     use std::arch::x86_64::*;
 
+    use super::super::avx2::hsum;
     use super::{Half, TILE_ROWS};
-
-    /// Lanes summed as [`super::reference`] does.
-    #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        // SAFETY: AVX (the caller's features).
-        unsafe {
-            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
-        }
-    }
 
     /// # Safety
     /// AVX2, FMA and F16C are available; every slice has the same length.

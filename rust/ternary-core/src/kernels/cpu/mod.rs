@@ -117,6 +117,35 @@ pub const PARALLEL_MIN_WEIGHTS: usize = 1 << 20;
 /// Weights per parallel task at least (a task keeps its stream going for a while).
 const TASK_MIN_WEIGHTS: usize = 1 << 18;
 
+/// Split `units` units of `unit_weights` weights each, for `tokens` tokens, into contiguous ranges run on
+/// `par` (one range on the calling thread when the work is small).
+pub(crate) fn split_units(
+    units: usize,
+    unit_weights: usize,
+    tokens: usize,
+    par: &dyn ParallelFor,
+    f: &(dyn Fn(std::ops::Range<usize>) + Sync),
+) {
+    let total = units
+        .saturating_mul(unit_weights)
+        .saturating_mul(tokens.min(16));
+    let threads = par.threads().max(1);
+    if total < PARALLEL_MIN_WEIGHTS || threads == 1 || units < 2 {
+        f(0..units);
+        return;
+    }
+    // Enough tasks to balance (4 per thread), each at least TASK_MIN_WEIGHTS.
+    let per_task = (TASK_MIN_WEIGHTS / unit_weights.max(1))
+        .max(units.div_ceil(4 * threads))
+        .max(1);
+    let tasks = units.div_ceil(per_task);
+    par.run(tasks, &|range: std::ops::Range<usize>| {
+        for t in range {
+            f(t * per_task..((t + 1) * per_task).min(units));
+        }
+    });
+}
+
 /// A kernel implementation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Variant {
@@ -698,7 +727,7 @@ impl<T: Activation> Job<'_, T> {
         }
     }
 
-    /// Split `units` units of `unit_weights` weights each into tasks on `par` (one task when small).
+    /// [`split_units`] for this job's tokens.
     fn split(
         &self,
         units: usize,
@@ -706,24 +735,7 @@ impl<T: Activation> Job<'_, T> {
         par: &dyn ParallelFor,
         f: &(dyn Fn(std::ops::Range<usize>) + Sync),
     ) {
-        let total = units
-            .saturating_mul(unit_weights)
-            .saturating_mul(self.m.min(16));
-        let threads = par.threads().max(1);
-        if total < PARALLEL_MIN_WEIGHTS || threads == 1 || units < 2 {
-            f(0..units);
-            return;
-        }
-        // Enough tasks to balance (4 per thread), each at least TASK_MIN_WEIGHTS.
-        let per_task = (TASK_MIN_WEIGHTS / unit_weights.max(1))
-            .max(units.div_ceil(4 * threads))
-            .max(1);
-        let tasks = units.div_ceil(per_task);
-        par.run(tasks, &|range: std::ops::Range<usize>| {
-            for t in range {
-                f(t * per_task..((t + 1) * per_task).min(units));
-            }
-        });
+        split_units(units, unit_weights, self.m, par, f)
     }
 
     /// Write `vals[t][r]` (+ bias) for row block `b`, tokens `m0 .. m0 + tokens`.
