@@ -181,8 +181,8 @@ pub(crate) unsafe fn take_tensor<'a>(api: &'a Api, stack: *mut u64, i: usize) ->
     }
 }
 
-/// The registered API, once the boxed call's schema (`got`: arguments, outputs) is the one `op`'s kernel
-/// was written for (`args` arguments, one output).
+/// The registered API, once the boxed call's schema (its argument and output counts) is the one `op`'s
+/// kernel was written for (`args` arguments, one output).
 pub(crate) fn api_for_schema(
     op: &str,
     (num_args, num_outputs): (u64, u64),

@@ -75,16 +75,11 @@ pub enum HalfVariant {
 }
 
 impl HalfVariant {
-    /// The fastest this CPU runs.
+    /// The fastest this CPU runs (AVX2 needs what the int8 AVX2 kernels need: AVX2, FMA, F16C).
     pub fn best() -> Self {
         #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
-                return HalfVariant::Avx2;
-            }
+        if super::avx2::is_supported() {
+            return HalfVariant::Avx2;
         }
         HalfVariant::Scalar
     }
