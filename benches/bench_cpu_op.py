@@ -3,15 +3,17 @@
 Everything is measured side by side in one run, on 1 and 2 threads (``torch.set_num_threads``: the native
 op runs on torch's intra-op pool, like ``F.linear``):
 
-* **streaming read bandwidth** of this machine (``torch.sum`` over 1 GiB of f32): the physical limit a
-  decode GEMV at M = 1 is bounded by;
+* **streaming read bandwidth** of this machine (``torch.sum`` over 1 GiB of f32) on 2 MiB pages, where the
+  prepared weights live (``ternary_rs.serving.hugepages``): the physical limit a decode GEMV at M = 1 is
+  bounded by, and the ``%bw`` base; also printed on torch's 4 KiB pages (TLB misses every 4 KiB: lower);
 * per shape (in_features × out_features; the 27B decode shapes by default) and M: G weights/s,
   G weight-tokens/s and GB/s of the packed weight (codes + scales: the bytes the kernel streams), the
   fraction of the streaming bandwidth, and the ratio to torch bf16 ``F.linear`` of the same shape, for
   the default bf16 mode (int8 per group) and the exact mode; for M > 1 the int8 time over the int8 time
   at M = 1 of the same shape, timed in the same rounds (``xM1``: medians, ``xM1min``: minima; the
   continuous-batching goal is <= 1.5 at M = 8 and <= 2.5 at M = 16);
-* weights are **cold**: each shape cycles through enough copies to exceed the last-level cache several
+* weights are **cold** (and on huge pages, as ``ops.prepare_weight`` places them; bf16 on torch's own pages, as
+  vLLM holds them): each shape cycles through enough copies to exceed the last-level cache several
   times (a decoding model streams every layer from DRAM), for ternary and for bf16 alike; ``--hot``
   instead reuses one copy (the condition of llama.cpp's ``test-backend-ops perf``, whose weights stay in
   cache), printed as extra rows;
@@ -41,7 +43,7 @@ import torch
 
 import ternary_rs
 from ternary_rs import _core
-from ternary_rs.serving import _ops_cpu, ops
+from ternary_rs.serving import _ops_cpu, hugepages, ops
 
 SHAPES = [(5120, 17408), (17408, 5120), (5120, 6144), (5120, 151936)]
 GROUP = 128
@@ -106,9 +108,15 @@ def timed_together(fns: dict, budget_s: float, min_rounds: int = 3) -> dict:
     return {name: (sorted(v)[len(v) // 2], min(v)) for name, v in times.items()}
 
 
-def stream_bandwidth(threads: int) -> float:
+def stream_bandwidth(threads: int, huge_pages: bool = True) -> float:
+    """GB/s of ``torch.sum`` over 1 GiB of f32: on huge pages (where the prepared weights are) or, with
+    ``huge_pages=False``, on torch's own allocation."""
     torch.set_num_threads(threads)
-    a = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
+    if huge_pages:
+        a = hugepages.empty((1 << 28,), torch.float32)  # 1 GiB
+        a.fill_(1.0)
+    else:
+        a = torch.ones(1 << 28, dtype=torch.float32)
     t = timed(lambda i: a.sum(), 1, 1.0, min_calls=5)
     return a.numel() * 4 / t / 1e9
 
@@ -179,9 +187,11 @@ def main() -> None:
     print(f"CPU: {platform.processor() or platform.machine()}, kernel variant {_ops_cpu.kernel_variant()}, "
           f"native dispatch: {ops.NATIVE_CPU_UNAVAILABLE is None}, torch {torch.__version__}, g = {GROUP}")
     bandwidth = {t: stream_bandwidth(t) for t in threads}
+    small_pages = {t: stream_bandwidth(t, huge_pages=False) for t in threads}
     for t, bw in bandwidth.items():
-        print(f"streaming read bandwidth, {t} thread(s): {bw:.1f} GB/s")
-    results = {"bandwidth_GBps": bandwidth, "overhead": {}, "rows": []}
+        print(f"streaming read bandwidth, {t} thread(s): {bw:.1f} GB/s on huge pages "
+              f"(THP {hugepages.thp_mode()}; the %bw base), {small_pages[t]:.1f} GB/s on torch's own pages")
+    results = {"bandwidth_GBps": bandwidth, "bandwidth_small_pages_GBps": small_pages, "overhead": {}, "rows": []}
     for t in threads:
         results["overhead"][t] = o = overhead(t)
         print(f"per-call at 1x1024->1024, {t} thread(s): native op {o['native_us']:.2f} us, kernel called "
@@ -199,8 +209,8 @@ def main() -> None:
         qk, sk = ops.prepare_weight(q, s, GROUP)
         packed = qk.numel() + 2 * sk.numel()
         copies = max(1, -(-COLD_BYTES // packed))
-        tq = [qk] + [qk.clone() for _ in range(copies - 1)]
-        ts = [sk] + [sk.clone() for _ in range(copies - 1)]
+        tq = [qk] + [hugepages.copy_of(qk) for _ in range(copies - 1)]
+        ts = [sk] + [hugepages.copy_of(sk) for _ in range(copies - 1)]
         dense = None
         if not args.no_bf16:
             w = torch.randn(n, k, dtype=torch.bfloat16)

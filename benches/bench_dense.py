@@ -9,7 +9,9 @@ takes bf16 (AVX512_BF16 / AMX), else with ``torch.nn.functional.linear`` — the
 on such CPUs converts element by element. Per shape, M and thread count: milliseconds (median of
 round-robin calls, ``timed_together`` of benches/bench_cpu_op.py), GB/s of the bf16 weight and its fraction of
 the streaming bandwidth (the bound at M = 1), G weight-tokens/s, and the speed-up over torch. Weights are
-cold: each side cycles through copies that together exceed the last-level cache.
+cold: each side cycles through copies that together exceed the last-level cache; ours are on 2 MiB pages, where
+the plugin moves a weight it routes to the kernel (``ternary_rs.serving.hugepages``), torch's on its own pages,
+as vLLM holds them; the streaming bandwidth is measured on 2 MiB pages.
 
 ``vLLM's path`` says what vLLM would use on this CPU (``onednn`` where it accepts bf16; there the plugin
 leaves the layer alone and this bench only shows the kernel).
@@ -26,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu_op import stream_bandwidth, timed_together  # noqa: E402
 
-from ternary_rs.serving import ops  # noqa: E402
+from ternary_rs.serving import hugepages, ops  # noqa: E402
 
 LLC_BYTES = 512 << 20  # larger than any last-level cache this runs on (the AMX machine's L3 is 480 MiB)
 
@@ -62,11 +64,13 @@ def main() -> None:
         nbytes = n * k * 2
         copies = max(1, -(-LLC_BYTES // nbytes))
         ws = [(torch.randn(n, k) * 0.02).to(torch.bfloat16) for _ in range(copies)]
+        # Ours where the plugin puts a routed weight (huge pages); torch's as vLLM holds it.
+        ours_ws = [hugepages.copy_of(w) for w in ws]
         for m in (int(v) for v in args.m.split(",")):
             x = torch.randn(m, k).to(torch.bfloat16)
             for t in threads_list:
                 torch.set_num_threads(t)
-                fns = {"ours": (lambda i: ops.dense_linear(x, ws[i]), copies, None)}
+                fns = {"ours": (lambda i: ops.dense_linear(x, ours_ws[i]), copies, None)}
                 if m <= args.torch_max_m:
                     fns["torch"] = (lambda i: torch.nn.functional.linear(x, ws[i]), copies, None)
                 res = timed_together(fns, args.budget)

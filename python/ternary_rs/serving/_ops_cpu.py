@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from .. import _core
+from . import hugepages
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 AUTO, EXACT, INT8_GROUP, INT8_TOKEN = (
@@ -168,8 +169,9 @@ def prepare_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int)
     q = qweight.contiguous()
     s = scales.contiguous()
     q_shape, s_shape = prepared_shapes(n, k, group_size)
-    codes = torch.empty(q_shape, dtype=torch.uint8)
-    prepared_scales = torch.empty(s_shape, dtype=torch.float16)
+    # The kernels stream these once per call: on 2 MiB pages (see hugepages.py).
+    codes = hugepages.empty(q_shape, torch.uint8)
+    prepared_scales = hugepages.empty(s_shape, torch.float16)
     _core.ternary_cpu_prepare(q.data_ptr(), s.data_ptr(), n, k, group_size, codes.data_ptr(),
                               prepared_scales.data_ptr())
     return codes, prepared_scales

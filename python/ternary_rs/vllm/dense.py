@@ -17,7 +17,7 @@ import torch
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-from ..serving import ops
+from ..serving import hugepages, ops
 from ..serving.cpu import bf16_gemm_is_native
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -51,6 +51,10 @@ def route_to_dense_kernel(layer: torch.nn.Module) -> bool:
     :func:`takes_dense_kernel`; whether it did."""
     if not takes_dense_kernel(getattr(layer, "weight", None)):
         return False
+    if hugepages.available():
+        # The kernel streams the weight once per call: on 2 MiB pages (hugepages.py). Through ``.data``,
+        # so a tied embedding that shares this Parameter moves with it.
+        layer.weight.data = hugepages.copy_of(layer.weight.data)
     layer.cpu_linear = dense_cpu_linear
     return True
 

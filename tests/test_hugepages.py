@@ -1,0 +1,131 @@
+"""CPU weight memory on huge pages (``ternary_rs.serving.hugepages``): the prepared weights the kernels
+stream live in mappings that asked for 2 MiB pages, and nothing about their values, shapes or lifetimes
+differs from ``torch.empty`` memory. Where the kernel has THP off (or off Linux) the module must be plain
+``torch.empty``; both branches are tested here whatever this machine has."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from ternary_rs.serving import hugepages, ops
+
+needs_thp = pytest.mark.skipif(not hugepages.available(), reason="transparent huge pages are off here "
+                               f"({hugepages.thp_mode()}); the fallback test below covers this machine")
+
+
+def test_thp_mode_reads_the_bracketed_word(tmp_path, monkeypatch):
+    f = tmp_path / "enabled"
+    f.write_text("always [madvise] never\n")
+    monkeypatch.setattr(hugepages, "THP_ENABLED", f)
+    assert hugepages.thp_mode() == "madvise"
+    f.write_text("always madvise [never]\n")
+    assert hugepages.thp_mode() == "never" and not hugepages.available()
+    monkeypatch.setattr(hugepages, "THP_ENABLED", tmp_path / "missing")
+    assert hugepages.thp_mode() == "unavailable" and not hugepages.available()
+
+
+def test_without_thp_it_is_torch_empty(monkeypatch):
+    monkeypatch.setattr(hugepages, "available", lambda: False)
+    t = hugepages.empty((3, 5), torch.float16)
+    assert t.shape == (3, 5) and t.dtype == torch.float16 and t.is_contiguous()
+    assert t.untyped_storage().nbytes() == 30  # its own storage, not a view of a shared region
+    assert torch.equal(hugepages.stack([torch.ones(2), torch.zeros(2)]), torch.tensor([[1.0, 1], [0, 0]]))
+
+
+@needs_thp
+@pytest.mark.parametrize("shape,dtype", [((7,), torch.uint8), ((33, 17), torch.float16), ((5, 3, 2), torch.float32),
+                                         ((3 << 20,), torch.float32), ((0, 4), torch.uint8)])
+def test_tensors_behave_like_torch_empty(shape, dtype):
+    t = hugepages.empty(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
+    if t.numel():
+        assert t.data_ptr() % hugepages.ALIGN == 0
+        src = torch.arange(t.numel()).reshape(shape).to(dtype)
+        t.copy_(src)
+        assert torch.equal(t, src)
+        assert hugepages.advised(t)
+
+
+@needs_thp
+def test_large_tensors_start_on_a_huge_page_and_get_huge_pages():
+    t = hugepages.empty((hugepages.OWN_REGION_BYTES + 12345,), torch.uint8)
+    assert t.data_ptr() % hugepages.HUGE_PAGE == 0
+    t.fill_(3)
+    assert hugepages.advised(t)
+    # Whether the kernel found free 2 MiB frames is its business (fragmentation); report, don't insist.
+    print(f"huge-page bytes behind an {t.numel()}-byte tensor: {hugepages.huge_page_bytes(t)}")
+
+
+@needs_thp
+def test_small_tensors_share_a_region_without_overlapping():
+    ts = [hugepages.empty((n,), torch.uint8) for n in (1, 63, 64, 65, 4096, 100_000, 3)]
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel()) for t in ts)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    for i, t in enumerate(ts):
+        t.fill_(i)
+    assert all(bool((t == i).all()) for i, t in enumerate(ts))
+
+
+@needs_thp
+def test_tensors_outlive_the_arena_and_free_their_region():
+    keep = hugepages.empty((1000,), torch.float32)
+    keep.copy_(torch.arange(1000, dtype=torch.float32))
+    hugepages._current = None  # the arena forgets the region; the tensor still holds it
+    junk = [torch.full((1 << 18,), 7.0) for _ in range(8)]
+    gc.collect()
+    del junk
+    assert torch.equal(keep, torch.arange(1000, dtype=torch.float32))
+    big = hugepages.empty((hugepages.OWN_REGION_BYTES,), torch.uint8)
+    address = big.data_ptr()
+    del big
+    gc.collect()
+    assert hugepages._smaps_entry(address) == {}  # its own region was unmapped with it
+
+
+@needs_thp
+def test_concurrent_allocations_do_not_overlap():
+    got: list[torch.Tensor] = []
+    lock = threading.Lock()
+
+    def work():
+        mine = [hugepages.empty((4096 + 64 * i,), torch.uint8) for i in range(50)]
+        with lock:
+            got.extend(mine)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel()) for t in got)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+
+
+def test_stack_and_copy_equal_torch():
+    parts = [torch.randn(4, 6).to(torch.float16) for _ in range(3)]
+    assert torch.equal(hugepages.stack(parts), torch.stack(parts))
+    x = torch.randn(5, 7).t()  # non-contiguous source
+    c = hugepages.copy_of(x)
+    assert torch.equal(c, x) and c.is_contiguous()
+
+
+@needs_thp
+def test_prepared_cpu_weights_are_on_huge_page_memory_and_compute_the_same():
+    rng = np.random.default_rng(5)
+    n, k, g = 72, 512, 128
+    codes = rng.integers(0, 3, size=(n, k), dtype=np.uint8)
+    packed = torch.from_numpy((codes.reshape(n, k // 4, 4) << np.array([0, 2, 4, 6], dtype=np.uint8))
+                              .sum(axis=2, dtype=np.uint8))
+    scales = torch.from_numpy(rng.uniform(0.01, 0.1, size=(n, k // g)).astype(np.float16))
+    qk, sk = ops.prepare_weight(packed, scales, g)
+    assert hugepages.advised(qk) and hugepages.advised(sk)
+    x = torch.randn(3, k, dtype=torch.bfloat16)
+    on_huge = torch.ops.ternary_rs.ternary_linear(x, qk, sk, n, k, g)
+    plain = torch.ops.ternary_rs.ternary_linear(x, qk.clone(), sk.clone(), n, k, g)
+    assert not hugepages.advised(qk.clone())
+    assert torch.equal(on_huge, plain)
