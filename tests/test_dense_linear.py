@@ -130,3 +130,26 @@ def test_vllm_routing_rule():
         assert torch.equal(layer.cpu_linear(x, layer.weight, None), OP(x, layer.weight))
         xf, wf = torch.randn(3, 8), layer.weight.float()
         assert torch.equal(layer.cpu_linear(xf, wf, None), torch.nn.functional.linear(xf, wf))
+
+
+def test_routed_weight_moves_to_huge_pages_once_and_tied_sharers_follow():
+    """A weight the plugin routes to the kernel is copied onto huge pages (where THP allows) with the
+    same values, through ``.data``: a module tied to the same Parameter sees the move, and routing the
+    tied partner too does not copy it again."""
+    pytest.importorskip("vllm")
+    from ternary_rs.serving import hugepages
+    from ternary_rs.serving.cpu import bf16_gemm_is_native
+    from ternary_rs.vllm import dense
+
+    if bf16_gemm_is_native():
+        pytest.skip("torch's bf16 GEMM is native here: the plugin leaves dense layers to vLLM")
+    values = torch.randn(64, 32).to(torch.bfloat16)
+    head, embed = torch.nn.Module(), torch.nn.Module()
+    head.weight = torch.nn.Parameter(values.clone(), requires_grad=False)
+    embed.weight = head.weight  # tied
+    assert dense.route_to_dense_kernel(head)
+    assert torch.equal(head.weight, values) and embed.weight is head.weight
+    moved = head.weight.data_ptr()
+    assert hugepages.advised(head.weight) == hugepages.available()
+    assert dense.route_to_dense_kernel(embed)
+    assert embed.weight.data_ptr() == moved  # not copied twice

@@ -21,6 +21,8 @@ from ..serving import hugepages, ops
 from ..serving.cpu import bf16_gemm_is_native
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+# Set on a weight Parameter once route_to_dense_kernel has moved it to huge pages.
+_ON_HUGE_PAGES = "_ternary_rs_on_huge_pages"
 
 
 def takes_dense_kernel(weight: torch.Tensor | None) -> bool:
@@ -51,10 +53,11 @@ def route_to_dense_kernel(layer: torch.nn.Module) -> bool:
     :func:`takes_dense_kernel`; whether it did."""
     if not takes_dense_kernel(getattr(layer, "weight", None)):
         return False
-    if hugepages.available():
+    if hugepages.available() and not getattr(layer.weight, _ON_HUGE_PAGES, False):
         # The kernel streams the weight once per call: on 2 MiB pages (hugepages.py). Through ``.data``,
-        # so a tied embedding that shares this Parameter moves with it.
+        # so a tied embedding that shares this Parameter moves with it (once: the mark travels with it).
         layer.weight.data = hugepages.copy_of(layer.weight.data)
+        setattr(layer.weight, _ON_HUGE_PAGES, True)
     layer.cpu_linear = dense_cpu_linear
     return True
 
