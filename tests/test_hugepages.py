@@ -129,3 +129,13 @@ def test_prepared_cpu_weights_are_on_huge_page_memory_and_compute_the_same():
     plain = torch.ops.ternary_rs.ternary_linear(x, qk.clone(), sk.clone(), n, k, g)
     assert not hugepages.advised(qk.clone())
     assert torch.equal(on_huge, plain)
+
+
+def test_trim_heap_keeps_every_live_tensor():
+    """``trim_heap`` (glibc ``malloc_trim`` before each CPU prepare, so the heap memory of freed canonical
+    tensors goes back to the system) frees nothing that is still in use."""
+    live = [torch.full((1 << 16,), float(i)) for i in range(16)]
+    dead = [torch.ones(1 << 18) for _ in range(16)]
+    del dead
+    hugepages.trim_heap()
+    assert all(bool((t == i).all()) for i, t in enumerate(live))

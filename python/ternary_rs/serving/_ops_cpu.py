@@ -169,7 +169,9 @@ def prepare_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int)
     q = qweight.contiguous()
     s = scales.contiguous()
     q_shape, s_shape = prepared_shapes(n, k, group_size)
-    # The kernels stream these once per call: on 2 MiB pages (see hugepages.py).
+    # The kernels stream these once per call: on 2 MiB pages (see hugepages.py), so the heap memory of the
+    # canonical tensors a loader frees as it goes is no longer reused by them: hand it back first.
+    hugepages.trim_heap()
     codes = hugepages.empty(q_shape, torch.uint8)
     prepared_scales = hugepages.empty(s_shape, torch.float16)
     _core.ternary_cpu_prepare(q.data_ptr(), s.data_ptr(), n, k, group_size, codes.data_ptr(),

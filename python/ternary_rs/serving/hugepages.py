@@ -21,6 +21,7 @@ Where THP is ``never``, or off Linux, :func:`empty` is ``torch.empty``. Nothing 
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import threading
 from pathlib import Path
@@ -98,6 +99,26 @@ def empty(shape, dtype: torch.dtype) -> torch.Tensor:
                 raw = _current.take(nbytes)
     assert raw is not None
     return raw.view(dtype).view(shape)
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free memory back to the system (glibc ``malloc_trim``; elsewhere nothing).
+
+    Before, a prepared weight reused the heap memory its canonical predecessor (freed by the loader) left;
+    now that prepared weights live in their own mappings nothing reuses it, and glibc keeps freed heap
+    memory resident. Called once per prepared weight, it returns the previous layer's (1.7B shape in vLLM:
+    peak RSS +195 MB without it)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def copy_of(t: torch.Tensor) -> torch.Tensor:
