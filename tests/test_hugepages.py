@@ -34,7 +34,7 @@ def test_without_thp_it_is_torch_empty(monkeypatch):
     t = hugepages.empty((3, 5), torch.float16)
     assert t.shape == (3, 5) and t.dtype == torch.float16 and t.is_contiguous()
     assert t.untyped_storage().nbytes() == 30  # its own storage, not a view of a shared region
-    assert torch.equal(hugepages.stack([torch.ones(2), torch.zeros(2)]), torch.tensor([[1.0, 1], [0, 0]]))
+    assert torch.equal(hugepages.copy_of(torch.ones(2, 3).t()), torch.ones(3, 2))
 
 
 @needs_thp
@@ -106,9 +106,7 @@ def test_concurrent_allocations_do_not_overlap():
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
 
 
-def test_stack_and_copy_equal_torch():
-    parts = [torch.randn(4, 6).to(torch.float16) for _ in range(3)]
-    assert torch.equal(hugepages.stack(parts), torch.stack(parts))
+def test_copy_equals_torch():
     x = torch.randn(5, 7).t()  # non-contiguous source
     c = hugepages.copy_of(x)
     assert torch.equal(c, x) and c.is_contiguous()
@@ -139,3 +137,21 @@ def test_trim_heap_keeps_every_live_tensor():
     del dead
     hugepages.trim_heap()
     assert all(bool((t == i).all()) for i, t in enumerate(live))
+
+
+def test_stacked_experts_are_prepared_in_place_equal_to_one_by_one():
+    """``ops.prepare_stacked`` (the MoE experts) writes each expert's kernel layout straight into its slice
+    of one tensor: the same bytes as ``prepare_weight`` expert by expert, stacked."""
+    rng = np.random.default_rng(9)
+    e, n, k, g = 5, 36, 512, 64
+    codes = rng.integers(0, 3, size=(e, n, k), dtype=np.uint8)
+    packed = torch.from_numpy((codes.reshape(e, n, k // 4, 4) << np.array([0, 2, 4, 6], dtype=np.uint8))
+                              .sum(axis=3, dtype=np.uint8))
+    scales = torch.from_numpy(rng.uniform(0.01, 0.1, size=(e, n, k // g)).astype(np.float16))
+    qs, ss = ops.prepare_stacked(packed, scales, g)
+    one_by_one = [ops.prepare_weight(packed[i], scales[i], g) for i in range(e)]
+    assert torch.equal(qs, torch.stack([p[0] for p in one_by_one]))
+    assert torch.equal(ss, torch.stack([p[1] for p in one_by_one]))
+    assert hugepages.advised(qs) == hugepages.available()
+    with pytest.raises(ValueError, match=r"\[E, N, K/4\]"):
+        ops.prepare_stacked(packed[0], scales[0], g)

@@ -12,6 +12,7 @@ from .serving.ops import (  # noqa: F401 - re-exported
     NATIVE_CUDA_UNAVAILABLE,
     OP_NAME,
     SCHEMA,
+    prepare_stacked,
     prepare_weight,
     ternary_linear,
 )

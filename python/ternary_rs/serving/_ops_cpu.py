@@ -157,8 +157,8 @@ def prepared_shapes(out_features: int, in_features: int, group_size: int):
     return _core.cpu_prepared_shapes(int(out_features), int(in_features), int(group_size))
 
 
-def prepare_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int):
-    """Canonical ``(uint8 [N, K/4], float16 [N, K/g])`` → the kernel layout (see the module docs)."""
+def _check_canonical(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple[int, int]:
+    """(N, K) of canonical CPU tensors, or a clear ValueError."""
     _check(qweight.dtype == torch.uint8 and qweight.dim() == 2, f"qweight must be uint8 [N, K/4], got {qweight.dtype} {tuple(qweight.shape)}")
     _check(scales.dtype == torch.float16, f"scales must be float16, got {scales.dtype}")
     n, k = qweight.shape[0], qweight.shape[1] * 4
@@ -166,16 +166,44 @@ def prepare_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int)
     _check(k % group_size == 0, f"in_features {k} is not a multiple of group_size {group_size}")
     _check(tuple(scales.shape) == (n, k // group_size), f"scales must be [{n}, {k // group_size}], got {tuple(scales.shape)}")
     _check(qweight.device.type == "cpu" and scales.device.type == "cpu", "prepare_weight (CPU) needs CPU tensors")
+    return n, k
+
+
+def _prepare_into(qweight, scales, group_size, n, k, codes, prepared_scales) -> None:
     q = qweight.contiguous()
     s = scales.contiguous()
+    _core.ternary_cpu_prepare(q.data_ptr(), s.data_ptr(), n, k, group_size, codes.data_ptr(),
+                              prepared_scales.data_ptr())
+
+
+def prepare_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int):
+    """Canonical ``(uint8 [N, K/4], float16 [N, K/g])`` → the kernel layout (see the module docs)."""
+    n, k = _check_canonical(qweight, scales, group_size)
     q_shape, s_shape = prepared_shapes(n, k, group_size)
     # The kernels stream these once per call: on 2 MiB pages (see hugepages.py), so the heap memory of the
     # canonical tensors a loader frees as it goes is no longer reused by them: hand it back first.
     hugepages.trim_heap()
     codes = hugepages.empty(q_shape, torch.uint8)
     prepared_scales = hugepages.empty(s_shape, torch.float16)
-    _core.ternary_cpu_prepare(q.data_ptr(), s.data_ptr(), n, k, group_size, codes.data_ptr(),
-                              prepared_scales.data_ptr())
+    _prepare_into(qweight, scales, group_size, n, k, codes, prepared_scales)
+    return codes, prepared_scales
+
+
+def prepare_stacked(qweight: torch.Tensor, scales: torch.Tensor, group_size: int):
+    """Canonical ``(uint8 [E, N, K/4], float16 [E, N, K/g])`` (MoE experts) → each expert's kernel layout,
+    stacked along E: ``prepare_weight`` of every expert written straight into its slice of one huge-page
+    tensor (no per-expert temporaries: in a shared huge-page region they would stay resident)."""
+    _check(qweight.dim() == 3 and scales.dim() == 3 and qweight.shape[0] == scales.shape[0],
+           f"stacked qweight / scales must be [E, N, K/4] / [E, N, K/g], got {tuple(qweight.shape)} / {tuple(scales.shape)}")
+    experts = qweight.shape[0]
+    _check(experts > 0, "prepare_stacked needs at least one expert")
+    n, k = _check_canonical(qweight[0], scales[0], group_size)
+    q_shape, s_shape = prepared_shapes(n, k, group_size)
+    hugepages.trim_heap()
+    codes = hugepages.empty((experts, *q_shape), torch.uint8)
+    prepared_scales = hugepages.empty((experts, *s_shape), torch.float16)
+    for e in range(experts):
+        _prepare_into(qweight[e], scales[e], group_size, n, k, codes[e], prepared_scales[e])
     return codes, prepared_scales
 
 

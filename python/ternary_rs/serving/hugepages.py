@@ -8,10 +8,11 @@ threads (``benches/bench_cpu_op.py`` prints both ways).
 
 torch's CPU allocator gives 4 KiB pages unless the process was *started* with ``THP_MEM_ALLOC_ENABLE=1``
 (read once, at its first large allocation), and most distributions ship THP as ``madvise``: a region gets
-huge pages only if it asks. So the prepared weights (``ops.prepare_weight`` on CPU, the stacked MoE
-experts) are placed here: anonymous mappings aligned to 2 MiB and marked ``MADV_HUGEPAGE`` before the
-first touch. Small tensors share 32 MiB regions (bump allocation: weights are made once and live as long
-as the model), large ones get a region each. A region is unmapped when the last tensor in it is gone
+huge pages only if it asks. So the prepared weights (``ops.prepare_weight`` and, for MoE experts,
+``ops.prepare_stacked`` on CPU) and the dense weights routed to ``dense_linear`` are placed here: anonymous
+mappings aligned to 2 MiB and marked ``MADV_HUGEPAGE`` before the first touch. Small tensors share 32 MiB
+regions (bump allocation: weights are made once and live as long as the model, so nothing short-lived
+should be placed here: it would keep its shared region resident), large ones get a region each. A region is unmapped when the last tensor in it is gone
 (each tensor holds its region through ``torch.frombuffer``); only the region being filled stays
 referenced here, and its untouched tail costs address space, not memory.
 
@@ -125,13 +126,6 @@ def copy_of(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of CPU tensor ``t`` on huge pages where :func:`available`."""
     out = empty(t.shape, t.dtype)
     out.copy_(t)
-    return out
-
-
-def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(tensors)`` into huge-page memory where :func:`available`."""
-    out = empty((len(tensors), *tensors[0].shape), tensors[0].dtype)
-    torch.stack(tensors, out=out)
     return out
 
 

@@ -5,6 +5,8 @@ Contract (stable; the vLLM backend codes against it):
 * ``prepare_weight(qweight, scales, group_size) -> (qweight_k, scales_k)`` — called once per layer from
   ``process_weights_after_loading``. Takes the canonical tensors (``uint8 [N, K/4]``, ``float16 [N, K/g]``)
   on the target device and returns them in the layout of that device's kernel (opaque to callers).
+  ``prepare_stacked(qweight [E, N, K/4], scales [E, N, K/g], group_size)`` does it for MoE experts, stacked
+  along E as ``ternary_moe`` takes them (on the CPU in place, without per-expert copies).
 * ``torch.ops.ternary_rs.ternary_linear(x, qweight_k, scales_k, out_features, in_features, group_size,
   bias=None, activations=0)`` — ``y[..., N] = x[..., K] @ W.T (+ bias)`` for bf16/fp16/fp32 ``x``; output
   dtype = ``x.dtype``. ``activations`` picks the activation numerics: 0 auto (the device default), 1 exact
@@ -15,7 +17,8 @@ Contract (stable; the vLLM backend codes against it):
   intermediate_size, w13_group_size, w2_group_size, activations=0, apply_router_weight_on_input=False)`` —
   routed ternary experts (Mixture-of-Experts): ``x [M, H]``, the router's ``topk_weights`` / ``topk_ids``
   ``[M, k]``, every expert's fused gate/up ``[2I, H]`` and down ``[H, I]`` weight prepared by
-  ``prepare_weight`` and stacked along a leading expert dimension (``w13_qweight[e]``); returns ``[M, H]``
+  ``prepare_stacked`` (``prepare_weight`` per expert, stacked along a leading expert dimension:
+  ``w13_qweight[e]``); returns ``[M, H]``
   in ``x.dtype``: ``Σ_j w[t, j] · down_e(silu(gate_e(x_t)) · up_e(x_t))``. One opaque op, because which
   experts run depends on the data (``torch.compile`` sees its fake implementation). CPU: native
   (bindings ``torch/moe_op.rs`` → core ``kernels/cpu/moe.rs``: the (token, expert) pairs sorted by expert,
@@ -77,6 +80,15 @@ def prepare_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int)
     if qweight.device.type == "cuda":
         return _ops_cuda.prepare_weight(qweight, scales, group_size)
     return _ops_cpu.prepare_weight(qweight, scales, group_size)
+
+
+def prepare_stacked(qweight: torch.Tensor, scales: torch.Tensor, group_size: int):
+    """MoE experts ``(uint8 [E, N, K/4], float16 [E, N, K/g])`` → every expert's kernel layout stacked along
+    E (``ternary_moe``'s weights). On the CPU written in place into one huge-page tensor."""
+    if qweight.device.type == "cuda":
+        prepared = [_ops_cuda.prepare_weight(qweight[e], scales[e], group_size) for e in range(qweight.shape[0])]
+        return torch.stack([p[0] for p in prepared]), torch.stack([p[1] for p in prepared])
+    return _ops_cpu.prepare_stacked(qweight, scales, group_size)
 
 
 def _fake(x, qweight, scales, out_features, in_features, group_size, bias=None, activations=0):

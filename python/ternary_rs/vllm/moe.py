@@ -32,7 +32,6 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.utils import set_weight_attrs
 
-from ..serving import hugepages
 from ..serving import ops as ternary_ops  # registers torch.ops.ternary_rs.*
 from .linear import load_group_size, validate_loaded
 from .params import CODES_PER_BYTE
@@ -106,14 +105,10 @@ class TernaryMoEMethod(FusedMoEMethodBase):
             qweight, scales = getattr(layer, f"{stem}_qweight").data, getattr(layer, f"{stem}_scales").data
             self._validate(layer, stem, parts, qweight, scales)
             group = getattr(layer, f"ternary_{stem}_group_size")
-            prepared = [ternary_ops.prepare_weight(qweight[e], scales[e], group) for e in range(qweight.shape[0])]
+            codes, prepared_scales = ternary_ops.prepare_stacked(qweight, scales, group)
             # Kernel layout replaces the canonical tensors (no second copy kept).
-            stack = hugepages.stack if qweight.device.type == "cpu" else torch.stack
-            setattr(layer, f"{stem}_qweight", torch.nn.Parameter(stack([p[0] for p in prepared]),
-                                                                 requires_grad=False))
-            setattr(layer, f"{stem}_scales", torch.nn.Parameter(stack([p[1] for p in prepared]),
-                                                                requires_grad=False))
-            del prepared
+            setattr(layer, f"{stem}_qweight", torch.nn.Parameter(codes, requires_grad=False))
+            setattr(layer, f"{stem}_scales", torch.nn.Parameter(prepared_scales, requires_grad=False))
 
     def _validate(self, layer, stem: str, parts: str, qweight: torch.Tensor, scales: torch.Tensor) -> None:
         """Code 3 and NaN/Inf scales refused, naming the first bad expert (checked whole first: cheap)."""
