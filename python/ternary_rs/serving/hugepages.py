@@ -12,9 +12,10 @@ huge pages only if it asks. So the prepared weights (``ops.prepare_weight`` and,
 ``ops.prepare_stacked`` on CPU) and the dense weights routed to ``dense_linear`` are placed here: anonymous
 mappings aligned to 2 MiB and marked ``MADV_HUGEPAGE`` before the first touch. Small tensors share 32 MiB
 regions (bump allocation: weights are made once and live as long as the model, so nothing short-lived
-should be placed here: it would keep its shared region resident), large ones get a region each. A region is unmapped when the last tensor in it is gone
-(each tensor holds its region through ``torch.frombuffer``); only the region being filled stays
-referenced here, and its untouched tail costs address space, not memory.
+should be placed here: it would keep its shared region resident), large ones get a region each. A region
+is unmapped when the last tensor in it is gone (each tensor holds its region through ``torch.frombuffer``);
+only the region being filled stays referenced here, and its untouched tail costs address space, not
+memory.
 
 Where THP is ``never``, or off Linux, :func:`empty` is ``torch.empty``. Nothing here changes a value.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import mmap
 import threading
 from pathlib import Path
@@ -83,10 +85,7 @@ class _Region:
 def empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor, on huge pages where :func:`available`."""
     shape = tuple(int(d) for d in shape)
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0 or not available():
         return torch.empty(shape, dtype=dtype)
     global _current
