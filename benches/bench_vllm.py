@@ -1,6 +1,7 @@
 """vLLM CPU decode throughput: a ternary checkpoint vs the same weights dense in bf16, side by side.
 
     python benches/bench_vllm.py --preset bonsai-1.7b [--batches 1,8,16] [--tokens 64] [--eager]
+        [--string-layer-names]
     python benches/bench_vllm.py [--hidden 1024 --intermediate 2816 --layers 8 ...] [--workdir DIR]
 
 Writes a synthetic ternary Qwen3 checkpoint (random codes and fp16 scales, streamed tensor by tensor: a
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -119,13 +121,15 @@ def write_synthetic(tern: Path, dense: Path | None, c: dict, seed: int = 0) -> i
     return params
 
 
-def run(model_dir: Path, out: Path, batches: str, tokens: int, eager: bool, max_len: int) -> dict:
+def run(model_dir: Path, out: Path, batches: str, tokens: int, eager: bool, max_len: int,
+        string_layer_names: bool = False) -> dict:
     cmd = [sys.executable, str(TESTS / "support" / "vllm_runner.py"), "--model", str(model_dir), "--out", str(out),
            "--dtype", "bfloat16", "--bench-batch", batches, "--bench-tokens", str(tokens),
            "--max-model-len", str(max_len)]
     if eager:
         cmd.append("--eager")
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    env = {**os.environ, "VLLM_USE_LAYERNAME": "0"} if string_layer_names else None
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if proc.returncode != 0:
         sys.exit(f"vLLM run failed for {model_dir}:\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text())
@@ -142,6 +146,9 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="enforce_eager (skip torch.compile)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--only", choices=("ternary", "bf16"), default=None)
+    ap.add_argument("--string-layer-names", action="store_true",
+                    help="VLLM_USE_LAYERNAME=0, as `ternary-rs serve` starts vLLM: the plugin then runs the "
+                         "ternary model's compiled graph through inductor's C++ wrapper (docs/cli.md)")
     args = ap.parse_args()
     c = dict(PRESETS[args.preset or "small"])
     for key in c:
@@ -159,8 +166,9 @@ def main() -> None:
     res = {}
     for name, d in (("ternary", tern), ("bf16", dense)):
         if args.only in (None, name):
-            res[name] = run(d, work / f"{name}.json", args.batches, args.tokens, args.eager, max_len)
-    mode = "eager" if args.eager else "compiled"
+            res[name] = run(d, work / f"{name}.json", args.batches, args.tokens, args.eager, max_len,
+                            args.string_layer_names)
+    mode = "eager" if args.eager else "compiled" + (", C++ graph wrapper" if args.string_layer_names else "")
     print(f"vLLM CPU decode, synthetic Qwen3 {c['layers']}x{c['hidden']} (ffn {c['intermediate']}, vocab "
           f"{c['vocab']}), {params / 1e9:.2f}B linear+embedding params, g={c['group_size']}, "
           f"{args.tokens} new tokens/request, {mode}")

@@ -250,8 +250,9 @@ def test_vllm_config_refuses_a_malformed_rotation():
             TernaryConfig.from_config(base | {"hadamard": bad})
 
 
-def run_runner(ckpt, tmp_path, *extra: str, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> dict:
-    """vLLM in its own processes (tests/support/vllm_runner.py, as test_vllm.py does); returns the runner's json."""
+def run_runner(ckpt, tmp_path, *extra: str, prompts=PROMPTS, max_tokens=MAX_TOKENS, env=None) -> dict:
+    """vLLM in its own processes (tests/support/vllm_runner.py, as test_vllm.py does; ``env``: variables to
+    add); returns the runner's json."""
     import json
     import subprocess
     import sys
@@ -262,7 +263,7 @@ def run_runner(ckpt, tmp_path, *extra: str, prompts=PROMPTS, max_tokens=MAX_TOKE
     proc = subprocess.run(
         [sys.executable, str(runner), "--model", str(ckpt), "--out", str(tmp_path / "out.json"),
          "--prompts-json", str(tmp_path / "prompts.json"), "--max-tokens", str(max_tokens), *extra],
-        capture_output=True, text=True, timeout=900,
+        capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads((tmp_path / "out.json").read_text())
@@ -270,14 +271,18 @@ def run_runner(ckpt, tmp_path, *extra: str, prompts=PROMPTS, max_tokens=MAX_TOKE
 
 def test_tied_version_2_file_serves_a_ternary_tied_head(tmp_path):
     """``prism.hadamard.version = 2`` with ``tied_output``: the ternary, inverse-rotated embedding is also the
-    head (forward transform on the hidden state); greedy tokens follow transformers' tied dense model."""
+    head (forward transform on the hidden state); greedy tokens follow transformers' tied dense model, with
+    the model compiled and run by inductor's C++ wrapper."""
     import torch
     from transformers import AutoModelForCausalLM
 
     tiny = build_bonsai2_tiny(tmp_path / "hf", block_size=128, tie_word_embeddings=True, seed=3)
     ckpt = ternary_rs.convert(write_prism_gguf(tiny, tmp_path / "v2.gguf", "PTQ1_0"), tmp_path / "vllm",
                               progress=False)
-    result = run_runner(ckpt, tmp_path, "--eager", "--dtype", "bfloat16", "--dump-weights", str(tmp_path / "dump"))
+    # compiled as `ternary-rs serve` runs it: the Gated-DeltaNet graph through inductor's C++ wrapper
+    result = run_runner(ckpt, tmp_path, "--dtype", "bfloat16", "--dump-weights", str(tmp_path / "dump"),
+                        env={"VLLM_USE_LAYERNAME": "0"})
+    assert result["compilation_mode"] != "0" and result["cpp_wrapper"]
     methods = result["workers"][0]["methods"]
     assert methods["model.embed_tokens"] == methods["lm_head"] == "TernaryEmbeddingMethod", methods
     outs = result["outputs"]

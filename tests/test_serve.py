@@ -536,6 +536,7 @@ def test_plugin_cpu_defaults_respect_the_users_settings(demo, monkeypatch):
             scheduler_config=SimpleNamespace(max_num_seqs=8))
 
     c = config()
+    layer_names_before = os.environ.get("VLLM_USE_LAYERNAME")
     apply_cpu_defaults(c)
     assert c.cache_config.kv_cache_memory_bytes and c.cache_config.kv_cache_memory_bytes % (1 << 30) == 0
     assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ  # set on the config, so a later variable still wins
@@ -543,6 +544,8 @@ def test_plugin_cpu_defaults_respect_the_users_settings(demo, monkeypatch):
         assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     # vLLM's own default binding is reported, never written: a written "auto" would contradict a TP run
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    # read by vLLM when imported: written now it would reach only the processes vLLM starts
+    assert os.environ.get("VLLM_USE_LAYERNAME") == layer_names_before
     c = config(kv_bytes=123)
     apply_cpu_defaults(c)
     assert c.cache_config.kv_cache_memory_bytes == 123
@@ -554,6 +557,38 @@ def test_plugin_cpu_defaults_respect_the_users_settings(demo, monkeypatch):
     for c in (config(quant="fp8"), config(model=src.parent / "missing")):
         apply_cpu_defaults(c)
         assert c.cache_config.kv_cache_memory_bytes is None
+
+
+def test_cpp_wrapper_needs_string_layer_names_and_the_user_s_choice_wins(monkeypatch):
+    """Inductor's C++ graph wrapper: ``serve`` starts vLLM with ``VLLM_USE_LAYERNAME=0`` (unless the user set
+    it) and the plugin turns the wrapper on for a compiled model where layer names are strings; where they
+    are vLLM's opaque objects (the wrapper cannot pass them: compiling would fail) it stays off with a hint;
+    a ``cpp_wrapper`` of the user's is kept; nothing is chosen for an eager model."""
+    from types import SimpleNamespace
+
+    from ternary_rs.serving import cpu as cs
+    from ternary_rs.vllm import plugin
+
+    assert cs.layer_name_choice({}).value == "0" and cs.LAYER_NAME_ENV in cs.choose(
+        TESTS / "missing.gguf", env={}, kv_bytes_given=True, cores=2).env
+    assert cs.layer_name_choice({cs.LAYER_NAME_ENV: "1"}).by_user
+
+    def compiled(mode=3, **options):
+        return SimpleNamespace(mode=mode, inductor_compile_config=dict(options))
+
+    monkeypatch.setattr(plugin, "layer_names_are_strings", lambda: True)
+    c = compiled()
+    choice = plugin.cpp_wrapper_choice(c)
+    assert c.inductor_compile_config == {"cpp_wrapper": True} and choice.value == "True" and not choice.variable
+    c = compiled(cpp_wrapper=False)
+    assert plugin.cpp_wrapper_choice(c).by_user and c.inductor_compile_config == {"cpp_wrapper": False}
+    for eager in (compiled(mode=0), compiled(mode=None), None):
+        assert plugin.cpp_wrapper_choice(eager) is None
+    monkeypatch.setattr(plugin, "layer_names_are_strings", lambda: False)
+    c = compiled()
+    choice = plugin.cpp_wrapper_choice(c)
+    assert c.inductor_compile_config == {} and choice.value == "False" and "VLLM_USE_LAYERNAME=0" in choice.why
+    assert cs.CpuSettings([choice]).env == {}
 
 
 def test_plugin_warm_up_pass_skips_the_products_only_for_ternary_with_explicit_kv(monkeypatch):

@@ -43,8 +43,10 @@ ENGINE_TIMEOUT_S = 600
 # ---------------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------------
-def run_engine(tmp: Path, model_dir: Path, *extra: str, dump: bool = True) -> tuple[dict, Path]:
-    """Start vLLM in a subprocess via the runner; returns (result json, weight dump dir)."""
+def run_engine(tmp: Path, model_dir: Path, *extra: str, dump: bool = True,
+               env: dict[str, str] | None = None) -> tuple[dict, Path]:
+    """Start vLLM in a subprocess via the runner (``env``: variables to add); returns (result json, weight
+    dump dir)."""
     prompts = tmp / "prompts.json"
     prompts.write_text(json.dumps(PROMPTS))
     out, dump_dir = tmp / "result.json", tmp / "weights"
@@ -52,7 +54,8 @@ def run_engine(tmp: Path, model_dir: Path, *extra: str, dump: bool = True) -> tu
            "--prompts-json", str(prompts), "--max-tokens", str(MAX_TOKENS), "--dtype", "float32", *extra]
     if dump:
         cmd += ["--dump-weights", str(dump_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, check=False,
+                          env={**os.environ, **(env or {})})
     if proc.returncode != 0:
         pytest.fail(f"vLLM runner failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return json.loads(out.read_text()), dump_dir
@@ -448,7 +451,9 @@ except Exception as e:
 def tp1_compiled(untied, workdir):
     tmp = workdir / "tp1"
     tmp.mkdir()
-    return run_engine(tmp, untied[1], "--tp", "1")
+    # as `ternary-rs serve` starts vLLM: layer names as strings, so the plugin runs the graph in C++
+    # (the compiled BitNet and MoE engines keep vLLM's default and its Python wrapper)
+    return run_engine(tmp, untied[1], "--tp", "1", env={"VLLM_USE_LAYERNAME": "0"})
 
 
 @pytest.fixture(scope="module")
@@ -462,6 +467,7 @@ def test_tp1_compiled_loads_exact_weights(tp1_compiled, untied):
     result, dump = tp1_compiled
     assert result["quantization"] == "ternary"
     assert result["compilation_mode"] != "0", "expected torch.compile (not eager) mode"
+    assert result["cpp_wrapper"], "expected inductor's C++ graph wrapper (VLLM_USE_LAYERNAME=0)"
     check_weights(result, dump, untied[0], tp=1)
 
 

@@ -183,6 +183,7 @@ def serve_model(args, model: str, last: bool = True) -> dict:
     result: dict = {"load_s": time.perf_counter() - t0}
     cfg = llm.llm_engine.vllm_config
     result["compilation_mode"] = str(cfg.compilation_config.mode)
+    result["cpp_wrapper"] = bool(cfg.compilation_config.inductor_compile_config.get("cpp_wrapper", False))
     result["quantization"] = cfg.model_config.quantization
     result["dtype"] = str(cfg.model_config.dtype)
 

@@ -116,8 +116,49 @@ def apply_cpu_defaults(vllm_config) -> None:
         log.warning("ternary_rs: vLLM CPU settings left as vLLM's: %s", e)
         return
     for name, value in settings.env.items():
-        if name != cpu_serving.KV_ENV:
+        # vLLM read VLLM_USE_LAYERNAME when it was imported: written now it would only reach the processes
+        # it starts, and make them disagree with this one; cpp_wrapper_choice follows this process's value
+        if name not in (cpu_serving.KV_ENV, cpu_serving.LAYER_NAME_ENV):
             os.environ.setdefault(name, value)
+    settings.choices = [c for c in settings.choices if c.name != cpu_serving.LAYER_NAME_ENV]
+    wrapper = cpp_wrapper_choice(getattr(vllm_config, "compilation_config", None))
+    if wrapper is not None:
+        settings.choices.append(wrapper)
     if settings.kv_bytes is not None:
         cache.kv_cache_memory_bytes = settings.kv_bytes
     log.warning("ternary_rs: vLLM CPU settings: %s", settings.summary())
+
+
+CPP_WRAPPER = "cpp_wrapper"
+
+
+def layer_names_are_strings() -> bool:
+    """Whether vLLM in this process passes layer names to its custom ops as strings (``VLLM_USE_LAYERNAME=0``
+    when vLLM was imported, or a torch without opaque types) rather than as opaque ``LayerName`` objects."""
+    try:
+        from vllm.utils import torch_utils
+    except ImportError:
+        return False
+    return getattr(torch_utils, "_USE_LAYERNAME", True) is False
+
+
+def cpp_wrapper_choice(compilation_config):
+    """Inductor's C++ graph wrapper for a model vLLM compiles (``inductor_compile_config["cpp_wrapper"]``),
+    unless the user chose: the compiled graph's Python wrapper (one Python statement per buffer and kernel
+    call, ~40 per layer) is a large share of a CPU decode step. It needs the layer names as strings (the
+    opaque ``LayerName`` objects cannot pass through it: compiling fails), so it is turned on only where
+    they are; ``ternary-rs serve`` starts vLLM with ``VLLM_USE_LAYERNAME=0`` for this. Returns the choice
+    to report, ``None`` where nothing is compiled."""
+    from ternary_rs.serving.cpu import LAYER_NAME_ENV, Choice
+
+    name = f"inductor {CPP_WRAPPER}"
+    if compilation_config is None or int(getattr(compilation_config, "mode", 0) or 0) != 3:  # VLLM_COMPILE
+        return None  # eager (enforce_eager, LoRA set later by vLLM itself keeps it unused) or stock compile
+    options = compilation_config.inductor_compile_config
+    if CPP_WRAPPER in options:
+        return Choice(name, str(bool(options[CPP_WRAPPER])), "", by_user=True, variable=False)
+    if not layer_names_are_strings():
+        return Choice(name, "False", f"vLLM was imported without {LAYER_NAME_ENV}=0: set it before importing vLLM "
+                      "for the C++ graph wrapper", vllm_default=True, variable=False)
+    options[CPP_WRAPPER] = True
+    return Choice(name, "True", "the compiled graph runs without per-step Python", variable=False)
