@@ -579,7 +579,8 @@ def test_cpp_wrapper_needs_string_layer_names_and_the_user_s_choice_wins(monkeyp
     monkeypatch.setattr(plugin, "layer_names_are_strings", lambda: True)
     c = compiled()
     choice = plugin.cpp_wrapper_choice(c)
-    assert c.inductor_compile_config == {"cpp_wrapper": True} and choice.value == "True" and not choice.variable
+    assert choice.value == "True" and not choice.variable
+    assert c.inductor_compile_config == {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
     c = compiled(cpp_wrapper=False)
     assert plugin.cpp_wrapper_choice(c).by_user and c.inductor_compile_config == {"cpp_wrapper": False}
     for eager in (compiled(mode=0), compiled(mode=None), None):
