@@ -150,11 +150,15 @@ def cpp_wrapper_choice(compilation_config):
     opaque ``LayerName`` objects cannot pass through it: compiling fails), so it is turned on only where
     they are; ``ternary-rs serve`` starts vLLM with ``VLLM_USE_LAYERNAME=0`` for this. Returns the choice
     to report, ``None`` where nothing is compiled."""
+    from vllm.config import CompilationMode
+
     from ternary_rs.serving.cpu import LAYER_NAME_ENV, Choice
 
     name = f"inductor {CPP_WRAPPER}"
-    if compilation_config is None or int(getattr(compilation_config, "mode", 0) or 0) != 3:  # VLLM_COMPILE
-        return None  # eager (enforce_eager, LoRA set later by vLLM itself keeps it unused) or stock compile
+    if compilation_config is None or getattr(compilation_config, "mode", None) != CompilationMode.VLLM_COMPILE:
+        # eager (enforce_eager) or torch's stock compile; a LoRA model vLLM CPU makes eager afterwards, and
+        # the option then goes unused
+        return None
     options = compilation_config.inductor_compile_config
     if CPP_WRAPPER in options:
         return Choice(name, str(bool(options[CPP_WRAPPER])), "", by_user=True, variable=False)
