@@ -438,16 +438,19 @@ def _whole_gib_budget(z: SequenceSizes, available: int) -> int:
 def choose(model: str | os.PathLike, *, env: dict[str, str] | None = None, max_model_len: int | None = None,
            max_num_seqs: int | None = None, kv_dtype: str = "fp16", kv_bytes_given: bool = False,
            cores: int | None = None, available: int | None = None, tensor_parallel: int = 1,
-           paging: Paging = Paging()) -> CpuSettings:
+           paging: Paging = Paging(), starts_vllm: bool = False) -> CpuSettings:
     """The settings for serving ``model`` with vLLM CPU, the user's own ones (``env``,
-    ``kv_bytes_given``: ``--kv-cache-memory-bytes``) kept and reported as theirs."""
+    ``kv_bytes_given``: ``--kv-cache-memory-bytes``) kept and reported as theirs. ``starts_vllm``: the
+    caller starts vLLM's process (``serve``), so the variables vLLM reads when imported
+    (``VLLM_USE_LAYERNAME``) are chosen too; inside vLLM (the plugin) they are too late."""
     env = dict(os.environ if env is None else env)
     out = CpuSettings()
     reserved = reserved_cpus_choice(env, usable_cores() if cores is None else cores)
     if reserved is not None:
         out.choices.append(reserved)
     out.choices.append(bind_choice(env, tensor_parallel))
-    out.choices.append(layer_name_choice(env))
+    if starts_vllm:
+        out.choices.append(layer_name_choice(env))
     if env.get(KV_ENV, "") != "":
         note = check_users_kv_space(model, env[KV_ENV], max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                     kv_dtype=kv_dtype, paging=paging)

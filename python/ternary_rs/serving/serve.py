@@ -331,7 +331,7 @@ def _check_cpu(path: Path, vllm_args: list[str], context: int, kv_dtype: str, fi
     def choose(length: int):
         return cpu_serving.choose(path, max_model_len=length, max_num_seqs=max_seqs, kv_dtype=kv_dtype,
                                   kv_bytes_given=option_value(vllm_args, "--kv-cache-memory-bytes") is not None,
-                                  tensor_parallel=_tensor_parallel(vllm_args), paging=paging)
+                                  tensor_parallel=_tensor_parallel(vllm_args), paging=paging, starts_vllm=True)
 
     try:
         return {"fits": True, "cpu_settings": choose(context)}

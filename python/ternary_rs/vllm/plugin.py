@@ -115,12 +115,11 @@ def apply_cpu_defaults(vllm_config) -> None:
         # (a damaged checkpoint is refused by the loader, with its own message naming file and tensor)
         log.warning("ternary_rs: vLLM CPU settings left as vLLM's: %s", e)
         return
+    # (choose leaves out VLLM_USE_LAYERNAME here: vLLM read it when it was imported; written now it would
+    # only reach the processes it starts, and make them disagree with this one)
     for name, value in settings.env.items():
-        # vLLM read VLLM_USE_LAYERNAME when it was imported: written now it would only reach the processes
-        # it starts, and make them disagree with this one; cpp_wrapper_choice follows this process's value
-        if name not in (cpu_serving.KV_ENV, cpu_serving.LAYER_NAME_ENV):
+        if name != cpu_serving.KV_ENV:
             os.environ.setdefault(name, value)
-    settings.choices = [c for c in settings.choices if c.name != cpu_serving.LAYER_NAME_ENV]
     wrapper = cpp_wrapper_choice(getattr(vllm_config, "compilation_config", None))
     if wrapper is not None:
         settings.choices.append(wrapper)
