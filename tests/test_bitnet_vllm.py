@@ -261,6 +261,7 @@ def test_a_float32_compiled_bitlinear(engine_a):
     # vLLM's default opaque layer names: the plugin leaves the graph's Python wrapper (the C++ one cannot
     # pass them); test_vllm's compiled engine runs as `serve` starts vLLM, with the C++ wrapper
     assert result["cpp_wrapper"] == (os.environ.get("VLLM_USE_LAYERNAME") == "0")
+    assert result["attention_impls"] == ["FusedUpdateCPUAttentionImpl"], result["attention_impls"]
     model = load_reference(hf, "float32")
     check_layers(result, dump, model, tp=1)
     check_generation(result, model, "float32")

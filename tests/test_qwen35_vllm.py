@@ -283,6 +283,9 @@ def test_tied_version_2_file_serves_a_ternary_tied_head(tmp_path):
     result = run_runner(ckpt, tmp_path, "--dtype", "bfloat16", "--dump-weights", str(tmp_path / "dump"),
                         env={"VLLM_USE_LAYERNAME": "0"})
     assert result["compilation_mode"] != "0" and result["cpp_wrapper"]
+    # the full-attention layers on the plugin's CPU attention (the GDN layers have their own backend)
+    assert "FusedUpdateCPUAttentionImpl" in result["attention_impls"], result["attention_impls"]
+    assert "CPUAttentionBackendImpl" not in result["attention_impls"], result["attention_impls"]
     methods = result["workers"][0]["methods"]
     assert methods["model.embed_tokens"] == methods["lm_head"] == "TernaryEmbeddingMethod", methods
     outs = result["outputs"]

@@ -468,6 +468,8 @@ def test_tp1_compiled_loads_exact_weights(tp1_compiled, untied):
     assert result["quantization"] == "ternary"
     assert result["compilation_mode"] != "0", "expected torch.compile (not eager) mode"
     assert result["cpp_wrapper"], "expected inductor's C++ graph wrapper (VLLM_USE_LAYERNAME=0)"
+    # the plugin's CPU attention (the KV cache update inside the attention op), in the C++ graph
+    assert result["attention_impls"] == ["FusedUpdateCPUAttentionImpl"], result["attention_impls"]
     check_weights(result, dump, untied[0], tp=1)
 
 
@@ -478,6 +480,7 @@ def test_tp1_compiled_generation_matches_transformers(tp1_compiled, untied):
 def test_tp2_eager_tied_loads_exact_shards(tp2_eager, tied):
     result, dump = tp2_eager
     assert sorted(w["rank"] for w in result["workers"]) == [0, 1]
+    assert result["attention_impls"] == ["FusedUpdateCPUAttentionImpl"], result["attention_impls"]
     check_weights(result, dump, tied[0], tp=2)
 
 

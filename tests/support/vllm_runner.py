@@ -48,6 +48,11 @@ def cpu_env(tp: int) -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
+def attention_impls(model) -> list[str]:
+    """Worker side: the class names of the model's attention impls (which backend vLLM built)."""
+    return sorted({type(m.impl).__name__ for m in model.modules() if hasattr(m, "impl") and hasattr(m, "kv_cache")})
+
+
 def dump_weights(model, out_dir: str):
     """Worker side: each ternary layer's shard as dequantized by the serving path."""
     import numpy as np
@@ -186,11 +191,11 @@ def serve_model(args, model: str, last: bool = True) -> dict:
     result["cpp_wrapper"] = bool(cfg.compilation_config.inductor_compile_config.get("cpp_wrapper", False))
     result["quantization"] = cfg.model_config.quantization
     result["dtype"] = str(cfg.model_config.dtype)
+    import vllm_runner  # by reference to this file as a module, so the spawned workers can import it
+
+    result["attention_impls"] = sorted({name for names in llm.apply_model(vllm_runner.attention_impls) for name in names})
 
     if args.dump_weights:
-        # By reference to this file as a module, so the spawned workers can import it.
-        import vllm_runner
-
         result["workers"] = llm.apply_model(functools.partial(vllm_runner.dump_weights, out_dir=args.dump_weights))
 
     if args.prompts_json:

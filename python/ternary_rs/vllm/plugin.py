@@ -59,6 +59,16 @@ def _install_cpu_defaults() -> None:
     check_and_update_config._ternary_rs_defaults = True  # type: ignore[attr-defined]
     cls.check_and_update_config = classmethod(check_and_update_config)
 
+    # The attention backend is chosen later, in the process that builds the model (engine core or worker:
+    # register() runs there too), with that model's config current
+    original_attention = cls.get_attn_backend_cls.__func__
+
+    def get_attn_backend_cls(klass, selected_backend, *args, **kwargs):
+        path = original_attention(klass, selected_backend, *args, **kwargs)
+        return attention_backend_path(path, selected_backend)
+
+    cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
 
 def vllm_paging(cache_config):
     """How this engine's cache settings page a sequence (``serving.cpu.Paging``)."""
@@ -123,6 +133,7 @@ def apply_cpu_defaults(vllm_config) -> None:
     wrapper = cpp_wrapper_choice(getattr(vllm_config, "compilation_config", None))
     if wrapper is not None:
         settings.choices.append(wrapper)
+    settings.choices.append(attention_choice(vllm_config))
     if settings.kv_bytes is not None:
         cache.kv_cache_memory_bytes = settings.kv_bytes
     log.warning("ternary_rs: vLLM CPU settings: %s", settings.summary())
@@ -170,3 +181,44 @@ def cpp_wrapper_choice(compilation_config):
     # 25 minutes in one compiler process
     options.setdefault(CPP_WRAPPER_BUILD_SEPARATE, True)
     return Choice(name, "True", "the compiled graph runs without per-step Python", variable=False)
+
+
+FUSED_ATTENTION = "ternary_rs.vllm.cpu_attention.FusedUpdateCPUAttentionBackend"
+
+
+def _is_ternary(vllm_config) -> bool:
+    quant = getattr(vllm_config, "quant_config", None)
+    return quant is not None and quant.get_name() == "ternary"
+
+
+def _default_cpu_attention() -> bool:
+    """Whether ``CPU_ATTN`` still names vLLM's own class (nobody ``register_backend``-ed another)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return AttentionBackendEnum.CPU_ATTN.get_path() == AttentionBackendEnum.CPU_ATTN.value
+
+
+def attention_backend_path(path: str, selected_backend) -> str:
+    """The attention backend class for a model vLLM CPU builds: :mod:`ternary_rs.vllm.cpu_attention`'s
+    where vLLM picked its own ``CPU_ATTN`` by itself (no ``attention_config.backend`` of the user's, no
+    override of that backend) for a ternary model; otherwise ``path``, vLLM's choice, unchanged."""
+    from vllm.config import get_current_vllm_config
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if selected_backend is not None or path != AttentionBackendEnum.CPU_ATTN.value:  # the user's, or an override
+        return path
+    return FUSED_ATTENTION if _is_ternary(get_current_vllm_config()) else path
+
+
+def attention_choice(vllm_config):
+    """What :func:`attention_backend_path` will pick for this config, for the settings line."""
+    from ternary_rs.serving.cpu import Choice
+
+    name = "attention"
+    user = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    if user is not None:
+        return Choice(name, getattr(user, "name", str(user)), "", by_user=True, variable=False)
+    if not _default_cpu_attention():
+        return Choice(name, "CPU_ATTN", "a registered override of CPU_ATTN is kept", by_user=True, variable=False)
+    return Choice(name, "CPU_ATTN+update", "the KV cache update inside the attention op: one Python op per layer "
+                  "and step instead of two", variable=False)

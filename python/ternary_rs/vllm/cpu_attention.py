@@ -1,0 +1,98 @@
+"""vLLM's CPU attention with the KV cache update inside the attention op: one Python op per layer and step.
+
+vLLM 0.32's CPU backend (``CPU_ATTN``) declares ``forward_includes_kv_cache_update = False``, so every
+attention layer puts two custom ops into the compiled graph: ``vllm::unified_kv_cache_update`` and
+``vllm::unified_attention_with_output``. Both are Python functions that the graph (even inductor's C++
+wrapper) calls back into through the dispatcher, each looking the layer up in the forward context and
+re-deriving the cache views before it reaches its C++ kernel. On a small CPU that round trip, not the
+kernels, is the cost: Bonsai-1.7B shape, batch 1, 2 AVX2 cores, the two ops took ~14 % of the decode step
+(py-spy) of which the kernels were ~5 %.
+
+:class:`FusedUpdateCPUAttentionBackend` is the same backend — the same metadata builder, cache layout and
+C++ kernels (``_C::cpu_attn_reshape_and_cache``, ``_C::cpu_attention_with_kv_cache``) with the same
+arguments — that declares the update part of its forward, as vLLM's own cross-attention wrapper and
+several GPU backends do. The graph then holds one op per layer; the cache views are made once per cache
+tensor instead of twice per step. Anything the plain decoder path does not cover (encoder attention,
+sinks, zentorch) goes through vLLM's own forward after the update. The plugin selects it for ternary models
+on CPU (``plugin.attention_backend_choice``); the tokens are the same as with vLLM's backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+# vLLM's CPU kernels (its `_C` extension, loaded by the import above), resolved once: an OpOverload call
+# skips vLLM's Python wrappers in `_custom_ops` and torch's overload lookup
+_RESHAPE_AND_CACHE = torch.ops._C.cpu_attn_reshape_and_cache.default
+_ATTENTION = torch.ops._C.cpu_attention_with_kv_cache.default
+
+
+class FusedUpdateCPUAttentionImpl(CPUAttentionBackendImpl):
+    """vLLM's CPU attention impl whose forward writes this step's keys and values into the cache first."""
+
+    # (cache tensor, key view, value view) of the last cache this layer saw. The views share its storage:
+    # they live as long as the layer keeps that cache, and are replaced when vLLM binds another one.
+    _cache_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        views = self._cache_views
+        if views is None or views[0] is not kv_cache:
+            # [blocks, kv heads, block size, 2 · head size] as [blocks, kv heads, 2 · block size, head size],
+            # keys then values along dim 2 — exactly vLLM's forward and do_kv_cache_update
+            blocks, kv_heads, block_size, _ = kv_cache.size()
+            key_cache, value_cache = kv_cache.view((blocks, kv_heads, block_size * 2, -1)).chunk(2, dim=2)
+            views = self._cache_views = (kv_cache, key_cache, value_cache)
+        return views[1], views[2]
+
+    def _writes_cache(self, key, value) -> bool:
+        # what vLLM's Attention.forward checks before it emits the separate update op
+        return self.kv_sharing_target_layer_name is None and key is not None and value is not None
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if attn_metadata is None:  # warm-up and memory profiling: no metadata, nothing to attend to
+            return output
+        slot_mapping = attn_metadata.slot_mapping
+        if (self.attn_type != AttentionType.DECODER or self.sinks is not None or self.use_zentorch_sdpa
+                or output_scale is not None or output_block_scale is not None
+                or (key is not None and slot_mapping.shape[0] != key.shape[0])):
+            # not the plain decoder path: vLLM's update (a no-op for encoder attention) and vLLM's forward
+            if self._writes_cache(key, value):
+                self.do_kv_cache_update(layer, key, value, kv_cache, self._step_slot_mapping(layer, slot_mapping, key))
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        key_cache, value_cache = self._views(kv_cache)
+        if self._writes_cache(key, value):
+            _RESHAPE_AND_CACHE(key, value, key_cache, value_cache, slot_mapping, layer.isa,
+                               layer._k_scale_float, layer._v_scale_float, self.kv_cache_dtype)
+        n = attn_metadata.num_actual_tokens
+        q, out = (query, output) if n == query.shape[0] else (query[:n], output[:n])
+        _ATTENTION(q, key_cache, value_cache, out, attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                   self.scale, attn_metadata.causal, self.alibi_slopes, self.sliding_window,
+                   attn_metadata.block_table, self.logits_soft_cap, attn_metadata.scheduler_metadata,
+                   None, attn_metadata.dynamic_causal, layer._k_scale_float, layer._v_scale_float,
+                   self.kv_cache_dtype)
+        return output
+
+    @staticmethod
+    def _step_slot_mapping(layer, slot_mapping: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """The metadata's slot mapping, or — where it does not cover the keys (padded tokens) — the forward
+        context's for this layer, which is what vLLM's separate update op would use."""
+        if slot_mapping.shape[0] == key.shape[0]:
+            return slot_mapping
+        from vllm.forward_context import get_forward_context
+
+        mappings = get_forward_context().slot_mapping
+        return mappings[layer.layer_name] if isinstance(mappings, dict) else slot_mapping
+
+
+class FusedUpdateCPUAttentionBackend(CPUAttentionBackend):
+    """``CPU_ATTN`` with the KV cache update inside its forward (see the module's doc)."""
+
+    forward_includes_kv_cache_update: bool = True
+
+    @staticmethod
+    def get_impl_cls() -> type[FusedUpdateCPUAttentionImpl]:
+        return FusedUpdateCPUAttentionImpl
