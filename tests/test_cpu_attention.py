@@ -58,8 +58,9 @@ def batch(query_lens, context_lens, heads, kv_heads, head, dtype, kv_dtype, wind
     k = torch.randn(n, kv_heads, head, generator=gen).to(dtype)
     v = torch.randn(n, kv_heads, head, generator=gen).to(dtype)
     layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0, layer_name="model.layers.0.attn")
-    cache_dtype = torch.float8_e4m3fn if kv_dtype.startswith("fp8") else dtype
-    cache = (torch.randn(table.numel(), kv_heads, BLOCK, 2 * head, generator=gen) * 0.5).to(cache_dtype)
+    cache = torch.randn(table.numel(), kv_heads, BLOCK, 2 * head, generator=gen) * 0.5
+    # an fp8 cache is stored as bytes (vLLM's STR_DTYPE_TO_TORCH_DTYPE["fp8"] is uint8): finite e4m3 values
+    cache = cache.to(torch.float8_e4m3fn).view(torch.uint8) if kv_dtype.startswith("fp8") else cache.to(dtype)
     return meta, q, k, v, layer, cache
 
 

@@ -91,9 +91,8 @@ def apply_cpu_defaults(vllm_config) -> None:
     from ternary_rs.serving import cpu as cpu_serving
 
     log = logging.getLogger("ternary_rs.vllm")
-    quant = getattr(vllm_config, "quant_config", None)
     model_config = getattr(vllm_config, "model_config", None)
-    if quant is None or model_config is None or quant.get_name() != "ternary":
+    if model_config is None or not _is_ternary(vllm_config):
         return
     cache = vllm_config.cache_config
     kv = str(getattr(cache, "cache_dtype", "auto") or "auto")
