@@ -13,8 +13,9 @@ C++ kernels (``_C::cpu_attn_reshape_and_cache``, ``_C::cpu_attention_with_kv_cac
 arguments — that declares the update part of its forward, as vLLM's own cross-attention wrapper and
 several GPU backends do. The graph then holds one op per layer; the cache views are made once per cache
 tensor instead of twice per step. Anything the plain decoder path does not cover (encoder attention,
-sinks, zentorch) goes through vLLM's own forward after the update. The plugin selects it for ternary models
-on CPU (``plugin.attention_backend_choice``); the tokens are the same as with vLLM's backend.
+sinks, zentorch, output quantization, keys the metadata's slot mapping does not cover) goes through vLLM's
+own update and forward. The plugin selects it for ternary models on CPU (``plugin.attention_backend_path``);
+the tokens are the same as with vLLM's backend.
 """
 
 from __future__ import annotations
