@@ -425,22 +425,23 @@ def test_torch_compile_fullgraph():
         torch.testing.assert_close(compiled(x), layer(x))
 
 
-def _non_amx_variant() -> str:
-    return "avx512" if "avx512" in _ops_cpu.available_variants() else _ops_cpu.kernel_variant()
+def _dense_prefill_variant() -> str | None:
+    """A SIMD variant whose bf16 prefill takes the dense path on this CPU (AVX-512 on Zen 4, AVX2 forced
+    on any CPU with AVX512_BF16), or None."""
+    return next((v for v in ("avx512", "avx2") if v in _ops_cpu.available_variants()
+                 and _ops_cpu.dense_prefill_pays(v)), None)
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_large_m_bf16_takes_the_dense_tile_path(with_bias):
-    """bf16, default mode, M ≥ 48 (prefill) without AMX-INT8: row chunks decoded to bf16
+    """bf16, default mode, M ≥ 48 (prefill) where the dense path pays: row chunks decoded to bf16
     (t · bf16(s), exact) and multiplied by torch's GEMM — within bf16 weight rounding (2⁻⁹ relative
     per weight) of float64 and the output rounding; below 48 tokens it is the int8 kernel, bit for bit."""
     assert ops.NATIVE_CPU_UNAVAILABLE is None  # the path lives in the native kernel
-    variant = _non_amx_variant()
-    if variant == "amx":
-        pytest.skip("only the AMX variant runs here")
-    if not _ops_cpu.dense_prefill_pays(variant):
-        pytest.skip(f"torch's bf16 GEMM has no native bf16 dot products here: prefill stays on the {variant} "
-                    "int8 kernel (test_large_m_bf16_stays_int8_where_dense_does_not_pay)")
+    variant = _dense_prefill_variant()
+    if variant is None:
+        pytest.skip("no variant here takes the dense prefill (no native bf16 dot products for torch's GEMM): "
+                    "prefill stays on the int8 kernels (test_large_m_bf16_stays_int8_where_dense_does_not_pay)")
     with _ops_cpu.kernel_options(variant=variant):
         _check_dense_tile_path(with_bias)
 
@@ -451,8 +452,9 @@ _STAYS_INT8 = [v for v in _ops_cpu.available_variants() if v != "scalar" and not
 @pytest.mark.skipif(not _STAYS_INT8, reason="every SIMD variant here takes the dense prefill")
 @pytest.mark.parametrize("variant", _STAYS_INT8)
 def test_large_m_bf16_stays_int8_where_dense_does_not_pay(variant):
-    """Where the dense prefill does not pay — AMX-INT8 (its tiles beat it), or no native bf16 dot
-    products for torch's GEMM (AVX2: 10.9 s vs ~0.75 s at 512 x 5120 -> 17408) — the default bf16 mode
+    """Where the dense prefill does not pay — AMX-INT8 (its tiles beat it), the AVX-512 rows-in-lanes
+    kernel on full-width 512-bit units (Zen 5: 2x the multiply-adds per instruction of bf16), or no native
+    bf16 dot products for torch's GEMM (AVX2: 10.9 s vs ~0.75 s at 512 x 5120 -> 17408) — the default bf16 mode
     keeps the int8 numerics at every M: bit for bit the explicit int8 mode, within its quantization bound."""
     rng = np.random.default_rng(29)
     n, k, g = 300, 1024, 128

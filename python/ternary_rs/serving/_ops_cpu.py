@@ -78,7 +78,8 @@ def kernel_variant() -> str:
 def dense_prefill_pays(variant: str | None = None) -> bool:
     """Whether bf16 prefill calls (M >= 48, default mode) with ``variant`` (default: the one in use)
     take the dense path, decoded bf16 chunks through torch's GEMM: only where that GEMM has native bf16
-    dot products and the int8 path is not AMX's (``dense::prefill_pays`` in the core crate)."""
+    dot products and beats the int8 kernels of ``variant`` (not AMX's, not the AVX-512 rows-in-lanes one
+    on full-width 512-bit units; ``dense::prefill_pays`` in the core crate)."""
     return bool(_core.cpu_dense_prefill_pays(variant or kernel_variant()))
 
 

@@ -84,8 +84,9 @@ pub fn resolve_precision(activations: i64, dtype_is_f32: bool) -> Result<Precisi
 }
 
 /// Whether a bf16 call of `m` tokens runs the dense prefill (decoded bf16 chunks through torch's
-/// GEMM): only where torch's bf16 GEMM is native and AMX-INT8 is not in use (`dense::prefill_pays`). Only in the default mode: an explicit activations
-/// mode or TERNARY_RS_CPU_INT8 keeps its numerics.
+/// GEMM): only where torch's bf16 GEMM is native and the int8 kernels in use are slower than it
+/// (`dense::prefill_pays`). Only in the default mode: an explicit activations mode or
+/// TERNARY_RS_CPU_INT8 keeps its numerics.
 pub(crate) fn prefers_dense_prefill(is_bf16: bool, activations: i64, m: usize) -> bool {
     is_bf16
         && activations == ACTIVATIONS_AUTO

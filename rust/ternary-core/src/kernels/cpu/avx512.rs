@@ -93,6 +93,24 @@ pub(crate) fn gfni_unpack_pays() -> bool {
     has_gfni() && !is_amd()
 }
 
+/// Whether the CPU runs 512-bit instructions as two halves on 256-bit units: AMD's Zen 4 (family
+/// 0x19; Zen 3, the same family, has no AVX-512). Zen 5 (0x1A) and Intel's AVX-512 cores have
+/// full-width units.
+pub(crate) fn half_width_512() -> bool {
+    is_amd() && display_family(__cpuid(1).eax) == 0x19
+}
+
+/// The x86 display family of cpuid leaf 1's `eax`: the base family, plus the extended family where
+/// the base is 0xF.
+fn display_family(eax: u32) -> u32 {
+    let base = (eax >> 8) & 0xF;
+    if base == 0xF {
+        base + ((eax >> 20) & 0xFF)
+    } else {
+        base
+    }
+}
+
 /// Whether the CPU vendor string (cpuid leaf 0) is AMD's.
 fn is_amd() -> bool {
     static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -639,4 +657,17 @@ unsafe fn quantize(
         }
     };
     quantize_groups(x, g, per_token, xs4, qsum4, amax, group);
+}
+
+#[cfg(test)]
+mod family_tests {
+    use super::display_family;
+
+    #[test]
+    fn display_family_of_known_signatures() {
+        assert_eq!(display_family(0x00A1_0F11), 0x19); // EPYC 9004 (Genoa, Zen 4)
+        assert_eq!(display_family(0x00B0_0F21), 0x1A); // EPYC 9005 (Turin, Zen 5)
+        assert_eq!(display_family(0x0083_0F10), 0x17); // EPYC 7002 (Rome, Zen 2)
+        assert_eq!(display_family(0x0008_06F8), 6); // Xeon 4th gen (Sapphire Rapids)
+    }
 }

@@ -1,12 +1,12 @@
 //! Decoding a prepared weight back to dense bf16 rows, for the large-M (prefill) path.
 //!
-//! At large M the product is compute-bound, and torch's bf16 GEMM on a CPU with native bf16 dot
-//! products (oneDNN with AVX512_BF16 or AMX-BF16) does more multiply-adds per cycle than any VNNI
-//! kernel can. So for bf16 activations and `M ≥` [`DENSE_MIN_M`] — where the CPU has such bf16 dot
-//! products but no AMX-INT8 of its own to use (`super::amx`, faster still), or the VNNI variant is
-//! forced: [`prefill_pays`] — the torch op decodes row chunks of the weight to bf16 (this module) and hands
-//! each chunk to torch's own GEMM: the weight is still stored (and streamed from DRAM) at 2 bits, only
-//! a cache-sized chunk exists dense at a time.
+//! At large M the product is compute-bound. Where the int8 modes have no rows-in-lanes VNNI kernel of
+//! their own to run (`super::wide`: AVX2 or the scalar reference forced on a CPU with AVX512_BF16), and
+//! on Zen 4, whose 512-bit units are half width, torch's bf16 GEMM (oneDNN with AVX512_BF16) is the
+//! faster way through a prefill. So for bf16 activations and `M ≥` [`DENSE_MIN_M`] there
+//! ([`prefill_pays`]) the torch op decodes row chunks of the weight to bf16 (this module) and hands each
+//! chunk to torch's own GEMM: the weight is still stored (and streamed from DRAM) at 2 bits, only a
+//! cache-sized chunk exists dense at a time.
 //!
 //! The decode is exact: `bf16(t · s) = t · bf16(s)` for `t ∈ {−1, 0, +1}` (rounding is symmetric), so
 //! each output is the group's scale rounded once to bf16, with the sign of the code. Extra error vs
@@ -22,19 +22,37 @@ use crate::threads::ParallelFor;
 use crate::{Error, Result};
 
 /// Smallest M for which the torch op takes the dense-tile path (bf16 activations, default mode):
-/// measured crossover of the int8 kernel and decode + torch bf16 GEMM on the 27B shapes (5120 → 17408,
-/// one thread: int8 28.5 ms vs 35.8 ms at M = 32, 56.1 ms vs 43.2 ms at M = 64).
+/// measured crossover of the per-row int8 GEMV and decode + torch bf16 GEMM on the 27B shapes (EPYC
+/// Zen 4, 5120 → 17408, one thread: int8 28.5 ms vs 35.8 ms at M = 32, 56.1 ms vs 43.2 ms at M = 64),
+/// before the rows-in-lanes kernel (`super::wide`, 9.6 ms at M = 16 there) existed.
 pub const DENSE_MIN_M: usize = 48;
 
 /// Whether the dense prefill beats the int8 kernels of `variant` on this CPU. Only where the CPU has
-/// native bf16 dot products (AVX512_BF16; every AMX CPU has it) for torch's GEMM to use, and the int8
-/// path is not AMX's (faster still). Without them torch converts bf16 and its GEMM crawls: EPYC Zen 2
-/// (AVX2), 5120 → 17408, one thread, M = 64 / 512: 1382 / 10910 ms through torch against the AVX2 int8
-/// kernel's ~60 G weight-tokens/s (~95 / ~750 ms).
+/// native bf16 dot products (AVX512_BF16) for torch's GEMM to use, and then:
+/// * never against AMX-INT8 tiles (faster still);
+/// * never against the AVX-512 VNNI rows-in-lanes kernel on CPUs with full-width 512-bit units: one
+///   `vpdpbusd` is 64 multiply-adds where `vdpbf16ps` is 32. EPYC Zen 5, decode + torch bf16 GEMM vs the
+///   int8 kernel, min of interleaved calls, 2 threads: 5120 → 17408 at M = 48 / 64 / 128 / 512 / 2048:
+///   16.7 / 19.8 / 32.3 / 108 / 437 ms vs 8.7 / 10.5 / 19.9 / 71.5 / 277 ms; 2048 → 6144 at M = 2048:
+///   57.6 vs 49.8 ms (one thread, M = 48 to 256: 1.6–2.6× slower). Intel's AVX-512 cores without
+///   AMX (Cooper Lake; or `TERNARY_RS_CPU_KERNEL=avx512` on an AMX CPU) are full width too: unmeasured;
+/// * on Zen 4 (512-bit work split over 256-bit units) from [`DENSE_MIN_M`], as measured there (not
+///   measured again since the rows-in-lanes kernel);
+/// * always against AVX2 or the scalar reference when those are forced on such a CPU.
+///
+/// Without native bf16 (AVX2 CPUs) torch converts bf16 and its GEMM crawls: EPYC Zen 2, 5120 → 17408,
+/// one thread, M = 64 / 512: 1382 / 10910 ms through torch against the AVX2 int8 kernel's ~60 G
+/// weight-tokens/s (~95 / ~750 ms).
 pub fn prefill_pays(variant: super::Variant) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        variant != super::Variant::Amx && std::arch::is_x86_feature_detected!("avx512bf16")
+        use super::Variant;
+        std::arch::is_x86_feature_detected!("avx512bf16")
+            && match variant {
+                Variant::Amx => false,
+                Variant::Avx512 => super::avx512::half_width_512(),
+                Variant::Avx2 | Variant::Scalar => true,
+            }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -29,7 +29,8 @@
 //!   row blocks per token below [`GEMM_MIN_M`] and decodes f32 tiles for an FMA micro-kernel above.
 //! * Prefill: inside torch, bf16 activations in the default mode with `M ≥` [`dense::DENSE_MIN_M`]
 //!   go to torch's own bf16 GEMM on row chunks decoded exactly to bf16 by [`dense`] — where torch's
-//!   bf16 GEMM is native and the int8 path is not AMX's ([`dense::prefill_pays`]).
+//!   bf16 GEMM is native and the int8 path is neither AMX's nor the rows-in-lanes kernel on full-width
+//!   512-bit units ([`dense::prefill_pays`]).
 //! * Mixture-of-Experts layers: [`moe`] runs a layer's routed experts as two grouped GEMMs (pairs sorted
 //!   by expert, activations quantized once per projection, few-token experts in one parallel region).
 //! * Threads: row blocks are split over a [`ParallelFor`] (the ternary-rs rayon pool by default; torch's
