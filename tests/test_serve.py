@@ -15,9 +15,11 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from ternary_rs.demo import DEMO_SHAPE, demo_tokenizer, qwen3_metadata, write_demo_gguf
 from ternary_rs.serving.health import free_port
@@ -250,6 +252,52 @@ def test_cpu_settings_are_chosen_and_the_users_win(demo):
     r = subprocess.run(CLI + [str(src), "--cache-dir", str(cache), "--dry-run", "--kv-cache-memory-bytes", "1G"],
                        capture_output=True, text=True, timeout=300, env=clean)
     assert r.returncode == 0 and "VLLM_CPU_KVCACHE_SPACE" not in r.stdout + r.stderr
+
+
+def test_dtype_choice_rule(tmp_path, monkeypatch):
+    """bf16 compute for a float16 checkpoint where the CPU has native bf16 (not fp16); the checkpoint's
+    dtype elsewhere; a --dtype of the user's is kept and only reported."""
+    from ternary_rs.serving import cpu as cs
+    from ternary_rs.vllm.plugin import dtype_hint
+
+    def ckpt(name, config):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config))
+        return d
+
+    fp16, bf16 = ckpt("fp16", {"dtype": "float16"}), ckpt("bf16", {"torch_dtype": "bfloat16"})
+    nested = ckpt("nested", {"text_config": {"dtype": "float16"}})
+    monkeypatch.setattr(cs, "bf16_gemm_is_native", lambda: True)
+    for path in (fp16, nested):
+        choice = cs.dtype_choice(path, None)
+        assert (choice.name, choice.value, choice.flag, choice.by_user) == ("dtype", "bfloat16", "--dtype", False)
+        assert cs.CpuSettings([choice]).args == ["--dtype", "bfloat16"] and cs.CpuSettings([choice]).env == {}
+    assert cs.dtype_choice(bf16, None) is None and cs.dtype_choice(tmp_path / "missing", None) is None
+    mine = cs.dtype_choice(fp16, "float16")
+    assert mine.by_user and cs.CpuSettings([mine]).args == [] and "dtype=float16 (yours)" in mine.line()
+    assert dtype_hint(SimpleNamespace(dtype=torch.float16)).line().startswith("dtype=float16 (this CPU has native bf16")
+    assert dtype_hint(SimpleNamespace(dtype=torch.bfloat16)) is None
+    monkeypatch.setattr(cs, "bf16_gemm_is_native", lambda: False)
+    assert cs.dtype_choice(fp16, None) is None and dtype_hint(SimpleNamespace(dtype=torch.float16)) is None
+
+
+def test_serve_passes_the_dtype_choice(demo):
+    """The printed vLLM command carries --dtype bfloat16 for the demo (a GGUF without BF16 tensors: a
+    float16 config) exactly where this CPU has native bf16; a --dtype of the user's is passed as given."""
+    from ternary_rs.serving import cpu as cs
+
+    _, src, cache = demo
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_")}
+    r = subprocess.run(CLI + [str(src), "--cache-dir", str(cache), "--dry-run"], capture_output=True, text=True,
+                       timeout=300, env=clean)
+    assert r.returncode == 0, r.stderr
+    assert ("--dtype bfloat16" in r.stdout) == cs.bf16_gemm_is_native()
+    assert ("dtype=bfloat16 (the checkpoint says float16" in r.stderr) == cs.bf16_gemm_is_native()
+    r = subprocess.run(CLI + [str(src), "--cache-dir", str(cache), "--dry-run", "--dtype", "float16"],
+                       capture_output=True, text=True, timeout=300, env=clean)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("--dtype") == 1 and "--dtype float16" in r.stdout and "dtype=float16 (yours)" in r.stderr
 
 
 def test_kv_space_rule():

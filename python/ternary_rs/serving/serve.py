@@ -709,11 +709,18 @@ def serve(opts: ServeOptions) -> int:
                        + ["--max-model-len", str(checked["max_model_len"])])
     settings = checked.get("cpu_settings")
     env = settings.env if settings is not None else {}
-    if settings is not None:
-        print(f"ternary-rs: vLLM CPU settings: {settings.summary()}", file=sys.stderr, flush=True)
     scratch: list[Path] = []
     try:
         with prepared_checkpoint(opts, scratch) as ckpt:
+            if settings is not None:
+                # The compute dtype follows the checkpoint's config: known once it is converted.
+                from . import cpu as cpu_serving
+
+                dtype = cpu_serving.dtype_choice(ckpt, option_value(opts.vllm_args, "--dtype"))
+                if dtype is not None:
+                    settings.choices.append(dtype)
+                print(f"ternary-rs: vLLM CPU settings: {settings.summary()}", file=sys.stderr, flush=True)
+                opts = replace(opts, vllm_args=opts.vllm_args + settings.args)
             cmd, name = server_command(ckpt, opts)
             if opts.dry_run:
                 print(_env_prefix(env) + " ".join(shlex.quote(c) for c in cmd), flush=True)
