@@ -6,6 +6,7 @@ differs from ``torch.empty`` memory. Where the kernel has THP off (or off Linux)
 from __future__ import annotations
 
 import gc
+import mmap
 import threading
 
 import numpy as np
@@ -124,9 +125,21 @@ def test_prepared_cpu_weights_are_on_huge_page_memory_and_compute_the_same():
     assert hugepages.advised(qk) and hugepages.advised(sk)
     x = torch.randn(3, k, dtype=torch.bfloat16)
     on_huge = torch.ops.ternary_rs.ternary_linear(x, qk, sk, n, k, g)
-    plain = torch.ops.ternary_rs.ternary_linear(x, qk.clone(), sk.clone(), n, k, g)
-    assert not hugepages.advised(qk.clone())
+    # The plain copies live in a mapping of their own that never asked for huge pages: a torch clone
+    # comes from the malloc heap, which another test in the same process may have left advised.
+    qp, sp = _plain_copy(qk), _plain_copy(sk)
+    assert not hugepages.advised(qp) and not hugepages.advised(sp)
+    plain = torch.ops.ternary_rs.ternary_linear(x, qp, sp, n, k, g)
     assert torch.equal(on_huge, plain)
+
+
+def _plain_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into a fresh anonymous mapping without MADV_HUGEPAGE (4 KiB pages where THP is madvise)."""
+    nbytes = t.numel() * t.element_size()
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    out = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
 
 
 def test_trim_heap_keeps_every_live_tensor():
