@@ -278,6 +278,9 @@ def test_dtype_choice_rule(tmp_path, monkeypatch):
     assert mine.by_user and cs.CpuSettings([mine]).args == [] and "dtype=float16 (yours)" in mine.line()
     assert dtype_hint(SimpleNamespace(dtype=torch.float16)).line().startswith("dtype=float16 (this CPU has native bf16")
     assert dtype_hint(SimpleNamespace(dtype=torch.bfloat16)) is None
+    monkeypatch.setattr(cs.platform, "machine", lambda: "aarch64")  # bf16 and fp16 both native there
+    assert cs.dtype_choice(fp16, None) is None and dtype_hint(SimpleNamespace(dtype=torch.float16)) is None
+    monkeypatch.setattr(cs.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(cs, "bf16_gemm_is_native", lambda: False)
     assert cs.dtype_choice(fp16, None) is None and dtype_hint(SimpleNamespace(dtype=torch.float16)) is None
 
@@ -292,8 +295,8 @@ def test_serve_passes_the_dtype_choice(demo):
     r = subprocess.run(CLI + [str(src), "--cache-dir", str(cache), "--dry-run"], capture_output=True, text=True,
                        timeout=300, env=clean)
     assert r.returncode == 0, r.stderr
-    assert ("--dtype bfloat16" in r.stdout) == cs.bf16_gemm_is_native()
-    assert ("dtype=bfloat16 (the checkpoint says float16" in r.stderr) == cs.bf16_gemm_is_native()
+    assert ("--dtype bfloat16" in r.stdout) == cs.bf16_not_fp16()
+    assert ("dtype=bfloat16 (the checkpoint says float16" in r.stderr) == cs.bf16_not_fp16()
     r = subprocess.run(CLI + [str(src), "--cache-dir", str(cache), "--dry-run", "--dtype", "float16"],
                        capture_output=True, text=True, timeout=300, env=clean)
     assert r.returncode == 0, r.stderr

@@ -498,10 +498,16 @@ def dtype_choice(checkpoint: str | os.PathLike, user_dtype: str | None) -> Choic
     None when there is nothing to choose or report."""
     if user_dtype is not None:
         return Choice("dtype", user_dtype, "", by_user=True, variable=False)
-    if checkpoint_dtype(checkpoint) == "float16" and bf16_gemm_is_native():
+    if checkpoint_dtype(checkpoint) == "float16" and bf16_not_fp16():
         return Choice("dtype", "bfloat16", "the checkpoint says float16; this CPU has native bf16 arithmetic, "
                       "not fp16", variable=False, flag="--dtype")
     return None
+
+
+def bf16_not_fp16() -> bool:
+    """Whether this CPU computes bf16 natively but not fp16: x86 with AVX512_BF16 or AMX (aarch64 CPUs
+    with bf16 have fp16 arithmetic too, and are left to the checkpoint's dtype)."""
+    return platform.machine().lower() in ("x86_64", "amd64") and bf16_gemm_is_native()
 
 
 @functools.cache

@@ -148,9 +148,9 @@ def dtype_hint(model_config):
     config, so inside vLLM it is only reported, with how to get bf16."""
     import torch
 
-    from ternary_rs.serving.cpu import Choice, bf16_gemm_is_native
+    from ternary_rs.serving.cpu import Choice, bf16_not_fp16
 
-    if getattr(model_config, "dtype", None) != torch.float16 or not bf16_gemm_is_native():
+    if getattr(model_config, "dtype", None) != torch.float16 or not bf16_not_fp16():
         return None
     return Choice("dtype", "float16", "this CPU has native bf16 arithmetic, not fp16: dtype='bfloat16' "
                   "(--dtype bfloat16) decodes faster", vllm_default=True, variable=False)
