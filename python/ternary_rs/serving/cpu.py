@@ -16,6 +16,9 @@ vLLM CPU's defaults are made for large servers and fail or idle on small machine
 * ``VLLM_USE_LAYERNAME=0`` (``ternary-rs serve`` only: vLLM reads it when imported, before a plugin runs):
   layer names as strings, so the plugin can run the compiled graph through inductor's C++ wrapper
   (``ternary_rs.vllm.plugin.cpp_wrapper_choice``; 1.7B shape, batch 1, 2 AVX2 cores: +5-8 % tok/s).
+* ``--dtype bfloat16`` (``ternary-rs serve`` only: vLLM fixes the dtype before a plugin runs, so inside
+  vLLM it is reported, not set) for a float16 checkpoint on x86 CPUs with native bf16 but no fp16
+  arithmetic (:func:`dtype_choice`).
 * The KV cache space: without ``VLLM_CPU_KVCACHE_SPACE`` or ``--kv-cache-memory-bytes`` vLLM CPU asks for
   ``--gpu-memory-utilization`` (0.9) of the *total* RAM to be *available* at start-up, which no
   machine running anything else has, and dies after loading the model. :func:`kv_cache_space` sizes
