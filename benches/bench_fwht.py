@@ -21,6 +21,7 @@ import time
 import torch
 
 import ternary_rs
+from ternary_rs import ops  # noqa: F401 - registers torch.ops.ternary_rs.fwht
 from ternary_rs.core import hadamard as H
 
 

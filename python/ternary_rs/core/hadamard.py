@@ -8,9 +8,11 @@ Embedding rows are stored inverse-rotated and are recovered as ``e = H·row`` th
 
 This module holds
 
-* the op ``torch.ops.ternary_rs.fwht(x, block_size, signs, inverse, gather)`` (CPU: Rust, ``_core.fwht``,
-  many rows on torch's intra-op pool; CUDA: ``cuda/fwht.cu`` when the extension was built with CUDA, else a
-  torch butterfly; a fake impl for ``torch.compile``),
+* the implementations behind the op ``torch.ops.ternary_rs.fwht(x, block_size, signs, inverse, gather)``
+  (defined with the other ops in :mod:`ternary_rs.serving.ops`; its CPU kernel is registered natively from
+  Rust, ``fwht_op.rs`` of the bindings): :func:`fwht_cpu` (the same Rust transform through ``_core.fwht``,
+  for a torch without the stable C ABI), :func:`fwht_cuda` (``cuda/fwht.cu`` when the extension was built
+  with CUDA, else :func:`fwht_torch`, a torch butterfly),
 * :class:`HadamardSpec` — the validated rotation description, read from GGUF ``prism.hadamard.*`` metadata or
   MLX ``hadamard.json`` (versions 1 and 2 — 2 adds ``tied_output``, see :func:`tied_output`; ``axis`` and
   ``sign_mode`` required as upstream requires them; ``sign_mode`` ``explicit`` or ``identity``) and written to / read from ``quantization_config["hadamard"]`` of a converted
@@ -33,8 +35,6 @@ import torch
 from .. import _core
 from .._core import ValidationError
 
-LIB = "ternary_rs"
-
 # What PrismML writes (and the only thing this version understands).
 PRISM_VERSIONS = (1, 2)  # 2 adds ``tied_output`` (token_embd is also the output head)
 PRISM_TRANSFORM = "normalized-sylvester-walsh-hadamard"
@@ -50,32 +50,8 @@ _KERNEL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.fl
 
 
 # --------------------------------------------------------------------------------------------------------
-# The op
+# The op's implementations (the op itself: ternary_rs.serving.ops)
 # --------------------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op(f"{LIB}::fwht", mutates_args=(), device_types=("cpu", "cuda"))
-def fwht(
-    x: torch.Tensor,
-    block_size: int,
-    signs: torch.Tensor | None = None,
-    inverse: bool = False,
-    gather: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Blockwise normalized Walsh–Hadamard transform along the last dim of ``x`` (same shape and dtype).
-
-    ``inverse=False``: ``x[..., gather] · signs → H/√block`` (the input transform of a rotated linear).
-    ``inverse=True``: ``H/√block → · signs`` (recovers an inverse-rotated embedding row). ``signs`` is float32
-    ±1 of length ``x.shape[-1]``; ``gather`` an int32 permutation of ``range(x.shape[-1])``.
-    """
-    if x.device.type == "cuda":
-        return _fwht_cuda(x, block_size, signs, inverse, gather)
-    return _fwht_cpu(x, block_size, signs, inverse, gather)
-
-
-@fwht.register_fake
-def _(x, block_size, signs=None, inverse=False, gather=None):
-    return torch.empty_like(x)
 
 
 def _np_signs(signs: torch.Tensor | None) -> np.ndarray | None:
@@ -93,17 +69,15 @@ def _np_gather(gather: torch.Tensor | None) -> np.ndarray | None:
     return g.contiguous().numpy().view(np.uint32)
 
 
-def _fwht_cpu(x, block_size, signs, inverse, gather):
+def fwht_cpu(x, block_size, signs=None, inverse=False, gather=None):
+    """The CPU kernel through Python (``_core.fwht``): the op's CPU implementation where the native
+    registration is unavailable."""
     return fwht_cpu_numpy(x, block_size, _np_signs(signs), inverse, _np_gather(gather))
 
 
 def fwht_cpu_numpy(x: torch.Tensor, block_size: int, signs: np.ndarray | None, inverse: bool,
                    gather: np.ndarray | None) -> torch.Tensor:
-    """The CPU implementation with signs (float32) / gather (uint32) already as NumPy arrays.
-
-    Eager callers on the hot path (the vLLM transforms) call this directly: it skips the dispatcher and the
-    per-call tensor → NumPy conversions of the op (about half of a decode step's transform time).
-    """
+    """:func:`fwht_cpu` with signs (float32) / gather (uint32) already as NumPy arrays."""
     kind = _KERNEL_DTYPES.get(x.dtype)
     if kind is None:  # e.g. float64: compute in float32
         return fwht_cpu_numpy(x.to(torch.float32), block_size, signs, inverse, gather).to(x.dtype)
@@ -120,7 +94,9 @@ def fwht_cpu_numpy(x: torch.Tensor, block_size: int, signs: np.ndarray | None, i
     return out
 
 
-def _fwht_cuda(x, block_size, signs, inverse, gather):
+def fwht_cuda(x, block_size, signs=None, inverse=False, gather=None):
+    """The op's CUDA implementation: ``cuda/fwht.cu`` when the extension was built with CUDA, else
+    :func:`fwht_torch`."""
     launch = getattr(_core, "fwht_cuda", None)
     kind = _KERNEL_DTYPES.get(x.dtype)
     if launch is None or kind is None or x.numel() == 0 or block_size > CUDA_MAX_BLOCK_SIZE:

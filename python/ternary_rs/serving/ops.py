@@ -40,6 +40,13 @@ Contract (stable; the vLLM backend codes against it):
   GEMV instead, one warp group per (pair, row block). The grid is sized for the worst case
   (``M·k / BLOCK_M + E`` tiles) so it is fixed under graph capture.
 
+* ``torch.ops.ternary_rs.dense_linear(x, weight, bias=None)`` — a dense bf16 / f16 layer of a ternary model
+  on the CPU (the Rust core's half-precision kernel where torch's bf16 GEMM is not native).
+* ``torch.ops.ternary_rs.fwht(x, block_size, signs=None, inverse=False, gather=None)`` — Bonsai 2's Hadamard
+  rotation of the activation (:func:`fwht`; implementations in :mod:`ternary_rs.core.hadamard`). CPU: native
+  (bindings ``torch/fwht_op.rs``), else ``_core.fwht`` through Python (``NATIVE_FWHT_UNAVAILABLE``); CUDA:
+  ``cuda/fwht.cu`` through Python.
+
 The schemas and the fake implementations (for ``torch.compile(fullgraph=True)``) are defined here. Both
 device kernels are registered natively with the dispatcher from Rust, so a call runs no Python: the CPU
 one by ``_ops_cpu.register_native`` (on torch's intra-op thread pool), the CUDA one by
@@ -54,6 +61,7 @@ import logging
 
 import torch
 
+from ..core import hadamard as _hadamard
 from . import _ops_cpu, _ops_cuda, _ops_moe
 
 LIB = "ternary_rs"
@@ -70,6 +78,8 @@ MOE_SCHEMA = (
 )
 DENSE_OP_NAME = f"{LIB}::dense_linear"
 DENSE_SCHEMA = "dense_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor"
+FWHT_OP_NAME = f"{LIB}::fwht"
+FWHT_SCHEMA = "fwht(Tensor x, int block_size, Tensor? signs=None, bool inverse=False, Tensor? gather=None) -> Tensor"
 AUTO, EXACT, INT8_GROUP, INT8_TOKEN = _ops_cpu.AUTO, _ops_cpu.EXACT, _ops_cpu.INT8_GROUP, _ops_cpu.INT8_TOKEN
 
 log = logging.getLogger("ternary_rs.ops")
@@ -104,14 +114,18 @@ def _fake_dense(x, weight, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _fake_fwht(x, block_size, signs=None, inverse=False, gather=None):
+    return torch.empty_like(x)
+
+
 def _dense_linear_torch(x, weight, bias=None):
     """The dense op where its native kernel is not registered: torch's own linear."""
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def _define() -> tuple[str | None, str | None, str | None, str | None]:
-    """Define the ops once per process; returns why the CPU linear, the CUDA linear, the CPU MoE kernel
-    and the CPU dense linear are not native (None where they are)."""
+def _define() -> tuple[str | None, str | None, str | None, str | None, str | None]:
+    """Define the ops once per process; returns why the CPU linear, the CUDA linear, the CPU MoE kernel,
+    the CPU dense linear and the CPU FWHT are not native (None where they are)."""
     global _LIBRARY
     _LIBRARY = torch.library.Library(LIB, "FRAGMENT")  # kept alive: dropping it removes the op
     _LIBRARY.define(SCHEMA)
@@ -137,19 +151,36 @@ def _define() -> tuple[str | None, str | None, str | None, str | None]:
     if why_dense is not None:
         log.warning("ternary_rs: native CPU dense op registration unavailable (%s); using torch's linear", why_dense)
         torch.library.impl(DENSE_OP_NAME, "cpu", _dense_linear_torch, lib=_LIBRARY)
-    return why_cpu, why_cuda, why_moe, why_dense
+    _LIBRARY.define(FWHT_SCHEMA)
+    torch.library.register_fake(FWHT_OP_NAME, _fake_fwht, lib=_LIBRARY)
+    why_fwht = _ops_cpu.register_native("fwht")
+    if why_fwht is not None:
+        log.warning("ternary_rs: native CPU FWHT registration unavailable (%s); using the Python path", why_fwht)
+        torch.library.impl(FWHT_OP_NAME, "cpu", _hadamard.fwht_cpu, lib=_LIBRARY)
+    torch.library.impl(FWHT_OP_NAME, "cuda", _hadamard.fwht_cuda, lib=_LIBRARY)
+    return why_cpu, why_cuda, why_moe, why_dense, why_fwht
 
 
 _LIBRARY: torch.library.Library | None = None
-NATIVE_CPU_UNAVAILABLE, NATIVE_CUDA_UNAVAILABLE, NATIVE_MOE_UNAVAILABLE, NATIVE_DENSE_UNAVAILABLE = _define()
-"""Why the CPU linear / the CUDA linear / the CPU MoE kernel / the CPU dense linear runs through Python (None:
-registered natively)."""
+(NATIVE_CPU_UNAVAILABLE, NATIVE_CUDA_UNAVAILABLE, NATIVE_MOE_UNAVAILABLE, NATIVE_DENSE_UNAVAILABLE,
+ NATIVE_FWHT_UNAVAILABLE) = _define()
+"""Why the CPU linear / the CUDA linear / the CPU MoE kernel / the CPU dense linear / the CPU FWHT runs through
+Python (None: registered natively)."""
 
 
 def dense_linear(x, weight, bias=None):
     """``torch.ops.ternary_rs.dense_linear``: ``x · weightᵀ (+ bias)`` for a dense bf16 / f16 weight on the
     CPU, f32 sums (``ternary_core::kernels::cpu::half_linear``); x has the weight's dtype."""
     return torch.ops.ternary_rs.dense_linear(x, weight, bias)
+
+
+def fwht(x, block_size, signs=None, inverse=False, gather=None):
+    """``torch.ops.ternary_rs.fwht``: Bonsai 2's blockwise normalized Hadamard rotation along the last dim of
+    ``x`` (same shape and dtype). ``inverse=False``: ``x[..., gather] · signs → H/√block`` (the input transform
+    of a rotated linear); ``inverse=True``: ``H/√block → · signs`` (an inverse-rotated embedding row).
+    ``signs``: float32 ±1 of length ``x.shape[-1]``; ``gather``: an int32 permutation of its indices. See
+    :mod:`ternary_rs.core.hadamard`."""
+    return torch.ops.ternary_rs.fwht(x, block_size, signs, inverse, gather)
 
 
 def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias=None, activations=AUTO):

@@ -28,6 +28,7 @@ import torch
 
 from .._core import ValidationError
 from ..core import hadamard as _h
+from ..serving import ops
 
 # vLLM fused layer → the checkpoint (Hugging Face) layers it is made of (Qwen3.5 / Qwen3 / Llama names).
 FUSED_LAYERS = {
@@ -83,9 +84,6 @@ class HadamardInputTransform:
         self._signs = torch.from_numpy(np.asarray(signs, dtype=np.float32).copy())
         self._gather = None if gather is None else torch.from_numpy(np.asarray(gather, dtype=np.int32).copy())
         self._device = torch.device("cpu")
-        # NumPy views for the eager CPU fast path (no dispatcher, no per-call conversions).
-        self._signs_np = self._signs.numpy()
-        self._gather_np = None if self._gather is None else self._gather.numpy().view(np.uint32)
 
     def _on(self, device: torch.device) -> None:
         if device != self._device:
@@ -100,11 +98,8 @@ class HadamardInputTransform:
             raise ValueError(
                 f"hadamard transform of '{self.prefix}': input width {x.shape[-1]} != rotated width {self.width}"
             )
-        if x.device.type == "cpu" and not torch.compiler.is_compiling():
-            y = _h.fwht_cpu_numpy(x, self.block_size, self._signs_np, self.inverse, self._gather_np)
-        else:
-            self._on(x.device)
-            y = torch.ops.ternary_rs.fwht(x, self.block_size, self._signs, self.inverse, self._gather)
+        self._on(x.device)
+        y = ops.fwht(x, self.block_size, self._signs, self.inverse, self._gather)
         if self.local_slice is not None:
             y = y[..., self.local_slice[0] : self.local_slice[1]].contiguous()
         return y

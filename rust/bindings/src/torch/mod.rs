@@ -14,12 +14,14 @@
 //! * [`tensor`] — the owned tensor handle;
 //! * [`policy`] — the CPU kernel variant and activation precision the Python side sets;
 //! * [`pool`] — torch's intra-op pool as the core's `ParallelFor`;
-//! * [`cpu_op`] / [`cuda_op`] — the two device kernels and their registration.
+//! * [`cpu_op`] / [`cuda_op`] — the two device kernels and their registration;
+//! * [`moe_op`], [`dense_op`], [`fwht_op`] — the CPU kernels of `ternary_moe`, `dense_linear` and `fwht`.
 
 mod abi;
 mod cpu_op;
 mod cuda_op;
 mod dense_op;
+mod fwht_op;
 mod moe_op;
 mod policy;
 mod pool;
@@ -30,6 +32,7 @@ use std::ffi::{c_char, CStr, CString};
 pub(crate) use cpu_op::register as register_cpu;
 pub(crate) use cuda_op::{register as register_cuda, set_dequant_min_m};
 pub(crate) use dense_op::register as register_cpu_dense;
+pub(crate) use fwht_op::register as register_cpu_fwht;
 pub(crate) use moe_op::register as register_cpu_moe;
 pub(crate) use policy::{
     resolve_precision, set_default_int8, set_variant, set_warm_up_pass, warm_up_pass,
