@@ -941,14 +941,24 @@ impl<T: Activation> Job<'_, T> {
         let groups = self.w.rows.div_ceil(wide::GROUP_ROWS);
         self.split(groups, wide::GROUP_ROWS * kp, par, &|range| {
             let mut worker = wide::Worker::new();
-            for grp in range {
-                let out = worker.group(&self.w, grp, q, tokens, self.m);
-                let n0 = grp * wide::GROUP_ROWS;
-                let rows = wide::GROUP_ROWS.min(self.w.rows - n0);
-                for (t, vals) in out.iter().enumerate() {
-                    let mut v = *vals;
-                    self.store_row(t, n0, &mut v[..rows]);
+            let r_max = if self.m >= wide::PAIR_MIN_M {
+                wide::MAX_R
+            } else {
+                1
+            };
+            let mut grp = range.start;
+            while grp < range.end {
+                let r = r_max.min(range.end - grp);
+                let out = worker.groups(&self.w, grp, r, q, tokens, self.m);
+                for (ri, rows_out) in out.chunks_exact(self.m).enumerate() {
+                    let n0 = (grp + ri) * wide::GROUP_ROWS;
+                    let rows = wide::GROUP_ROWS.min(self.w.rows - n0);
+                    for (t, vals) in rows_out.iter().enumerate() {
+                        let mut v = *vals;
+                        self.store_row(t, n0, &mut v[..rows]);
+                    }
                 }
+                grp += r;
             }
         });
     }

@@ -801,35 +801,38 @@ fn wide_int8_matches_its_scalar_model_bit_for_bit() {
             }
         }
     }
-    // Parallel split over 16-row groups (N·K above PARALLEL_MIN_WEIGHTS), bf16 in and out.
-    let (m, n, k, g) = (7, 1100, 1024, 128);
-    let c = case(m, n, k, g, 5);
-    let planes = c.prepared();
-    let xb: Vec<bf16> = c.x.iter().map(|&v| bf16::from_f32(v)).collect();
-    let xq: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
-    let bq: Vec<f32> = c.bias.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
-    let cq = Case {
-        x: xq,
-        bias: bq,
-        ..c
-    };
-    let want_b: Vec<bf16> = wide_model(&cq, m, Precision::Int8Group, true)
-        .iter()
-        .map(|&v| bf16::from_f32(v))
-        .collect();
-    let bias_b: Vec<bf16> = cq.bias.iter().map(|&v| bf16::from_f32(v)).collect();
-    for v in [Variant::Avx512, Variant::Amx] {
-        if !v.is_supported() {
-            continue;
-        }
-        let got = cq.run(&xb, Some(&bias_b[..]), v, Precision::Int8Group, &planes);
-        assert_eq!(want_b.len(), got.len());
-        for (i, (a, w)) in got.iter().zip(&want_b).enumerate() {
-            assert_eq!(
-                a.to_bits(),
-                w.to_bits(),
-                "{v:?} parallel bf16 [{i}]: {a} vs {w}"
-            );
+    // Parallel split over 16-row groups (N·K above PARALLEL_MIN_WEIGHTS), bf16 in and out: one row
+    // group per pass (M = 7) and pairs of them (M ≥ wide::PAIR_MIN_M), ranges of odd length included.
+    for m in [7, 19] {
+        let (n, k, g) = (1100, 1024, 128);
+        let c = case(m, n, k, g, 5);
+        let planes = c.prepared();
+        let xb: Vec<bf16> = c.x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let xq: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+        let bq: Vec<f32> = c.bias.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+        let cq = Case {
+            x: xq,
+            bias: bq,
+            ..c
+        };
+        let want_b: Vec<bf16> = wide_model(&cq, m, Precision::Int8Group, true)
+            .iter()
+            .map(|&v| bf16::from_f32(v))
+            .collect();
+        let bias_b: Vec<bf16> = cq.bias.iter().map(|&v| bf16::from_f32(v)).collect();
+        for v in [Variant::Avx512, Variant::Amx] {
+            if !v.is_supported() {
+                continue;
+            }
+            let got = cq.run(&xb, Some(&bias_b[..]), v, Precision::Int8Group, &planes);
+            assert_eq!(want_b.len(), got.len());
+            for (i, (a, w)) in got.iter().zip(&want_b).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    w.to_bits(),
+                    "{v:?} parallel bf16 m{m} [{i}]: {a} vs {w}"
+                );
+            }
         }
     }
     WIDE_MIN_M_OVERRIDE.with(|o| o.set(None));

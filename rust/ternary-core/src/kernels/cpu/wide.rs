@@ -35,8 +35,16 @@ use super::PreparedRef;
 pub const GROUP_ROWS: usize = 16;
 /// Row blocks of the layout per group.
 const BLOCKS: usize = GROUP_ROWS / ROWS;
-/// Most tokens one pass over a decoded chunk handles (an int32 sum and an f32 total each in registers).
+/// Most tokens one pass over the decoded chunks handles (an int32 sum per token and row group in
+/// registers).
 pub const MAX_T: usize = 8;
+/// Most row groups one pass handles: each token's broadcast codes feed `R` `vpdpbusd`s.
+pub const MAX_R: usize = 2;
+/// From this many tokens a pass takes [`MAX_R`] row groups (fewer tokens: one, its totals in registers).
+/// Zen 5, one thread, weights cold, G weight-tokens/s, one row group vs two: 5120 → 17408 M = 8 270 vs
+/// 232, M = 16 310 vs 297, M = 64 364 vs 401, M = 256 355 vs 432; 17408 → 5120 M = 8 274 vs 278, M = 16
+/// 313 vs 335; 2048 → 12288 M = 256 357 vs 399.
+pub const PAIR_MIN_M: usize = 16;
 /// Columns decoded per buffer refill: 16 rows × 512 codes = 8 KiB (with 512 bytes of x per token, all
 /// in L1 while every token tile uses them).
 const CHUNK_K: usize = 512;
@@ -76,80 +84,88 @@ impl Tokens {
     }
 }
 
-/// One task's scratch: the decoded chunk, the 16-lane f32 scales of the current group and the running
-/// f32 totals of every token.
+/// One task's scratch: the decoded chunks, the 16-lane f32 scales and the running f32 totals of up to
+/// [`MAX_R`] row groups.
 pub(crate) struct Worker {
-    /// `[CHUNK_K/4][16 rows]` words of 4 byte codes `c = t + 1`.
+    /// `[R][CHUNK_K/4][16 rows]` words of 4 byte codes `c = t + 1`.
     a: Vec<Line>,
-    /// `[Gp][16 rows]` f32 scales of the current 16 rows (missing rows 0).
+    /// `[R][Gp][16 rows]` f32 scales (missing rows 0).
     scales: Vec<Line>,
-    /// `[m][16 rows]` f32 totals.
+    /// `[R][m][16 rows]` f32 totals.
     tot: Vec<Line>,
 }
 
 impl Worker {
     pub fn new() -> Worker {
         Worker {
-            a: vec![Line([0; 16]); CHUNK_K / 4],
+            a: vec![Line([0; 16]); MAX_R * CHUNK_K / 4],
             scales: Vec::new(),
             tot: Vec::new(),
         }
     }
 
-    /// `out[t][n] = Σ_g fma-chain f32(Σ_{k∈g} t(n, k) · q_t[k]) · (f32(s[n][g]) · xs[t][g])` for the
-    /// rows `16·grp ..` of `w` and all `m` tokens (`q`: `m · Kp` codes); returns `m` rows of 16 f32
-    /// (rows past `w.rows` are garbage). `w` must be checked ([`PreparedRef::check`]).
-    pub fn group(
+    /// `out[r·m + t][n] = Σ_g fma-chain f32(Σ_{k∈g} t(n, k) · q_t[k]) · (f32(s[n][g]) · xs[t][g])` for
+    /// the `r` (1 ..= [`MAX_R`]) row groups `grp0 ..` of `w` (16 rows each) and all `m` tokens (`q`:
+    /// `m · Kp` codes); returns `r · m` rows of 16 f32 (rows past `w.rows` are garbage). `w` must be
+    /// checked ([`PreparedRef::check`]).
+    pub fn groups(
         &mut self,
         w: &PreparedRef<'_>,
-        grp: usize,
+        grp0: usize,
+        r: usize,
         q: &[i8],
         tokens: &Tokens,
         m: usize,
     ) -> &[[f32; 16]] {
         let (kp, gp) = (padded_cols(w.cols), padded_groups(w.cols, w.group_size));
         assert!(tokens.gp == gp && tokens.xs.len() >= m * gp && q.len() >= m * kp);
-        assert!(grp * GROUP_ROWS < w.rows.max(1) && m > 0);
+        assert!((1..=MAX_R).contains(&r) && (grp0 + r - 1) * GROUP_ROWS < w.rows.max(1) && m > 0);
         // SAFETY: the worker is only used with AVX-512 VNNI present (`Kernels::int8_wide` is set only
         // in the AVX-512 kernel sets); sizes asserted above.
-        unsafe { self.group_inner(w, grp, q, tokens, m) };
-        bytemuck::cast_slice(&self.tot[..m])
+        unsafe { self.groups_inner(w, grp0, r, q, tokens, m) };
+        bytemuck::cast_slice(&self.tot[..r * m])
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")]
-    unsafe fn group_inner(
+    unsafe fn groups_inner(
         &mut self,
         w: &PreparedRef<'_>,
-        grp: usize,
+        grp0: usize,
+        r: usize,
         q: &[i8],
         tokens: &Tokens,
         m: usize,
     ) {
         let (kp, g, gp) = (padded_cols(w.cols), w.group_size, tokens.gp);
         let blocks = row_blocks(w.rows);
-        let b0 = grp * BLOCKS;
-        // 16-lane f32 scales per group: lane 4·bi + r = row r of block b0 + bi (missing blocks 0).
-        let sp: [Option<*const u64>; BLOCKS] = std::array::from_fn(|bi| {
-            (b0 + bi < blocks).then(|| w.block(b0 + bi).1.as_ptr().cast::<u64>())
-        });
         self.scales.clear();
-        self.scales.resize(gp, Line([0; 16]));
-        for (gi, line) in self.scales.iter_mut().enumerate() {
-            // SAFETY: a block holds Gp·4 scales, so the 4 of group gi (8 bytes) are in bounds.
-            unsafe {
-                let four = |bi: usize| sp[bi].map_or(0, |p| p.add(gi).read_unaligned() as i64);
-                let h = _mm256_set_epi64x(four(3), four(2), four(1), four(0));
-                _mm512_store_ps(line.0.as_mut_ptr().cast(), _mm512_cvtph_ps(h));
+        self.scales.resize(r * gp, Line([0; 16]));
+        for ri in 0..r {
+            let b0 = (grp0 + ri) * BLOCKS;
+            // 16-lane f32 scales per group: lane 4·bi + r = row r of block b0 + bi (missing blocks 0).
+            let sp: [Option<*const u64>; BLOCKS] = std::array::from_fn(|bi| {
+                (b0 + bi < blocks).then(|| w.block(b0 + bi).1.as_ptr().cast::<u64>())
+            });
+            for (gi, line) in self.scales[ri * gp..(ri + 1) * gp].iter_mut().enumerate() {
+                // SAFETY: a block holds Gp·4 scales, so the 4 of group gi (8 bytes) are in bounds.
+                unsafe {
+                    let four = |bi: usize| sp[bi].map_or(0, |p| p.add(gi).read_unaligned() as i64);
+                    let h = _mm256_set_epi64x(four(3), four(2), four(1), four(0));
+                    _mm512_store_ps(line.0.as_mut_ptr().cast(), _mm512_cvtph_ps(h));
+                }
             }
         }
         self.tot.clear();
-        self.tot.resize(m, Line([0; 16]));
+        self.tot.resize(r * m, Line([0; 16]));
         let tiles = m.div_ceil(MAX_T);
         let per = m.div_ceil(tiles);
         for kc0 in (0..kp).step_by(CHUNK_K) {
             let kc = CHUNK_K.min(kp - kc0);
-            // SAFETY: kc0 + kc ≤ Kp; `a` holds CHUNK_K/4 words per lane.
-            unsafe { decode(w, b0, kc0, kc, &mut self.a) };
+            for ri in 0..r {
+                let a = &mut self.a[ri * CHUNK_K / 4..(ri + 1) * CHUNK_K / 4];
+                // SAFETY: kc0 + kc ≤ Kp; `a` holds CHUNK_K/4 words per lane.
+                unsafe { decode(w, (grp0 + ri) * BLOCKS, kc0, kc, r, a) };
+            }
             for m0 in (0..m).step_by(per) {
                 let t = per.min(m - m0);
                 let args = Tile {
@@ -159,6 +175,7 @@ impl Worker {
                     g,
                     gp,
                     kp,
+                    m,
                     q: q.as_ptr(),
                     neg_qsum: tokens.neg_qsum.as_ptr(),
                     xs: tokens.xs.as_ptr(),
@@ -166,70 +183,117 @@ impl Worker {
                     m0,
                     tot: self.tot.as_mut_ptr().cast(),
                 };
-                // SAFETY: every pointer covers what `Tile` says (asserted sizes, m0 + t ≤ m).
-                unsafe { TILE_FNS[t - 1](&args) };
+                // SAFETY: every pointer covers what `Tile` says (asserted sizes, m0 + t ≤ m, r
+                // decoded chunks, r · Gp scale lines and r · m total lines).
+                unsafe { TILE_FNS[r - 1][t - 1](&args) };
             }
         }
     }
 }
 
-/// One pass of `T` tokens (`m0 ..`) over a decoded chunk.
+/// One pass of `T` tokens (`m0 ..`) over `R` decoded chunks (row groups).
 struct Tile {
-    /// `[kc/4][16]` words of the decoded chunk.
+    /// `[R][CHUNK_K/4][16]` words of the decoded chunks (`kc/4` used).
     a: *const i32,
     kc0: usize,
     kc: usize,
     g: usize,
     gp: usize,
     kp: usize,
+    /// Tokens of the call (the totals' stride per row group).
+    m: usize,
     /// Codes, `[m][Kp]`.
     q: *const i8,
     /// `[m][Gp]`.
     neg_qsum: *const i32,
     /// `[m][Gp]`.
     xs: *const f32,
-    /// `[Gp][16]` f32.
+    /// `[R][Gp][16]` f32.
     scales: *const f32,
     m0: usize,
-    /// `[m][16]` f32 running totals.
+    /// `[R][m][16]` f32 running totals.
     tot: *mut f32,
 }
 
 type TileFn = unsafe fn(&Tile);
 
-const TILE_FNS: [TileFn; MAX_T] = [
-    tile::<1>, tile::<2>, tile::<3>, tile::<4>, tile::<5>, tile::<6>, tile::<7>, tile::<8>,
+const TILE_FNS: [[TileFn; MAX_T]; MAX_R] = [
+    [
+        tile::<1, 1>,
+        tile::<1, 2>,
+        tile::<1, 3>,
+        tile::<1, 4>,
+        tile::<1, 5>,
+        tile::<1, 6>,
+        tile::<1, 7>,
+        tile::<1, 8>,
+    ],
+    [
+        tile::<2, 1>,
+        tile::<2, 2>,
+        tile::<2, 3>,
+        tile::<2, 4>,
+        tile::<2, 5>,
+        tile::<2, 6>,
+        tile::<2, 7>,
+        tile::<2, 8>,
+    ],
 ];
 
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma")]
-unsafe fn tile<const T: usize>(p: &Tile) {
-    // SAFETY (whole body): the caller's pointers cover the chunk (kc/4 words × 16), tokens m0 .. m0 + T
-    // of q (Kp each: kc0 + kc ≤ Kp), their groups (Gp each), the scales (Gp × 16) and totals.
+unsafe fn tile<const R: usize, const T: usize>(p: &Tile) {
+    // SAFETY (whole body): the caller's pointers cover the R chunks (kc/4 words × 16 each), tokens
+    // m0 .. m0 + T of q (Kp each: kc0 + kc ≤ Kp), their groups (Gp each), the scales (R × Gp × 16)
+    // and totals (R × m × 16).
     unsafe {
         let x: [*const i8; T] = std::array::from_fn(|t| p.q.add((p.m0 + t) * p.kp + p.kc0));
-        let mut tot: [__m512; T] =
-            std::array::from_fn(|t| _mm512_loadu_ps(p.tot.add((p.m0 + t) * 16)));
+        let a: [*const i32; R] = std::array::from_fn(|ri| p.a.add(ri * CHUNK_K / 4 * 16));
+        let tot_at = |ri: usize, t: usize| p.tot.add((ri * p.m + p.m0 + t) * 16);
+        // One row group: the totals live in registers for the whole pass (8 + 8 of them); more: in L1,
+        // read and written once per group.
+        let mut tot_reg: [__m512; T] = std::array::from_fn(|t| {
+            if R == 1 {
+                _mm512_loadu_ps(tot_at(0, t))
+            } else {
+                _mm512_setzero_ps()
+            }
+        });
         let k4_per_group = p.g / 4;
         for gl in 0..p.kc / p.g {
             let gi = p.kc0 / p.g + gl;
-            let mut acc: [__m512i; T] =
-                std::array::from_fn(|t| _mm512_set1_epi32(*p.neg_qsum.add((p.m0 + t) * p.gp + gi)));
+            let mut acc: [[__m512i; T]; R] = [std::array::from_fn(|t| {
+                _mm512_set1_epi32(*p.neg_qsum.add((p.m0 + t) * p.gp + gi))
+            }); R];
             let k4_0 = gl * k4_per_group;
             for k4 in k4_0..k4_0 + k4_per_group {
-                let wv = _mm512_load_si512(p.a.add(k4 * 16).cast());
+                let wv: [__m512i; R] =
+                    std::array::from_fn(|ri| _mm512_load_si512(a[ri].add(k4 * 16).cast()));
                 for t in 0..T {
+                    // Each token's 4 codes are loaded once and used against every row group.
                     let xq = _mm512_set1_epi32(x[t].add(4 * k4).cast::<i32>().read_unaligned());
-                    acc[t] = _mm512_dpbusd_epi32(acc[t], wv, xq);
+                    for ri in 0..R {
+                        acc[ri][t] = _mm512_dpbusd_epi32(acc[ri][t], wv[ri], xq);
+                    }
                 }
             }
-            let s = _mm512_loadu_ps(p.scales.add(gi * 16));
-            for t in 0..T {
-                let cs = _mm512_mul_ps(s, _mm512_set1_ps(*p.xs.add((p.m0 + t) * p.gp + gi)));
-                tot[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t]), cs, tot[t]);
+            for ri in 0..R {
+                let s = _mm512_loadu_ps(p.scales.add((ri * p.gp + gi) * 16));
+                for t in 0..T {
+                    let cs = _mm512_mul_ps(s, _mm512_set1_ps(*p.xs.add((p.m0 + t) * p.gp + gi)));
+                    let v = _mm512_cvtepi32_ps(acc[ri][t]);
+                    if R == 1 {
+                        tot_reg[t] = _mm512_fmadd_ps(v, cs, tot_reg[t]);
+                    } else {
+                        let at = tot_at(ri, t);
+                        _mm512_storeu_ps(at, _mm512_fmadd_ps(v, cs, _mm512_loadu_ps(at)));
+                    }
+                }
             }
         }
-        for t in 0..T {
-            _mm512_storeu_ps(p.tot.add((p.m0 + t) * 16), tot[t]);
+        if R == 1 {
+            for t in 0..T {
+                _mm512_storeu_ps(tot_at(0, t), tot_reg[t]);
+            }
         }
     }
 }
@@ -238,7 +302,14 @@ unsafe fn tile<const T: usize>(p: &Tile) {
 /// holds the byte codes of row n, columns `kc0 + 4·k4 .. + 4`. Missing blocks (past the last row) give
 /// codes 0 (their rows are never stored).
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn decode(w: &PreparedRef<'_>, b0: usize, kc0: usize, kc: usize, a: &mut [Line]) {
+unsafe fn decode(
+    w: &PreparedRef<'_>,
+    b0: usize,
+    kc0: usize,
+    kc: usize,
+    groups_on: usize,
+    a: &mut [Line],
+) {
     debug_assert!(a.len() * 4 >= kc && kc0.is_multiple_of(SUPER_K) && kc.is_multiple_of(SUPER_K));
     let blocks = row_blocks(w.rows);
     let kp = padded_cols(w.cols);
@@ -255,12 +326,13 @@ unsafe fn decode(w: &PreparedRef<'_>, b0: usize, kc0: usize, kc: usize, a: &mut 
                 if let Some(p) = *p {
                     let base = p.add(sb * ROWS * CHUNK_BYTES);
                     // Each block is a stream of its own: prefetch STREAM_AHEAD bytes ahead in it,
-                    // or past its end in the next group's block at the same place (3 blocks on).
+                    // or past its end in the block at the same place of the group this worker
+                    // decodes next there (`groups_on` groups, 4 blocks each, on).
                     let o = sb * ROWS * CHUNK_BYTES + STREAM_AHEAD;
                     let far = if o < kp {
                         STREAM_AHEAD
                     } else {
-                        STREAM_AHEAD + 3 * kp
+                        STREAM_AHEAD + (BLOCKS * groups_on - 1) * kp
                     };
                     for l in 0..ROWS {
                         let ahead = base.wrapping_add(far + l * CHUNK_BYTES);
