@@ -16,7 +16,9 @@
 //! The layout keeps 4 rows interleaved; per 16 rows (4 row blocks) × [`CHUNK_K`] columns the weight is
 //! decoded once per call into such vectors — a 16 × 16 transpose of 32-bit words of the packed chunks
 //! (4 sub-vectors travel together in each byte), then the usual shift + AND — into an 8 KiB buffer that
-//! stays in L1 while every token tile uses it. The `+1` of the codes is removed in the integers (each
+//! stays in L1 while every token tile uses it. From [`PAIR_MIN_M`] tokens a pass takes two such groups,
+//! so each token's broadcast codes feed two `vpdpbusd`s (more independent sums in flight, half the
+//! broadcast loads). The `+1` of the codes is removed in the integers (each
 //! group's sum starts at `−Σq`), so per group and (row, token) the sum is `Σ t·q` exactly, and the f32
 //! combination is `v = fma(f32(Σ t·q), f32(s) · xs, v)` group after group from 0: the AMX path's
 //! numerics (`amx::Epilogue`) bit for bit (tested against a scalar model of it, and against float64
