@@ -123,40 +123,34 @@ def _dense_linear_torch(x, weight, bias=None):
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def _define_cpu(schema: str, name: str, fake, op: str, fallback, what: str) -> str | None:
+    """Define one op with its fake and its native CPU kernel, or ``fallback`` where that cannot be
+    registered; returns why not native (None where it is)."""
+    _LIBRARY.define(schema)
+    torch.library.register_fake(name, fake, lib=_LIBRARY)
+    why = _ops_cpu.register_native(op)
+    if why is not None:
+        log.warning("ternary_rs: native CPU %s registration unavailable (%s); using %s", op, why, what)
+        torch.library.impl(name, "cpu", fallback, lib=_LIBRARY)
+    return why
+
+
 def _define() -> tuple[str | None, str | None, str | None, str | None, str | None]:
     """Define the ops once per process; returns why the CPU linear, the CUDA linear, the CPU MoE kernel,
     the CPU dense linear and the CPU FWHT are not native (None where they are)."""
     global _LIBRARY
     _LIBRARY = torch.library.Library(LIB, "FRAGMENT")  # kept alive: dropping it removes the op
-    _LIBRARY.define(SCHEMA)
-    torch.library.register_fake(OP_NAME, _fake, lib=_LIBRARY)
-    why_cpu = _ops_cpu.register_native()
-    if why_cpu is not None:
-        log.warning("ternary_rs: native CPU op registration unavailable (%s); using the Python path", why_cpu)
-        torch.library.impl(OP_NAME, "cpu", _ops_cpu.ternary_linear, lib=_LIBRARY)
+    python_path = "the Python path"
+    why_cpu = _define_cpu(SCHEMA, OP_NAME, _fake, "ternary_linear", _ops_cpu.ternary_linear, python_path)
     why_cuda = _ops_cuda.register_native()
     if why_cuda is not None:
         if torch.cuda.is_available():  # on a CPU-only machine the Python path only reports errors
             log.warning("ternary_rs: native CUDA op registration unavailable (%s); using the Python path", why_cuda)
         torch.library.impl(OP_NAME, "cuda", _ops_cuda.ternary_linear, lib=_LIBRARY)
-    _LIBRARY.define(MOE_SCHEMA)
-    torch.library.register_fake(MOE_OP_NAME, _fake_moe, lib=_LIBRARY)
-    why_moe = _ops_cpu.register_native("ternary_moe")
-    if why_moe is not None:
-        log.warning("ternary_rs: native CPU MoE op registration unavailable (%s); using the Python path", why_moe)
-        torch.library.impl(MOE_OP_NAME, "cpu", _ops_moe.ternary_moe, lib=_LIBRARY)
-    _LIBRARY.define(DENSE_SCHEMA)
-    torch.library.register_fake(DENSE_OP_NAME, _fake_dense, lib=_LIBRARY)
-    why_dense = _ops_cpu.register_native("dense_linear")
-    if why_dense is not None:
-        log.warning("ternary_rs: native CPU dense op registration unavailable (%s); using torch's linear", why_dense)
-        torch.library.impl(DENSE_OP_NAME, "cpu", _dense_linear_torch, lib=_LIBRARY)
-    _LIBRARY.define(FWHT_SCHEMA)
-    torch.library.register_fake(FWHT_OP_NAME, _fake_fwht, lib=_LIBRARY)
-    why_fwht = _ops_cpu.register_native("fwht")
-    if why_fwht is not None:
-        log.warning("ternary_rs: native CPU FWHT registration unavailable (%s); using the Python path", why_fwht)
-        torch.library.impl(FWHT_OP_NAME, "cpu", _hadamard.fwht_cpu, lib=_LIBRARY)
+    why_moe = _define_cpu(MOE_SCHEMA, MOE_OP_NAME, _fake_moe, "ternary_moe", _ops_moe.ternary_moe, python_path)
+    why_dense = _define_cpu(DENSE_SCHEMA, DENSE_OP_NAME, _fake_dense, "dense_linear", _dense_linear_torch,
+                            "torch's linear")
+    why_fwht = _define_cpu(FWHT_SCHEMA, FWHT_OP_NAME, _fake_fwht, "fwht", _hadamard.fwht_cpu, python_path)
     torch.library.impl(FWHT_OP_NAME, "cuda", _hadamard.fwht_cuda, lib=_LIBRARY)
     return why_cpu, why_cuda, why_moe, why_dense, why_fwht
 

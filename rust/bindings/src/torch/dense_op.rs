@@ -2,61 +2,26 @@
 //! half-precision kernel (`ternary_core::kernels::cpu::half_linear`) on torch's intra-op pool. The
 //! vLLM plugin routes a ternary model's dense layers here where torch's bf16 GEMM is not native.
 
-use std::ffi::c_char;
-use std::sync::OnceLock;
-
 use half::{bf16, f16};
 use ternary_core::kernels::cpu::half_linear::{self, Half, HalfVariant};
 use ternary_core::kernels::cpu::Variant;
 
-use super::abi::{api, Api};
+use super::abi::Api;
 use super::policy::{variant, warm_up_pass};
 use super::pool::TorchPool;
 use super::tensor::Tensor;
-use super::{api_for_schema, catch_boxed, register_boxed_op, take_optional_tensor, take_tensor};
-
-extern "C" {
-    /// `csrc/torch_boxed.cpp`: the boxed entry torch calls; it calls [`ternary_rs_cpu_dense_boxed`].
-    fn ternary_rs_cpu_dense_entry(stack: *mut u64, num_args: u64, num_outputs: u64);
-}
+use super::{api_for_schema, take_optional_tensor, take_tensor};
 
 /// The schema's argument count: x, weight, bias.
 const NUM_ARGS: u64 = 3;
 const OP: &str = "ternary_rs::dense_linear";
 
-static LIBRARY: OnceLock<usize> = OnceLock::new();
-
-/// Register the CPU kernel of `ternary_rs::dense_linear` (whose schema the Python side has defined)
-/// with the torch loaded from `path`. Idempotent.
-pub fn register(path: &str) -> Result<(), String> {
-    if LIBRARY.get().is_some() {
-        return Ok(());
-    }
-    let lib = register_boxed_op(
-        api(path)?,
-        c"CPU",
-        c"dense_linear",
-        ternary_rs_cpu_dense_entry,
-    )?;
-    let _ = LIBRARY.set(lib);
-    Ok(())
-}
-
-/// Entry point called by `csrc/torch_boxed.cpp`: returns 0, or non-zero with a message in `err`.
-///
-/// # Safety
-/// `stack` is torch's boxed stack of `max(num_args, num_outputs)` StableIValues; `err` has `err_len` bytes.
-#[no_mangle]
-pub unsafe extern "C" fn ternary_rs_cpu_dense_boxed(
-    stack: *mut u64,
-    num_args: u64,
-    num_outputs: u64,
-    err: *mut c_char,
-    err_len: usize,
-) -> i32 {
-    // SAFETY: forwarded from our caller's contract.
-    unsafe { catch_boxed(err, err_len, OP, || boxed(stack, num_args, num_outputs)) }
-}
+cpu_boxed_op!(
+    c"dense_linear",
+    OP,
+    ternary_rs_cpu_dense_entry,
+    ternary_rs_cpu_dense_boxed
+);
 
 unsafe fn boxed(stack: *mut u64, num_args: u64, num_outputs: u64) -> Result<(), String> {
     let api = api_for_schema(OP, (num_args, num_outputs), NUM_ARGS)?;

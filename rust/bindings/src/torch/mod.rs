@@ -17,6 +17,49 @@
 //! * [`cpu_op`] / [`cuda_op`] — the two device kernels and their registration;
 //! * [`moe_op`], [`dense_op`], [`fwht_op`] — the CPU kernels of `ternary_moe`, `dense_linear` and `fwht`.
 
+/// What every single-kernel CPU op module needs around its `boxed(stack, num_args, num_outputs)`: the
+/// `torch::Library` kept for the life of the process, `register(path)` (idempotent) and the
+/// `#[no_mangle]` function `$boxed_fn` that `csrc/torch_boxed.cpp`'s `$entry` calls (its error code
+/// becomes the C++ exception torch expects there).
+macro_rules! cpu_boxed_op {
+    ($name:literal, $op:expr, $entry:ident, $boxed_fn:ident) => {
+        extern "C" {
+            /// `csrc/torch_boxed.cpp`: the boxed entry torch calls; it calls this module's `_boxed` function.
+            fn $entry(stack: *mut u64, num_args: u64, num_outputs: u64);
+        }
+
+        static LIBRARY: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
+        /// Register this module's CPU kernel (whose schema the Python side has defined) with the torch
+        /// loaded from `path`. Idempotent.
+        pub fn register(path: &str) -> Result<(), String> {
+            if LIBRARY.get().is_some() {
+                return Ok(());
+            }
+            let lib = super::register_boxed_op(super::abi::api(path)?, c"CPU", $name, $entry)?;
+            let _ = LIBRARY.set(lib);
+            Ok(())
+        }
+
+        /// Entry point called by `csrc/torch_boxed.cpp`: returns 0, or non-zero with a message in `err`.
+        ///
+        /// # Safety
+        /// `stack` is torch's boxed stack of `max(num_args, num_outputs)` StableIValues; `err` has
+        /// `err_len` bytes.
+        #[no_mangle]
+        pub unsafe extern "C" fn $boxed_fn(
+            stack: *mut u64,
+            num_args: u64,
+            num_outputs: u64,
+            err: *mut std::ffi::c_char,
+            err_len: usize,
+        ) -> i32 {
+            // SAFETY: forwarded from our caller's contract.
+            unsafe { super::catch_boxed(err, err_len, $op, || boxed(stack, num_args, num_outputs)) }
+        }
+    };
+}
+
 mod abi;
 mod cpu_op;
 mod cuda_op;

@@ -2,24 +2,16 @@
 //! kernel (`ternary_core::kernels::cpu::moe`) on torch's intra-op pool, so a decode step pays one
 //! dispatch and two parallel regions per layer instead of two GEMM calls per active expert.
 
-use std::ffi::c_char;
-use std::sync::OnceLock;
-
 use half::{bf16, f16};
 use ternary_core::kernels::cpu::moe::{self, Experts, Routing};
 use ternary_core::kernels::cpu::{layout, Activation, KernelChoice, PreparedRef};
 
-use super::abi::{api, Api};
+use super::abi::Api;
 use super::cpu_op::dtype_name;
 use super::policy::{resolve_precision, variant};
 use super::pool::TorchPool;
 use super::tensor::Tensor;
-use super::{api_for_schema, catch_boxed, register_boxed_op, take_tensor};
-
-extern "C" {
-    /// `csrc/torch_boxed.cpp`: the boxed entry torch calls; it calls [`ternary_rs_cpu_moe_boxed`].
-    fn ternary_rs_cpu_moe_entry(stack: *mut u64, num_args: u64, num_outputs: u64);
-}
+use super::{api_for_schema, take_tensor};
 
 /// The schema's argument count: x, topk_weights, topk_ids, w13_qweight, w13_scales, w2_qweight,
 /// w2_scales, intermediate_size, w13_group_size, w2_group_size, activations,
@@ -27,34 +19,12 @@ extern "C" {
 const NUM_ARGS: u64 = 12;
 const OP: &str = "ternary_rs::ternary_moe";
 
-static LIBRARY: OnceLock<usize> = OnceLock::new();
-
-/// Register the CPU kernel of `ternary_rs::ternary_moe` (whose schema the Python side has defined)
-/// with the torch loaded from `path`. Idempotent.
-pub fn register(path: &str) -> Result<(), String> {
-    if LIBRARY.get().is_some() {
-        return Ok(());
-    }
-    let lib = register_boxed_op(api(path)?, c"CPU", c"ternary_moe", ternary_rs_cpu_moe_entry)?;
-    let _ = LIBRARY.set(lib);
-    Ok(())
-}
-
-/// Entry point called by `csrc/torch_boxed.cpp`: returns 0, or non-zero with a message in `err`.
-///
-/// # Safety
-/// `stack` is torch's boxed stack of `max(num_args, num_outputs)` StableIValues; `err` has `err_len` bytes.
-#[no_mangle]
-pub unsafe extern "C" fn ternary_rs_cpu_moe_boxed(
-    stack: *mut u64,
-    num_args: u64,
-    num_outputs: u64,
-    err: *mut c_char,
-    err_len: usize,
-) -> i32 {
-    // SAFETY: forwarded from our caller's contract.
-    unsafe { catch_boxed(err, err_len, OP, || boxed(stack, num_args, num_outputs)) }
-}
+cpu_boxed_op!(
+    c"ternary_moe",
+    OP,
+    ternary_rs_cpu_moe_entry,
+    ternary_rs_cpu_moe_boxed
+);
 
 unsafe fn boxed(stack: *mut u64, num_args: u64, num_outputs: u64) -> Result<(), String> {
     let api = api_for_schema(OP, (num_args, num_outputs), NUM_ARGS)?;
