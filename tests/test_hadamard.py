@@ -100,7 +100,6 @@ def test_many_rows_on_torch_pool_equal_rayon_bit_for_bit():
     """The op's CPU path splits many rows over torch's intra-op pool (``torch_pool=True``), conversions over
     the rayon pool: the same transform row by row, so the same bits (and a few rows stay on one thread)."""
     from ternary_rs import _core
-    from ternary_rs.serving import ops
 
     assert ops.NATIVE_CPU_UNAVAILABLE is None  # the torch pool is reachable once the native op is registered
     rng = np.random.default_rng(7)

@@ -72,15 +72,9 @@ def _np_gather(gather: torch.Tensor | None) -> np.ndarray | None:
 def fwht_cpu(x, block_size, signs=None, inverse=False, gather=None):
     """The CPU kernel through Python (``_core.fwht``): the op's CPU implementation where the native
     registration is unavailable."""
-    return fwht_cpu_numpy(x, block_size, _np_signs(signs), inverse, _np_gather(gather))
-
-
-def fwht_cpu_numpy(x: torch.Tensor, block_size: int, signs: np.ndarray | None, inverse: bool,
-                   gather: np.ndarray | None) -> torch.Tensor:
-    """:func:`fwht_cpu` with signs (float32) / gather (uint32) already as NumPy arrays."""
     kind = _KERNEL_DTYPES.get(x.dtype)
     if kind is None:  # e.g. float64: compute in float32
-        return fwht_cpu_numpy(x.to(torch.float32), block_size, signs, inverse, gather).to(x.dtype)
+        return fwht_cpu(x.to(torch.float32), block_size, signs, inverse, gather).to(x.dtype)
     src = x.contiguous()
     out = torch.empty_like(src)
     if src.numel() == 0:
@@ -90,7 +84,7 @@ def fwht_cpu_numpy(x: torch.Tensor, block_size: int, signs: np.ndarray | None, i
     else:
         a, b = src.view(torch.int16).numpy().view(np.uint16), out.view(torch.int16).numpy().view(np.uint16)
     # Many rows run on torch's intra-op pool: its threads are awake after the previous op.
-    _core.fwht(a, b, int(block_size), kind, bool(inverse), signs, gather, torch_pool=True)
+    _core.fwht(a, b, int(block_size), kind, bool(inverse), _np_signs(signs), _np_gather(gather), torch_pool=True)
     return out
 
 
