@@ -252,15 +252,16 @@ def _libtorch_cpu() -> Path:
 
 
 def register_native(op: str = "ternary_linear") -> str | None:
-    """Register the native CPU kernel of ``op`` (``"ternary_linear"``, ``"ternary_moe"``, ``"dense_linear"`` or
-    ``"fwht"``, whose schema must be defined) with torch's dispatcher; returns why not (None on success)."""
+    """Register the native CPU kernel of ``op`` (``"ternary_linear"``, ``"ternary_moe"``, ``"dense_linear"``,
+    ``"fwht"`` or ``"decode_attention"``, whose schema must be defined) with torch's dispatcher; returns why not (None on success)."""
     _push_settings()
     path = _libtorch_cpu()
     if not path.is_file():
         return f"{path} not found"
     register = {"ternary_linear": _core.register_torch_cpu_kernel, "ternary_moe": _core.register_torch_cpu_moe_kernel,
                 "dense_linear": _core.register_torch_cpu_dense_kernel,
-                "fwht": _core.register_torch_cpu_fwht_kernel}[op]
+                "fwht": _core.register_torch_cpu_fwht_kernel,
+                "decode_attention": _core.register_torch_cpu_attention_kernel}[op]
     try:
         register(str(path))
     except RuntimeError as e:

@@ -47,6 +47,11 @@ Contract (stable; the vLLM backend codes against it):
   (bindings ``torch/fwht_op.rs``), else ``_core.fwht`` through Python (``NATIVE_FWHT_UNAVAILABLE``); CUDA:
   ``cuda/fwht.cu`` through Python.
 
+* ``torch.ops.ternary_rs.decode_attention(out, query, kv_cache, seq_lens, block_table, scale, sliding_window=-1,
+  softcap=0.0)`` — one decode step's attention over vLLM's paged CPU KV cache (:func:`decode_attention`),
+  written into ``out``. CPU: native (bindings ``torch/attention_op.rs`` → core ``attention.rs``), else the same
+  result through torch (``NATIVE_ATTENTION_UNAVAILABLE``; the vLLM backend then keeps vLLM's own kernel).
+
 The schemas and the fake implementations (for ``torch.compile(fullgraph=True)``) are defined here. Both
 device kernels are registered natively with the dispatcher from Rust, so a call runs no Python: the CPU
 one by ``_ops_cpu.register_native`` (on torch's intra-op thread pool), the CUDA one by
@@ -80,6 +85,9 @@ DENSE_OP_NAME = f"{LIB}::dense_linear"
 DENSE_SCHEMA = "dense_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor"
 FWHT_OP_NAME = f"{LIB}::fwht"
 FWHT_SCHEMA = "fwht(Tensor x, int block_size, Tensor? signs=None, bool inverse=False, Tensor? gather=None) -> Tensor"
+ATTENTION_OP_NAME = f"{LIB}::decode_attention"
+ATTENTION_SCHEMA = ("decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor seq_lens, Tensor block_table, "
+                    "float scale, int sliding_window=-1, float softcap=0.0) -> ()")
 AUTO, EXACT, INT8_GROUP, INT8_TOKEN = _ops_cpu.AUTO, _ops_cpu.EXACT, _ops_cpu.INT8_GROUP, _ops_cpu.INT8_TOKEN
 
 log = logging.getLogger("ternary_rs.ops")
@@ -118,6 +126,36 @@ def _fake_fwht(x, block_size, signs=None, inverse=False, gather=None):
     return torch.empty_like(x)
 
 
+def _fake_attention(out, query, kv_cache, seq_lens, block_table, scale, sliding_window=-1, softcap=0.0):
+    return None
+
+
+def _decode_attention_torch(out, query, kv_cache, seq_lens, block_table, scale, sliding_window=-1, softcap=0.0):
+    """The decode attention op where its native kernel is not registered: the same result in torch, one
+    sequence at a time (gather its blocks, f32 softmax). Also the tests' independent reference."""
+    blocks, kv_heads, block_size, two_d = kv_cache.shape
+    n, heads, d = query.shape
+    if two_d != 2 * d or heads % kv_heads or seq_lens.shape != (n,) or block_table.shape[0] < n:
+        raise ValueError(f"decode_attention: query {tuple(query.shape)}, kv_cache {tuple(kv_cache.shape)}, "
+                         f"seq_lens {tuple(seq_lens.shape)}, block_table {tuple(block_table.shape)} do not fit")
+    # per block and KV head: the keys column-major [d, block_size], then the values row-major [block_size, d]
+    flat = kv_cache.view(blocks, kv_heads, 2 * block_size * d)
+    keys = flat[..., :block_size * d].view(blocks, kv_heads, d, block_size).transpose(2, 3)
+    values = flat[..., block_size * d:].view(blocks, kv_heads, block_size, d)
+    rows = out.view(n, heads, d)
+    for i, length in enumerate(seq_lens.tolist()):
+        start = max(0, length - sliding_window) if sliding_window > 0 else 0
+        if length <= start:
+            rows[i] = 0
+            continue
+        ids = block_table[i, :-(-length // block_size)].long()
+        k, v = (c[ids].transpose(0, 1).reshape(kv_heads, -1, d)[:, start:length].float() for c in (keys, values))
+        s = (query[i].float().view(kv_heads, heads // kv_heads, d) * scale) @ k.transpose(1, 2)
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        rows[i] = (torch.softmax(s, dim=-1) @ v).reshape(heads, d).to(out.dtype)
+
+
 def _dense_linear_torch(x, weight, bias=None):
     """The dense op where its native kernel is not registered: torch's own linear."""
     return torch.nn.functional.linear(x, weight, bias)
@@ -135,9 +173,9 @@ def _define_cpu(schema: str, name: str, fake, op: str, fallback, what: str) -> s
     return why
 
 
-def _define() -> tuple[str | None, str | None, str | None, str | None, str | None]:
+def _define() -> tuple[str | None, str | None, str | None, str | None, str | None, str | None]:
     """Define the ops once per process; returns why the CPU linear, the CUDA linear, the CPU MoE kernel,
-    the CPU dense linear and the CPU FWHT are not native (None where they are)."""
+    the CPU dense linear, the CPU FWHT and the CPU decode attention are not native (None where they are)."""
     global _LIBRARY
     _LIBRARY = torch.library.Library(LIB, "FRAGMENT")  # kept alive: dropping it removes the op
     python_path = "the Python path"
@@ -152,14 +190,16 @@ def _define() -> tuple[str | None, str | None, str | None, str | None, str | Non
                             "torch's linear")
     why_fwht = _define_cpu(FWHT_SCHEMA, FWHT_OP_NAME, _fake_fwht, "fwht", _hadamard.fwht_cpu, python_path)
     torch.library.impl(FWHT_OP_NAME, "cuda", _hadamard.fwht_cuda, lib=_LIBRARY)
-    return why_cpu, why_cuda, why_moe, why_dense, why_fwht
+    why_attention = _define_cpu(ATTENTION_SCHEMA, ATTENTION_OP_NAME, _fake_attention, "decode_attention",
+                                _decode_attention_torch, "torch")
+    return why_cpu, why_cuda, why_moe, why_dense, why_fwht, why_attention
 
 
 _LIBRARY: torch.library.Library | None = None
 (NATIVE_CPU_UNAVAILABLE, NATIVE_CUDA_UNAVAILABLE, NATIVE_MOE_UNAVAILABLE, NATIVE_DENSE_UNAVAILABLE,
- NATIVE_FWHT_UNAVAILABLE) = _define()
-"""Why the CPU linear / the CUDA linear / the CPU MoE kernel / the CPU dense linear / the CPU FWHT runs through
-Python (None: registered natively)."""
+ NATIVE_FWHT_UNAVAILABLE, NATIVE_ATTENTION_UNAVAILABLE) = _define()
+"""Why the CPU linear / the CUDA linear / the CPU MoE kernel / the CPU dense linear / the CPU FWHT / the CPU
+decode attention runs through Python (None: registered natively)."""
 
 
 def dense_linear(x, weight, bias=None):
@@ -175,6 +215,17 @@ def fwht(x, block_size, signs=None, inverse=False, gather=None):
     ``signs``: float32 ±1 of length ``x.shape[-1]``; ``gather``: an int32 permutation of its indices. See
     :mod:`ternary_rs.core.hadamard`."""
     return torch.ops.ternary_rs.fwht(x, block_size, signs, inverse, gather)
+
+
+def decode_attention(out, query, kv_cache, seq_lens, block_table, scale, sliding_window=-1, softcap=0.0):
+    """``torch.ops.ternary_rs.decode_attention``: one query token per sequence attending to its cached keys.
+    ``query [n, heads, d]``, ``kv_cache [blocks, kv_heads, block_size, 2·d]`` (as vLLM's ``CPU_ATTN`` writes
+    it for its ``vec`` / ``vec16`` kernels: per block and KV head the keys column-major ``[d, block_size]``,
+    then the values row-major ``[block_size, d]``), ``seq_lens`` int32 ``[n]`` (the new token included),
+    ``block_table`` int32 ``[>= n, max blocks]``; ``out [n, heads, d]`` (or ``[n, heads·d]``) of the query's
+    dtype receives ``softmax(scale·q·Kᵀ)·V`` over the last ``sliding_window`` keys (all where ≤ 0), scores
+    soft-capped where ``softcap > 0``. f32 arithmetic throughout (see ``ternary_core::attention``)."""
+    torch.ops.ternary_rs.decode_attention(out, query, kv_cache, seq_lens, block_table, scale, sliding_window, softcap)
 
 
 def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bias=None, activations=AUTO):

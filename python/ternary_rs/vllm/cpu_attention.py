@@ -14,11 +14,20 @@ arguments — that declares the update part of its forward, as vLLM's own cross-
 several GPU backends do. The graph then holds one op per layer; the cache views are made once per cache
 tensor instead of twice per step. Anything the plain decoder path does not cover (encoder attention,
 sinks, zentorch, output quantization, keys the metadata's slot mapping does not cover) goes through vLLM's
-own update and forward. The plugin selects it for ternary models on CPU (``plugin.attention_backend_path``);
-the tokens are the same as with vLLM's backend.
+own update and forward. The plugin selects it for ternary models on CPU (``plugin.attention_backend_path``).
+
+Decode steps (one new token per sequence, vLLM's ``vec`` / ``vec16`` cache layout, no ALiBi, no fp8 cache)
+run ``ternary_rs::decode_attention`` instead of vLLM's kernel (``ternary_core::attention``; the numbers in
+docs/design.md#decode-attention): a decode step reads the whole KV cache once, and at serving context lengths
+that is more bytes than the model's weights, so the kernel that streams it at the memory's speed sets the
+step time. Its results agree with vLLM's to f32 rounding (the same softmax in f32, other summation orders);
+``TERNARY_RS_CPU_ATTENTION=vllm`` keeps vLLM's kernel for every step. Prefill and mixed steps always run
+vLLM's.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from vllm.v1.attention.backend import AttentionType
@@ -28,6 +37,18 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 # skips vLLM's Python wrappers in `_custom_ops` and torch's overload lookup
 _RESHAPE_AND_CACHE = torch.ops._C.cpu_attn_reshape_and_cache.default
 _ATTENTION = torch.ops._C.cpu_attention_with_kv_cache.default
+# vLLM's kernels whose cache layout ternary_rs's decode kernel reads (keys column-major per block, values
+# row-major); its "amx" layout packs blocks for AMX tiles
+_DECODE_LAYOUTS = ("vec", "vec16")
+
+
+def _decode_op():
+    """``ternary_rs::decode_attention``, where it is native and not switched off; else None."""
+    if os.environ.get("TERNARY_RS_CPU_ATTENTION", "").strip().lower() == "vllm":
+        return None
+    from ternary_rs.serving import ops
+
+    return None if ops.NATIVE_ATTENTION_UNAVAILABLE is not None else torch.ops.ternary_rs.decode_attention.default
 
 
 class FusedUpdateCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -36,6 +57,17 @@ class FusedUpdateCPUAttentionImpl(CPUAttentionBackendImpl):
     # (cache tensor, key view, value view) of the last cache this layer saw. The views share its storage:
     # they live as long as the layer keeps that cache, and are replaced when vLLM binds another one.
     _cache_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # ternary_rs's decode kernel where this layer's settings allow it (decided at the first forward)
+    _decode = None
+    _decode_decided = False
+
+    def _decode_kernel(self, layer):
+        if not self._decode_decided:
+            self._decode_decided = True
+            if (self.alibi_slopes is None and not self.is_fp8_kv_cache and self.head_size % 16 == 0
+                    and getattr(layer, "isa", None) in _DECODE_LAYOUTS):
+                self._decode = _decode_op()
+        return self._decode
 
     def _views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         views = self._cache_views
@@ -70,6 +102,14 @@ class FusedUpdateCPUAttentionImpl(CPUAttentionBackendImpl):
                                layer._k_scale_float, layer._v_scale_float, self.kv_cache_dtype)
         n = attn_metadata.num_actual_tokens
         q, out = (query, output) if n == query.shape[0] else (query[:n], output[:n])
+        decode = self._decode_kernel(layer)
+        seq_lens = attn_metadata.seq_lens
+        if (decode is not None and attn_metadata.max_query_len == 1 and attn_metadata.dynamic_causal is None
+                and seq_lens.shape[0] == n and seq_lens.dtype == torch.int32
+                and attn_metadata.block_table.dtype == torch.int32):
+            decode(out, q, kv_cache, seq_lens, attn_metadata.block_table, self.scale,
+                   self.sliding_window, float(self.logits_soft_cap))
+            return output
         _ATTENTION(q, key_cache, value_cache, out, attn_metadata.query_start_loc, attn_metadata.seq_lens,
                    self.scale, attn_metadata.causal, self.alibi_slopes, self.sliding_window,
                    attn_metadata.block_table, self.logits_soft_cap, attn_metadata.scheduler_metadata,

@@ -238,4 +238,5 @@ def attention_choice(vllm_config):
     if not _default_cpu_attention():
         return Choice(name, "CPU_ATTN", "a registered override of CPU_ATTN is kept", by_user=True, variable=False)
     return Choice(name, "CPU_ATTN+update", "the KV cache update inside the attention op: one Python op per layer "
-                  "and step instead of two", variable=False)
+                  "and step instead of two; decode steps on ternary_rs's paged decode kernel "
+                  "(TERNARY_RS_CPU_ATTENTION=vllm keeps vLLM's)", variable=False)

@@ -30,6 +30,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(register_torch_cpu_moe_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(register_torch_cpu_dense_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(register_torch_cpu_fwht_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(register_torch_cpu_attention_kernel, m)?)?;
     m.add("ACTIVATIONS_AUTO", torch::ACTIVATIONS_AUTO)?;
     m.add("ACTIVATIONS_EXACT", torch::ACTIVATIONS_EXACT)?;
     m.add("ACTIVATIONS_INT8_GROUP", torch::ACTIVATIONS_INT8_GROUP)?;
@@ -60,6 +61,12 @@ fn register_torch_cpu_dense_kernel(libtorch_cpu: &str) -> PyResult<()> {
 #[pyfunction]
 fn register_torch_cpu_fwht_kernel(libtorch_cpu: &str) -> PyResult<()> {
     torch::register_cpu_fwht(libtorch_cpu).map_err(pyo3::exceptions::PyRuntimeError::new_err)
+}
+
+/// Register the native CPU kernel of `ternary_rs::decode_attention` (paged decode attention) likewise.
+#[pyfunction]
+fn register_torch_cpu_attention_kernel(libtorch_cpu: &str) -> PyResult<()> {
+    torch::register_cpu_attention(libtorch_cpu).map_err(pyo3::exceptions::PyRuntimeError::new_err)
 }
 
 /// Force a CPU kernel variant for every later call (None or "auto": the best supported one).

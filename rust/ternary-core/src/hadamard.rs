@@ -17,8 +17,6 @@
 //! previous op; [`Transform::apply`]: the ternary-rs rayon pool); a few rows (decode) run on the calling
 //! thread.
 
-use half::{bf16, f16};
-
 use crate::threads::{ParallelFor, Rayon};
 use crate::{Error, Result};
 
@@ -47,44 +45,7 @@ pub enum Direction {
     Inverse,
 }
 
-/// An element type the transform reads and writes; arithmetic is always f32.
-pub trait Element: Copy + Send + Sync {
-    fn to_f32(self) -> f32;
-    fn from_f32(v: f32) -> Self;
-}
-
-impl Element for f32 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
-    #[inline(always)]
-    fn from_f32(v: f32) -> Self {
-        v
-    }
-}
-
-impl Element for bf16 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
-    }
-    #[inline(always)]
-    fn from_f32(v: f32) -> Self {
-        bf16::from_f32(v)
-    }
-}
-
-impl Element for f16 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
-    #[inline(always)]
-    fn from_f32(v: f32) -> Self {
-        f16::from_f32(v)
-    }
-}
+pub use crate::element::Element;
 
 /// A validated transform over rows of `width` values: block size, optional signs, optional gather.
 #[derive(Clone, Debug)]
@@ -410,6 +371,7 @@ pub fn gdn_tiled_to_grouped(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::{bf16, f16};
     use proptest::prelude::*;
 
     /// Dense Sylvester matrix entry: H[i][j] = (-1)^popcount(i & j).

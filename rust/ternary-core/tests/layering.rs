@@ -12,8 +12,10 @@ const ORDER: &[&str] = &[
     "error",
     "threads",
     "cpu_features",
+    "element",
     "container",
     "hadamard",
+    "attention",
     "canonical",
     "formats",
     "repack",
@@ -23,7 +25,7 @@ const ORDER: &[&str] = &[
 
 /// Beside the codec stack: only the top (`fuzzing`) may use them; callers outside the crate connect
 /// them to the codecs.
-const BESIDE_THE_STACK: &[&str] = &["container", "hadamard"];
+const BESIDE_THE_STACK: &[&str] = &["container", "hadamard", "attention"];
 const TOP: &str = "fuzzing";
 
 fn src_dir() -> PathBuf {

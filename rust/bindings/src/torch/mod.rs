@@ -15,7 +15,8 @@
 //! * [`policy`] — the CPU kernel variant and activation precision the Python side sets;
 //! * [`pool`] — torch's intra-op pool as the core's `ParallelFor`;
 //! * [`cpu_op`] / [`cuda_op`] — the two device kernels and their registration;
-//! * [`moe_op`], [`dense_op`], [`fwht_op`] — the CPU kernels of `ternary_moe`, `dense_linear` and `fwht`.
+//! * [`moe_op`], [`dense_op`], [`fwht_op`], [`attention_op`] — the CPU kernels of `ternary_moe`,
+//!   `dense_linear`, `fwht` and `decode_attention`.
 
 /// What every single-kernel CPU op module needs around its `boxed(stack, num_args, num_outputs)`: the
 /// `torch::Library` kept for the life of the process, `register(path)` (idempotent) and the
@@ -61,6 +62,7 @@ macro_rules! cpu_boxed_op {
 }
 
 mod abi;
+mod attention_op;
 mod cpu_op;
 mod cuda_op;
 mod dense_op;
@@ -72,6 +74,7 @@ mod tensor;
 
 use std::ffi::{c_char, CStr, CString};
 
+pub(crate) use attention_op::register as register_cpu_attention;
 pub(crate) use cpu_op::register as register_cpu;
 pub(crate) use cuda_op::{register as register_cuda, set_dequant_min_m};
 pub(crate) use dense_op::register as register_cpu_dense;
@@ -231,14 +234,24 @@ pub(crate) unsafe fn take_tensor<'a>(api: &'a Api, stack: *mut u64, i: usize) ->
 /// kernel was written for (`args` arguments, one output).
 pub(crate) fn api_for_schema(
     op: &str,
-    (num_args, num_outputs): (u64, u64),
+    counts: (u64, u64),
     args: u64,
 ) -> Result<&'static Api, String> {
+    api_for(op, counts, args, 1)
+}
+
+/// [`api_for_schema`] for a kernel with `outputs` outputs (0: it writes into an argument).
+pub(crate) fn api_for(
+    op: &str,
+    (num_args, num_outputs): (u64, u64),
+    args: u64,
+    outputs: u64,
+) -> Result<&'static Api, String> {
     let api = registered_api().ok_or("ternary_rs: native kernel called before registration")?;
-    if num_args != args || num_outputs != 1 {
+    if num_args != args || num_outputs != outputs {
         return Err(format!(
             "{op}: the registered schema has {num_args} arguments and {num_outputs} outputs, this kernel \
-             expects {args} and 1 (ternary_rs's ops.py and _core are from different versions?)"
+             expects {args} and {outputs} (ternary_rs's ops.py and _core are from different versions?)"
         ));
     }
     Ok(api)
