@@ -274,63 +274,50 @@ impl Kernel {
 
     /// Whether this CPU can run it.
     pub fn is_supported(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        let fma_f16c = || {
+            std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+                && !cfg!(miri)
+        };
         match self {
             Kernel::Portable => true,
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512 => {
-                std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("fma")
-                    && std::arch::is_x86_feature_detected!("f16c")
-                    && !cfg!(miri)
-            }
+            Kernel::Avx512 => std::arch::is_x86_feature_detected!("avx512f") && fma_f16c(),
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => {
-                std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                    && std::arch::is_x86_feature_detected!("f16c")
-                    && !cfg!(miri)
-            }
+            Kernel::Avx2 => std::arch::is_x86_feature_detected!("avx2") && fma_f16c(),
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
         }
     }
 }
 
+/// One decode step's inputs: the query rows (one token per sequence), the layer's cache, the batch and
+/// the layer's settings.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeStep<'a, T> {
+    pub query: &'a [T],
+    pub query_rows: HeadStrides,
+    pub cache: PagedKvCache<'a, T>,
+    pub batch: DecodeBatch<'a>,
+    pub params: AttentionParams,
+}
+
 /// `out[i, h] = softmax(scale · q[i, h] · Kᵢᵀ) · Vᵢ` for every sequence `i` of the batch and query head
 /// `h` (KV head `h / (heads / kv_heads)`), on `par`'s threads, with the fastest kernel this CPU runs.
-#[allow(clippy::too_many_arguments)]
 pub fn decode_attention<T: Element>(
-    query: &[T],
-    query_rows: HeadStrides,
-    cache: &PagedKvCache<'_, T>,
-    batch: &DecodeBatch<'_>,
-    params: &AttentionParams,
+    step: &DecodeStep<'_, T>,
     out: &mut [T],
     out_rows: HeadStrides,
     par: &dyn ParallelFor,
 ) -> Result<()> {
-    decode_attention_with(
-        Kernel::best(),
-        query,
-        query_rows,
-        cache,
-        batch,
-        params,
-        out,
-        out_rows,
-        par,
-    )
+    decode_attention_with(Kernel::best(), step, out, out_rows, par)
 }
 
 /// [`decode_attention`] with a chosen kernel build (tests run every build this CPU has).
-#[allow(clippy::too_many_arguments)]
 pub fn decode_attention_with<T: Element>(
     kernel: Kernel,
-    query: &[T],
-    query_rows: HeadStrides,
-    cache: &PagedKvCache<'_, T>,
-    batch: &DecodeBatch<'_>,
-    params: &AttentionParams,
+    step: &DecodeStep<'_, T>,
     out: &mut [T],
     out_rows: HeadStrides,
     par: &dyn ParallelFor,
@@ -340,24 +327,11 @@ pub fn decode_attention_with<T: Element>(
             "decode attention: the {kernel:?} kernel does not run on this CPU"
         )));
     }
-    let plan = plan(
-        query.len(),
-        query_rows,
-        cache,
-        batch,
-        params,
-        out.len(),
-        out_rows,
-        par.threads(),
-    )?;
+    let plan = plan(step, out.len(), out_rows, par.threads())?;
     let mut partials = vec![0f32; plan.split_items * plan.partial_len()];
     let job = Job {
         plan: &plan,
-        query,
-        query_rows,
-        cache,
-        batch,
-        params,
+        step,
         out: OutRows(out.as_mut_ptr()),
         out_rows,
         partials: Partials(partials.as_mut_ptr()),
@@ -411,17 +385,15 @@ impl Plan {
 }
 
 /// Check every argument and cut the work into items (the one place a call is validated).
-#[allow(clippy::too_many_arguments)]
 fn plan<T>(
-    query_len: usize,
-    query_rows: HeadStrides,
-    cache: &PagedKvCache<'_, T>,
-    batch: &DecodeBatch<'_>,
-    params: &AttentionParams,
+    step: &DecodeStep<'_, T>,
     out_len: usize,
     out_rows: HeadStrides,
     threads: usize,
 ) -> Result<Plan> {
+    let (query_rows, cache, batch, params) =
+        (step.query_rows, &step.cache, &step.batch, &step.params);
+    let query_len = step.query.len();
     let bad = |msg: String| Error::invalid(format!("decode attention: {msg}"));
     let d = cache.head_dim;
     if d == 0 || !d.is_multiple_of(HEAD_DIM_MULTIPLE) || d > MAX_HEAD_DIM {
@@ -576,11 +548,7 @@ unsafe impl Send for Partials {}
 
 struct Job<'p, 'a, T> {
     plan: &'p Plan,
-    query: &'a [T],
-    query_rows: HeadStrides,
-    cache: &'p PagedKvCache<'a, T>,
-    batch: &'p DecodeBatch<'a>,
-    params: &'p AttentionParams,
+    step: &'p DecodeStep<'a, T>,
     out: OutRows<T>,
     out_rows: HeadStrides,
     partials: Partials,
@@ -659,10 +627,10 @@ impl<T: Element> Job<'_, '_, T> {
     /// The (block, KV head) slab holding key `pos` of `item`'s sequence (its block id checked by `plan`).
     #[inline(always)]
     fn slab_of(&self, item: &Item, pos: usize) -> usize {
-        let b = &self.batch;
+        let (b, cache) = (&self.step.batch, &self.step.cache);
         let block =
-            b.block_table[item.seq as usize * b.block_table_stride + pos / self.cache.block_size];
-        self.cache.slab(block as usize, item.kv_head as usize)
+            b.block_table[item.seq as usize * b.block_table_stride + pos / cache.block_size];
+        cache.slab(block as usize, item.kv_head as usize)
     }
 
     /// The online softmax of one item's key span into `s.m`, `s.l`, `s.acc`. While a tile of a block is
@@ -674,20 +642,20 @@ impl<T: Element> Job<'_, '_, T> {
         let (g, d) = (self.plan.group, self.plan.head_dim);
         let (seq, kv) = (item.seq as usize, item.kv_head as usize);
         for h in 0..g {
-            let at = self.query_rows.at(seq, kv * g + h);
+            let at = self.step.query_rows.at(seq, kv * g + h);
             let q = &mut s.q[h * d..(h + 1) * d];
-            T::widen(&self.query[at..at + d], q);
+            T::widen(&self.step.query[at..at + d], q);
             for v in q.iter_mut() {
-                *v *= self.params.scale;
+                *v *= self.step.params.scale;
             }
         }
         s.m.fill(f32::NEG_INFINITY);
         s.l.fill(0.0);
         s.acc.fill(0.0);
-        let cache = self.cache;
+        let (cache, batch) = (&self.step.cache, &self.step.batch);
         let bs = cache.block_size;
-        let table = &self.batch.block_table
-            [(seq * self.batch.block_table_stride).min(self.batch.block_table.len())..];
+        let table =
+            &batch.block_table[(seq * batch.block_table_stride).min(batch.block_table.len())..];
         let (mut pos, end) = (item.keys.0 as usize, item.keys.1 as usize);
         while pos < end {
             let off = pos % bs;
@@ -710,15 +678,16 @@ impl<T: Element> Job<'_, '_, T> {
             while h0 < g {
                 let (q, sc) = (&s.q[h0 * d..], &mut s.scores[h0 * TILE..]);
                 let pre = ahead.filter(|_| h0 == 0).map(|a| &a[..bs * d]);
+                let a = (q, keys, pre, bs, off, n, d);
                 h0 += match g - h0 {
-                    1 => score_tile::<T, M, 1>(q, keys, pre, bs, off, n, d, sc),
-                    2 => score_tile::<T, M, 2>(q, keys, pre, bs, off, n, d, sc),
-                    _ => score_tile::<T, M, HEADS_PER_PASS>(q, keys, pre, bs, off, n, d, sc),
+                    1 => score_tile::<T, M, 1>(a, sc),
+                    2 => score_tile::<T, M, 2>(a, sc),
+                    _ => score_tile::<T, M, HEADS_PER_PASS>(a, sc),
                 };
             }
             for h in 0..g {
                 let scores = &mut s.scores[h * TILE..h * TILE + n];
-                if let Some(cap) = self.params.softcap {
+                if let Some(cap) = self.step.params.softcap {
                     for v in scores.iter_mut() {
                         *v = cap * (*v / cap).tanh();
                     }
@@ -852,26 +821,18 @@ const LANES: usize = 16;
 /// dimension's row of keys is widened once and multiplied by every head's broadcast query value: no
 /// horizontal sums.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn score_tile<T: Element, M: MulAdd, const G: usize>(
-    q: &[f32],
-    keys: &[T],
-    prefetch_keys: Option<&[T]>,
-    bs: usize,
-    off: usize,
-    n: usize,
-    d: usize,
+    a: ScoreArgs<'_, T>,
     scores: &mut [f32],
 ) -> usize {
     // the 16-key chunks that cover n as a constant, so the sums live in registers; a whole tile (every
     // block of 128, 64, 32 or 16 keys but a sequence's last) without any bounds test per load
-    let a = (q, keys, prefetch_keys, bs, off, n, d);
-    match n {
+    match a.5 {
         TILE => score_chunks::<T, M, G, { TILE / LANES }, true>(a, scores),
         64 => score_chunks::<T, M, G, 4, true>(a, scores),
         32 => score_chunks::<T, M, G, 2, true>(a, scores),
         LANES => score_chunks::<T, M, G, 1, true>(a, scores),
-        _ => match n.div_ceil(LANES) {
+        n => match n.div_ceil(LANES) {
             0..=1 => score_chunks::<T, M, G, 1, false>(a, scores),
             2 => score_chunks::<T, M, G, 2, false>(a, scores),
             3..=4 => score_chunks::<T, M, G, 4, false>(a, scores),
@@ -881,8 +842,8 @@ fn score_tile<T: Element, M: MulAdd, const G: usize>(
     G
 }
 
-/// [`score_tile`]'s arguments but the scores: query rows, keys, prefetched keys, block size, first key,
-/// keys, head size.
+/// [`score_tile`]'s arguments but the scores: query rows, keys, the keys to prefetch, block size, first
+/// key, keys, head size.
 type ScoreArgs<'a, T> = (
     &'a [f32],
     &'a [T],
@@ -1098,27 +1059,14 @@ fn exp(x: f32) -> f32 {
 
 /// The float64 reference every build is tested against: for each sequence and query head, the scores of
 /// its keys, a two-pass softmax and the weighted sum of its values, all in f64. Returns `[tokens, heads,
-/// head_dim]` values. Arguments as for [`decode_attention`] (validated the same way).
-pub fn decode_attention_reference<T: Element>(
-    query: &[T],
-    query_rows: HeadStrides,
-    cache: &PagedKvCache<'_, T>,
-    batch: &DecodeBatch<'_>,
-    params: &AttentionParams,
-) -> Result<Vec<f64>> {
+/// head_dim]` values (validated as [`decode_attention`] validates them).
+pub fn decode_attention_reference<T: Element>(step: &DecodeStep<'_, T>) -> Result<Vec<f64>> {
+    let (query, query_rows, cache, batch) = (step.query, step.query_rows, &step.cache, &step.batch);
+    let params = &step.params;
     let d = cache.head_dim;
     let heads = query_rows.heads;
     let out_rows = HeadStrides::contiguous(batch.seq_lens.len(), heads, d);
-    let plan = plan(
-        query.len(),
-        query_rows,
-        cache,
-        batch,
-        params,
-        out_rows.span(d, "out")?,
-        out_rows,
-        1,
-    )?;
+    let plan = plan(step, out_rows.span(d, "out")?, out_rows, 1)?;
     let mut out = vec![0f64; batch.seq_lens.len() * heads * d];
     let bs = cache.block_size;
     for item in &plan.items {

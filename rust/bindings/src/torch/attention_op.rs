@@ -3,7 +3,7 @@
 
 use half::{bf16, f16};
 use ternary_core::attention::{
-    self, AttentionParams, DecodeBatch, HeadStrides, Kernel, PagedKvCache,
+    self, AttentionParams, DecodeBatch, DecodeStep, HeadStrides, Kernel, PagedKvCache,
 };
 use ternary_core::element::Element;
 use ternary_core::kernels::cpu::Variant;
@@ -262,17 +262,14 @@ impl Args<'_> {
             Variant::Avx2 => Kernel::Avx2,
             Variant::Avx512 | Variant::Amx => Kernel::Avx512,
         };
-        attention::decode_attention_with(
-            kernel,
+        let step = DecodeStep {
             query,
-            q_rows,
-            &cache,
-            &batch,
-            &self.params,
-            out,
-            out_rows,
-            &TorchPool(api),
-        )
-        .map_err(|e| format!("{OP}: {e}"))
+            query_rows: q_rows,
+            cache,
+            batch,
+            params: self.params,
+        };
+        attention::decode_attention_with(kernel, &step, out, out_rows, &TorchPool(api))
+            .map_err(|e| format!("{OP}: {e}"))
     }
 }

@@ -21,6 +21,32 @@ impl ParallelFor for Claims {
     }
 }
 
+fn st<'a, T>(
+    query: &'a [T],
+    query_rows: HeadStrides,
+    cache: PagedKvCache<'a, T>,
+    batch: DecodeBatch<'a>,
+    params: AttentionParams,
+) -> DecodeStep<'a, T> {
+    DecodeStep {
+        query,
+        query_rows,
+        cache,
+        batch,
+        params,
+    }
+}
+
+/// A batch whose block table rows are `width` entries, unpadded.
+fn table_of<'a>(seq_lens: &'a [i32], table: &'a [i32], width: usize) -> DecodeBatch<'a> {
+    DecodeBatch {
+        seq_lens,
+        block_table: table,
+        blocks_per_seq: width,
+        block_table_stride: width,
+    }
+}
+
 fn kernels() -> Vec<Kernel> {
     [Kernel::Avx512, Kernel::Avx2, Kernel::Portable]
         .into_iter()
@@ -109,17 +135,13 @@ fn run<T: Element + Default>(
     let mut out = vec![T::from_f32(f32::NAN); n * h * d];
     decode_attention_with(
         kernel,
-        &query,
-        q_rows,
-        &cache,
-        &batch,
-        &case.params,
+        &st(&query, q_rows, cache, batch, case.params),
         &mut out,
         out_rows,
         par,
     )
     .unwrap();
-    let want = decode_attention_reference(&query, q_rows, &cache, &batch, &case.params).unwrap();
+    let want = decode_attention_reference(&st(&query, q_rows, cache, batch, case.params)).unwrap();
     let vmax = data
         .iter()
         .map(|v| f64::from(v.to_f32()).abs())
@@ -219,24 +241,11 @@ fn splits_happen_where_pairs_are_few_and_cover_every_key_once() {
     let table: Vec<i32> = (0..3 * 63).map(|i| i % 64).collect();
     let data = vec![0f32; 64 * 2 * 2 * 32 * 16];
     let cache = PagedKvCache::new(&data, 64, 2, 32, 16).unwrap();
-    let batch = DecodeBatch {
-        seq_lens: &seq_lens,
-        block_table: &table,
-        blocks_per_seq: 63,
-        block_table_stride: 63,
-    };
+    let batch = table_of(&seq_lens, &table, 63);
     let rows = HeadStrides::contiguous(3, 4, 16);
-    let p = plan(
-        data.len(),
-        rows,
-        &cache,
-        &batch,
-        &params(None, None),
-        3 * 64,
-        rows,
-        8,
-    )
-    .unwrap();
+    let query = vec![0f32; 3 * 4 * 16];
+    let step = st(&query, rows, cache, batch, params(None, None));
+    let p = plan(&step, 3 * 64, rows, 8).unwrap();
     // 6 pairs < 32 wanted: split into 6 spans where long enough, never below SPLIT_MIN_KEYS
     for (seq, want) in [(0u32, 6usize), (1, 1), (2, 2)] {
         for kv in 0..2 {
@@ -260,17 +269,7 @@ fn splits_happen_where_pairs_are_few_and_cover_every_key_once() {
         "longest first"
     );
     // one thread: never split
-    let p1 = plan(
-        data.len(),
-        rows,
-        &cache,
-        &batch,
-        &params(None, None),
-        3 * 64,
-        rows,
-        1,
-    )
-    .unwrap();
+    let p1 = plan(&step, 3 * 64, rows, 1).unwrap();
     assert_eq!((p1.items.len(), p1.split_items), (6, 0));
 }
 
@@ -297,23 +296,14 @@ fn empty_sequences_give_zeros_and_nan_stays_in_its_sequence() {
     let cache = PagedKvCache::new(&data, 4, kvh, bs, d).unwrap();
     let seq_lens = [0i32, 3, 5];
     let table = [3i32, 0, 1];
-    let batch = DecodeBatch {
-        seq_lens: &seq_lens,
-        block_table: &table,
-        blocks_per_seq: 1,
-        block_table_stride: 1,
-    };
+    let batch = table_of(&seq_lens, &table, 1);
     let rows = HeadStrides::contiguous(3, 2, d);
     let query = vec![1f32; 3 * 2 * d];
     for kernel in kernels() {
         let mut out = vec![7f32; 3 * 2 * d];
         decode_attention_with(
             kernel,
-            &query,
-            rows,
-            &cache,
-            &batch,
-            &params(None, None),
+            &st(&query, rows, cache, batch, params(None, None)),
             &mut out,
             rows,
             &Serial,
@@ -354,7 +344,10 @@ fn bad_arguments_are_errors_that_name_what_is_wrong() {
             block_table_stride: width,
         };
         decode_attention(
-            &query, rows, &cache, &batch, &p, &mut out, out_rows, &Serial,
+            &st(&query, rows, cache, batch, p),
+            &mut out,
+            out_rows,
+            &Serial,
         )
         .unwrap_err()
         .to_string()
@@ -427,19 +420,24 @@ fn bad_arguments_are_errors_that_name_what_is_wrong() {
         blocks_per_seq: 1,
         block_table_stride: 1,
     };
-    let err = decode_attention(&query, three, &cache, &batch, &ok, &mut out, three, &Serial)
-        .unwrap_err()
-        .to_string();
+    let err = decode_attention(
+        &st(&query, three, cache, batch, ok),
+        &mut out,
+        three,
+        &Serial,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("3 query heads over 2 KV heads"), "{err}");
     let short = vec![0f32; 10];
-    let err = decode_attention(&short, rows, &cache, &batch, &ok, &mut out, rows, &Serial)
+    let err = decode_attention(&st(&short, rows, cache, batch, ok), &mut out, rows, &Serial)
         .unwrap_err()
         .to_string();
     assert!(err.contains("query holds 10 values"), "{err}");
     let odd = vec![0f32; 3 * kvh * 2 * bs * 24];
     let c24 = PagedKvCache::new(&odd, 3, kvh, bs, 24).unwrap();
     let r24 = HeadStrides::contiguous(2, 4, 24);
-    let err = decode_attention(&query, r24, &c24, &batch, &ok, &mut out, r24, &Serial)
+    let err = decode_attention(&st(&query, r24, c24, batch, ok), &mut out, r24, &Serial)
         .unwrap_err()
         .to_string();
     assert!(
@@ -468,8 +466,8 @@ proptest! {
         let batch = DecodeBatch { seq_lens: &seq_lens, block_table: &table, blocks_per_seq: width, block_table_stride: width };
         let p = params((window > 0).then_some(window), None);
         let mut out = vec![0f32; n * kvh * g * d];
-        let got = decode_attention(&query, rows, &cache, &batch, &p, &mut out, rows, &Claims(4));
-        let want = decode_attention_reference(&query, rows, &cache, &batch, &p);
+        let got = decode_attention(&st(&query, rows, cache, batch, p), &mut out, rows, &Claims(4));
+        let want = decode_attention_reference(&st(&query, rows, cache, batch, p));
         prop_assert_eq!(got.is_ok(), want.is_ok());
         if let Ok(want) = want {
             let got: Vec<f64> = out.iter().map(|&v| f64::from(v)).collect();
@@ -497,19 +495,28 @@ fn padded_strides_give_the_same_bits_as_a_contiguous_cache() {
     let b = PagedKvCache::strided(&padded, blocks, block_stride, kvh, head_stride, bs, d).unwrap();
     let seq_lens = [70i32, 33];
     let table = [4i32, 0, 2, 1, 3, 0];
-    let batch = DecodeBatch {
-        seq_lens: &seq_lens,
-        block_table: &table,
-        blocks_per_seq: 3,
-        block_table_stride: 3,
-    };
+    let batch = table_of(&seq_lens, &table, 3);
     let rows = HeadStrides::contiguous(2, 4, d);
     let query: Vec<f32> = (0..2 * 4 * d).map(|_| rng.unit()).collect();
     for kernel in kernels() {
         let (mut x, mut y) = (vec![0f32; 2 * 4 * d], vec![1f32; 2 * 4 * d]);
         let p = params(None, None);
-        decode_attention_with(kernel, &query, rows, &a, &batch, &p, &mut x, rows, &Serial).unwrap();
-        decode_attention_with(kernel, &query, rows, &b, &batch, &p, &mut y, rows, &Serial).unwrap();
+        decode_attention_with(
+            kernel,
+            &st(&query, rows, a, batch, p),
+            &mut x,
+            rows,
+            &Serial,
+        )
+        .unwrap();
+        decode_attention_with(
+            kernel,
+            &st(&query, rows, b, batch, p),
+            &mut y,
+            rows,
+            &Serial,
+        )
+        .unwrap();
         assert_eq!(x, y, "{kernel:?}");
     }
     // slabs that overlap, or run past the data, are refused
