@@ -790,8 +790,10 @@ impl<T: Element> Job<'_, '_, T> {
     }
 }
 
-/// Multiply-add as the build has it: one rounding with FMA, two without.
+/// What the build has: multiply-add with one rounding (FMA) or two, and whether F16C converts f16.
 trait MulAdd {
+    /// The x86-64 builds with FMA also have F16C (both are checked by [`Kernel::is_supported`]).
+    const F16C: bool;
     fn mul_add(a: f32, b: f32, c: f32) -> f32;
 }
 
@@ -799,6 +801,7 @@ trait MulAdd {
 /// call).
 struct Fused;
 impl MulAdd for Fused {
+    const F16C: bool = true;
     #[inline(always)]
     fn mul_add(a: f32, b: f32, c: f32) -> f32 {
         a.mul_add(b, c)
@@ -807,6 +810,7 @@ impl MulAdd for Fused {
 
 struct Unfused;
 impl MulAdd for Unfused {
+    const F16C: bool = false;
     #[inline(always)]
     fn mul_add(a: f32, b: f32, c: f32) -> f32 {
         a * b + c
@@ -868,7 +872,7 @@ fn score_chunks<T: Element, M: MulAdd, const G: usize, const C: usize, const FUL
         }
         for c in 0..C {
             let k = if FULL {
-                widen_lanes(&row[c * LANES..(c + 1) * LANES])
+                widen_lanes::<T, M>(&row[c * LANES..(c + 1) * LANES])
             } else {
                 // a chunk past n (or its part past n) reads zeros: its sums are never read
                 widen_part(row.get(c * LANES..).unwrap_or(&[]))
@@ -890,8 +894,12 @@ fn score_chunks<T: Element, M: MulAdd, const G: usize, const C: usize, const FUL
 
 /// [`LANES`] values in f32, by value so they stay in a register.
 #[inline(always)]
-fn widen_lanes<T: Element>(src: &[T]) -> [f32; LANES] {
+fn widen_lanes<T: Element, M: MulAdd>(src: &[T]) -> [f32; LANES] {
     let src: &[T; LANES] = src.try_into().expect("LANES values");
+    if M::F16C {
+        // SAFETY: builds with `M::F16C` run only where `Kernel::is_supported` found F16C.
+        return unsafe { T::widen16_f16c(src) };
+    }
     let mut out = [0f32; LANES];
     T::widen(src, &mut out);
     out
@@ -950,7 +958,7 @@ fn value_slices<T: Element, M: MulAdd, const G: usize, const C: usize>(
                 prefetch(&next[t * d..(t + 1) * d]);
             }
             for c in 0..C {
-                let v = widen_lanes(&row[j + c * LANES..j + (c + 1) * LANES]);
+                let v = widen_lanes::<T, M>(&row[j + c * LANES..j + (c + 1) * LANES]);
                 for h in 0..G {
                     let w = p[h * TILE + t];
                     for l in 0..LANES {
