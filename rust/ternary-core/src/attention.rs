@@ -18,13 +18,13 @@
 //!   window), the query's own token included (its key is written before the call).
 //! * Numerics: every element is widened exactly to f32; `s = (scale·q)·k` with f32 products and sums,
 //!   optionally soft-capped (`cap·tanh(s/cap)`); an online softmax in f32 (`exp` by a degree-6 polynomial,
-//!   relative error < 2⁻²², arguments below −86 count as e⁻⁸⁶); `out = Σ p·v / Σ p` in f32, rounded once to
+//!   relative error < 2.5·10⁻⁷, arguments below −86 count as e⁻⁸⁶); `out = Σ p·v / Σ p` in f32, rounded once to
 //!   the output's type. So against float64 the error is a few f32 roundings per sum, far below one bf16 ulp
 //!   of the output ([`decode_attention_reference`] is the float64 reference every path is tested against).
 //! * Kernels: the same code compiled three ways and picked at run time ([`Kernel::best`]): AVX-512 (16-lane
 //!   FMA), AVX2 + FMA + F16C (8-lane), and a portable build without FMA.
 //!
-//! Validation is in one place ([`plan`]): shapes, strides and lengths of every slice, and every block id a
+//! Validation is in one place (`plan`): shapes, strides and lengths of every slice, and every block id a
 //! sequence needs is checked against the cache before any thread starts, so a bad block table is an
 //! error naming the sequence, never an out-of-bounds read.
 
@@ -53,7 +53,7 @@ const TILE: usize = 128;
 /// registers).
 const HEADS_PER_PASS: usize = 3;
 /// Head dimensions whose output sums are accumulated in registers together, per query head, where the
-/// head size is a multiple of it (4 heads × 64 dimensions: 16 AVX-512 registers); else
+/// head size is a multiple of it (3 heads × 64 dimensions: 12 AVX-512 registers); else
 /// [`HEAD_DIM_MULTIPLE`].
 const WIDE_DIMS: usize = 64;
 /// A sequence is split into key spans only when there are fewer (sequence, KV head) pairs than this many
