@@ -110,7 +110,7 @@ class FusedUpdateCPUAttentionImpl(CPUAttentionBackendImpl):
             decode(out, q, kv_cache, seq_lens, attn_metadata.block_table, self.scale,
                    self.sliding_window, float(self.logits_soft_cap))
             return output
-        _ATTENTION(q, key_cache, value_cache, out, attn_metadata.query_start_loc, attn_metadata.seq_lens,
+        _ATTENTION(q, key_cache, value_cache, out, attn_metadata.query_start_loc, seq_lens,
                    self.scale, attn_metadata.causal, self.alibi_slopes, self.sliding_window,
                    attn_metadata.block_table, self.logits_soft_cap, attn_metadata.scheduler_metadata,
                    None, attn_metadata.dynamic_causal, layer._k_scale_float, layer._v_scale_float,

@@ -66,18 +66,63 @@ const PARALLEL_MIN_BYTES: usize = 1 << 17;
 /// Lowest `exp` argument computed (e⁻⁸⁶ ≈ 4·10⁻³⁸ is still a normal f32).
 const EXP_MIN_ARG: f32 = -86.0;
 
+/// Where a paged KV cache's slabs lie: block `b`, KV head `h` starts at `b · block_stride + h ·
+/// head_stride` and holds `2 · block_size · head_dim` values (keys, then values).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheShape {
+    pub blocks: usize,
+    pub block_stride: usize,
+    pub kv_heads: usize,
+    pub head_stride: usize,
+    pub block_size: usize,
+    pub head_dim: usize,
+}
+
+impl CacheShape {
+    /// A contiguous `[blocks, kv_heads, 2 · block_size · head_dim]` cache (None where that overflows).
+    pub fn contiguous(
+        blocks: usize,
+        kv_heads: usize,
+        block_size: usize,
+        head_dim: usize,
+    ) -> Option<Self> {
+        let slab = 2usize.checked_mul(block_size)?.checked_mul(head_dim)?;
+        Some(Self {
+            blocks,
+            block_stride: slab.checked_mul(kv_heads)?,
+            kv_heads,
+            head_stride: slab,
+            block_size,
+            head_dim,
+        })
+    }
+
+    /// Values one slab holds (None where that overflows).
+    fn slab_len(&self) -> Option<usize> {
+        2usize
+            .checked_mul(self.block_size)?
+            .checked_mul(self.head_dim)
+    }
+
+    /// Values a buffer needs to hold every slab: the end of the last one (None where that overflows).
+    pub fn values(&self) -> Option<usize> {
+        if self.blocks == 0 || self.kv_heads == 0 {
+            return Some(0);
+        }
+        (self.blocks - 1)
+            .checked_mul(self.block_stride)?
+            .checked_add((self.kv_heads - 1).checked_mul(self.head_stride)?)?
+            .checked_add(self.slab_len()?)
+    }
+}
+
 /// vLLM's paged KV cache of one attention layer: per block and KV head, `[head_dim, block_size]` keys then
 /// `[block_size, head_dim]` values (see the module doc), at any block and head strides (vLLM pads the pages
 /// of hybrid models' attention layers to their recurrent state's size).
 #[derive(Clone, Copy, Debug)]
 pub struct PagedKvCache<'a, T> {
     data: &'a [T],
-    blocks: usize,
-    kv_heads: usize,
-    block_size: usize,
-    head_dim: usize,
-    block_stride: usize,
-    head_stride: usize,
+    shape: CacheShape,
 }
 
 impl<'a, T> PagedKvCache<'a, T> {
@@ -89,80 +134,52 @@ impl<'a, T> PagedKvCache<'a, T> {
         block_size: usize,
         head_dim: usize,
     ) -> Result<Self> {
-        let slab = 2usize
-            .checked_mul(block_size)
-            .and_then(|v| v.checked_mul(head_dim));
-        let block = slab.and_then(|v| v.checked_mul(kv_heads));
-        match (slab, block) {
-            (Some(slab), Some(block)) if block.checked_mul(blocks) == Some(data.len()) => {
-                Self::strided(data, blocks, block, kv_heads, slab, block_size, head_dim)
-            }
+        let shape = CacheShape::contiguous(blocks, kv_heads, block_size, head_dim);
+        let need = shape.and_then(|s| s.block_stride.checked_mul(blocks));
+        match shape {
+            Some(shape) if need == Some(data.len()) => Self::strided(data, shape),
             _ => Err(Error::invalid(format!(
                 "KV cache has {} values; [blocks={blocks}, kv_heads={kv_heads}, block_size={block_size}, \
                  2 · head_dim={head_dim}] needs {}",
                 data.len(),
-                block
-                    .and_then(|b| b.checked_mul(blocks))
-                    .map_or("more than usize".into(), |w| w.to_string())
+                need.map_or("more than usize".into(), |w| w.to_string())
             ))),
         }
     }
 
-    /// A cache whose block `b`, KV head `h` starts at `b · block_stride + h · head_stride` in `data`.
-    pub fn strided(
-        data: &'a [T],
-        blocks: usize,
-        block_stride: usize,
-        kv_heads: usize,
-        head_stride: usize,
-        block_size: usize,
-        head_dim: usize,
-    ) -> Result<Self> {
+    /// A cache of any [`CacheShape`] in `data`; its slabs must lie inside `data` without overlapping.
+    pub fn strided(data: &'a [T], shape: CacheShape) -> Result<Self> {
+        let CacheShape {
+            blocks,
+            block_stride,
+            kv_heads,
+            head_stride,
+            block_size,
+            head_dim,
+        } = shape;
         if kv_heads == 0 || block_size == 0 {
             return Err(Error::invalid(format!(
                 "KV cache with kv_heads={kv_heads}, block_size={block_size}: both must be positive"
             )));
         }
-        let slab = 2usize
-            .checked_mul(block_size)
-            .and_then(|v| v.checked_mul(head_dim));
-        // the last slab must end inside `data`, and no two slabs may overlap
-        let end = if blocks == 0 {
-            Some(0)
-        } else {
-            (blocks - 1)
-                .checked_mul(block_stride)
-                .zip((kv_heads - 1).checked_mul(head_stride))
-                .and_then(|(a, b)| a.checked_add(b))
-                .zip(slab)
-                .and_then(|(a, b)| a.checked_add(b))
-        };
-        let overlap = slab.is_none_or(|slab| {
+        let overlap = shape.slab_len().is_none_or(|slab| {
             (kv_heads > 1 && head_stride < slab)
                 || (blocks > 1 && block_stride < (kv_heads - 1) * head_stride + slab)
         });
-        if end.is_none_or(|e| e > data.len()) || overlap {
+        if shape.values().is_none_or(|e| e > data.len()) || overlap {
             return Err(Error::invalid(format!(
                 "KV cache of {} values cannot hold {blocks} blocks × {kv_heads} KV heads of 2 × {block_size} × \
                  {head_dim} at strides {block_stride} (block) and {head_stride} (head)",
                 data.len()
             )));
         }
-        Ok(Self {
-            data,
-            blocks,
-            kv_heads,
-            block_size,
-            head_dim,
-            block_stride,
-            head_stride,
-        })
+        Ok(Self { data, shape })
     }
 
     /// Offset of (`block`, `kv_head`)'s keys; its values start `block_size · head_dim` further on.
     #[inline(always)]
     fn slab(&self, block: usize, kv_head: usize) -> usize {
-        block * self.block_stride + kv_head * self.head_stride
+        block * self.shape.block_stride + kv_head * self.shape.head_stride
     }
 }
 
@@ -192,21 +209,16 @@ impl HeadStrides {
         token * self.token_stride + head * self.head_stride
     }
 
-    /// Values a buffer needs to hold every row (checked), or why not.
-    fn span(&self, head_dim: usize, what: &str) -> Result<usize> {
+    /// Values a buffer needs to hold every row of `head_dim` values: the end of the last one (None where
+    /// that overflows).
+    pub fn values(&self, head_dim: usize) -> Option<usize> {
         if self.tokens == 0 || self.heads == 0 {
-            return Ok(0);
+            return Some(0);
         }
-        let last = (self.tokens - 1)
-            .checked_mul(self.token_stride)
-            .and_then(|a| {
-                (self.heads - 1)
-                    .checked_mul(self.head_stride)
-                    .map(|b| (a, b))
-            })
-            .and_then(|(a, b)| a.checked_add(b))
-            .and_then(|a| a.checked_add(head_dim));
-        last.ok_or_else(|| Error::invalid(format!("{what}: strides overflow")))
+        (self.tokens - 1)
+            .checked_mul(self.token_stride)?
+            .checked_add((self.heads - 1).checked_mul(self.head_stride)?)?
+            .checked_add(head_dim)
     }
 
     /// Whether two rows of different (token, head) pairs can share an element (written rows must not).
@@ -395,7 +407,7 @@ fn plan<T>(
         (step.query_rows, &step.cache, &step.batch, &step.params);
     let query_len = step.query.len();
     let bad = |msg: String| Error::invalid(format!("decode attention: {msg}"));
-    let d = cache.head_dim;
+    let d = cache.shape.head_dim;
     if d == 0 || !d.is_multiple_of(HEAD_DIM_MULTIPLE) || d > MAX_HEAD_DIM {
         return Err(bad(format!(
             "head_dim={d} must be a positive multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
@@ -410,16 +422,18 @@ fn plan<T>(
         )));
     }
     if heads == 0
-        || !heads.is_multiple_of(cache.kv_heads)
-        || heads / cache.kv_heads > MAX_QUERIES_PER_KV
+        || !heads.is_multiple_of(cache.shape.kv_heads)
+        || heads / cache.shape.kv_heads > MAX_QUERIES_PER_KV
     {
         return Err(bad(format!(
             "{heads} query heads over {} KV heads: must be a positive multiple, at most {MAX_QUERIES_PER_KV} per KV head",
-            cache.kv_heads
+            cache.shape.kv_heads
         )));
     }
     for (rows, len, what) in [(query_rows, query_len, "query"), (out_rows, out_len, "out")] {
-        let need = rows.span(d, what)?;
+        let need = rows
+            .values(d)
+            .ok_or_else(|| bad(format!("{what}: strides overflow")))?;
         if need > len {
             return Err(bad(format!(
                 "{what} holds {len} values; its strides address {need}"
@@ -444,7 +458,7 @@ fn plan<T>(
     if params.sliding_window == Some(0) {
         return Err(bad("sliding_window=0 attends to nothing (None: off)".into()));
     }
-    let bs = cache.block_size;
+    let bs = cache.shape.block_size;
     let mut spans = Vec::with_capacity(n);
     for (i, &len) in batch.seq_lens.iter().enumerate() {
         let len =
@@ -470,10 +484,10 @@ fn plan<T>(
             .enumerate()
             .skip(start / bs)
         {
-            if b < 0 || b as usize >= cache.blocks {
+            if b < 0 || b as usize >= cache.shape.blocks {
                 return Err(bad(format!(
                     "sequence {i}: block table entry {j} is block {b}; the cache has {} blocks",
-                    cache.blocks
+                    cache.shape.blocks
                 )));
             }
         }
@@ -484,7 +498,7 @@ fn plan<T>(
     }
     // Split long sequences into spans only where there are too few (sequence, KV head) pairs to keep every
     // thread busy.
-    let pairs = n * cache.kv_heads;
+    let pairs = n * cache.shape.kv_heads;
     let want = threads.max(1) * ITEMS_PER_THREAD;
     let split = if threads > 1 && pairs > 0 && pairs < want {
         want.div_ceil(pairs)
@@ -498,7 +512,7 @@ fn plan<T>(
         let len = (end - start) as usize;
         let parts = split.min(len / SPLIT_MIN_KEYS).max(1);
         let step = len.div_ceil(parts).max(1);
-        for kv in 0..cache.kv_heads {
+        for kv in 0..cache.shape.kv_heads {
             let first = split_items;
             for p in 0..parts {
                 let a = start as usize + p * step;
@@ -527,7 +541,7 @@ fn plan<T>(
         items,
         splits,
         split_items,
-        group: heads / cache.kv_heads,
+        group: heads / cache.shape.kv_heads,
         head_dim: d,
     })
 }
@@ -629,7 +643,7 @@ impl<T: Element> Job<'_, '_, T> {
     fn slab_of(&self, item: &Item, pos: usize) -> usize {
         let (b, cache) = (&self.step.batch, &self.step.cache);
         let block =
-            b.block_table[item.seq as usize * b.block_table_stride + pos / cache.block_size];
+            b.block_table[item.seq as usize * b.block_table_stride + pos / cache.shape.block_size];
         cache.slab(block as usize, item.kv_head as usize)
     }
 
@@ -653,7 +667,7 @@ impl<T: Element> Job<'_, '_, T> {
         s.l.fill(0.0);
         s.acc.fill(0.0);
         let (cache, batch) = (&self.step.cache, &self.step.batch);
-        let bs = cache.block_size;
+        let bs = cache.shape.block_size;
         let table =
             &batch.block_table[(seq * batch.block_table_stride).min(batch.block_table.len())..];
         let (mut pos, end) = (item.keys.0 as usize, item.keys.1 as usize);
@@ -1071,12 +1085,12 @@ fn exp(x: f32) -> f32 {
 pub fn decode_attention_reference<T: Element>(step: &DecodeStep<'_, T>) -> Result<Vec<f64>> {
     let (query, query_rows, cache, batch) = (step.query, step.query_rows, &step.cache, &step.batch);
     let params = &step.params;
-    let d = cache.head_dim;
+    let d = cache.shape.head_dim;
     let heads = query_rows.heads;
     let out_rows = HeadStrides::contiguous(batch.seq_lens.len(), heads, d);
-    let plan = plan(step, out_rows.span(d, "out")?, out_rows, 1)?;
+    let plan = plan(step, heads * batch.seq_lens.len() * d, out_rows, 1)?;
     let mut out = vec![0f64; batch.seq_lens.len() * heads * d];
-    let bs = cache.block_size;
+    let bs = cache.shape.block_size;
     for item in &plan.items {
         let (seq, kv) = (item.seq as usize, item.kv_head as usize);
         let keys: Vec<usize> = (item.keys.0 as usize..item.keys.1 as usize).collect();

@@ -3,7 +3,7 @@
 
 use half::{bf16, f16};
 use ternary_core::attention::{
-    self, AttentionParams, DecodeBatch, DecodeStep, HeadStrides, Kernel, PagedKvCache,
+    self, AttentionParams, CacheShape, DecodeBatch, DecodeStep, HeadStrides, Kernel, PagedKvCache,
 };
 use ternary_core::element::Element;
 use ternary_core::kernels::cpu::Variant;
@@ -57,11 +57,11 @@ unsafe fn boxed(stack: *mut u64, num_args: u64, num_outputs: u64) -> Result<(), 
     };
     let dtype = args.query.dtype()?;
     if dtype == api.dtype_bf16 {
-        args.run::<bf16>()
+        args.run::<bf16>(dtype)
     } else if dtype == api.dtype_f16 {
-        args.run::<f16>()
+        args.run::<f16>(dtype)
     } else if dtype == api.dtype_f32 {
-        args.run::<f32>()
+        args.run::<f32>(dtype)
     } else {
         Err(format!(
             "{OP}: query dtype is not supported; use bfloat16, float16 or float32"
@@ -85,9 +85,9 @@ fn bytes(ptr: *const u8, len: usize, elem: usize) -> std::ops::Range<usize> {
 }
 
 impl Args<'_> {
-    fn run<T: Element>(&self) -> Result<(), String> {
+    /// The call with `T` the element type of `dtype`, the query's.
+    fn run<T: Element>(&self, dtype: i32) -> Result<(), String> {
         let api = self.api;
-        let dtype = self.query.dtype()?;
         let tensors = [
             (&self.out, "out"),
             (&self.query, "query"),
@@ -160,31 +160,37 @@ impl Args<'_> {
             }
         };
         // inner dimensions contiguous; blocks and heads at any stride (vLLM pads hybrid models' pages)
-        let (blocks, kv_heads, block_size, block_stride, head_stride) =
-            match (self.kv_cache.sizes()?, self.kv_cache.strides()?) {
-                (&[b, h, bs, dd], &[sb, sh, s2, 1])
-                    if dd == 2 * d as i64 && s2 == dd && sb >= 0 && sh >= 0 =>
-                {
-                    (b as usize, h as usize, bs as usize, sb as usize, sh as usize)
+        let shape = match (self.kv_cache.sizes()?, self.kv_cache.strides()?) {
+            (&[b, h, bs, dd], &[sb, sh, s2, 1])
+                if dd == 2 * d as i64 && s2 == dd && sb >= 0 && sh >= 0 =>
+            {
+                CacheShape {
+                    blocks: b as usize,
+                    block_stride: sb as usize,
+                    kv_heads: h as usize,
+                    head_stride: sh as usize,
+                    block_size: bs as usize,
+                    head_dim: d,
                 }
-                (s, st) => {
-                    return Err(format!(
-                        "{OP}: kv_cache must be [blocks, kv_heads, block_size, {}] with contiguous last two \
-                         dimensions, got shape {s:?}, strides {st:?}",
-                        2 * d
-                    ))
-                }
-            };
+            }
+            (s, st) => {
+                return Err(format!(
+                    "{OP}: kv_cache must be [blocks, kv_heads, block_size, {}] with contiguous last two \
+                     dimensions, got shape {s:?}, strides {st:?}",
+                    2 * d
+                ))
+            }
+        };
         if self.seq_lens.sizes()? != [n as i64] || !self.seq_lens.is_contiguous()? {
             return Err(format!(
                 "{OP}: seq_lens must be a contiguous [{n}] (one per query token), got shape {:?}",
                 self.seq_lens.sizes()?
             ));
         }
-        let (width, table_stride, table_rows) =
+        let (width, table_stride) =
             match (self.block_table.sizes()?, self.block_table.strides()?) {
-                (&[r, w], &[s0, 1]) if r >= n as i64 && s0 >= 0 => (w as usize, s0 as usize, r as usize),
-                (&[r, 0], _) if r >= n as i64 => (0, 0, r as usize),
+                (&[r, w], &[s0, 1]) if r >= n as i64 && s0 >= 0 => (w as usize, s0 as usize),
+                (&[r, 0], _) if r >= n as i64 => (0, 0),
                 (s, st) => {
                     return Err(format!(
                         "{OP}: block_table must be [>= {n}, blocks] with unit stride in the last dimension, \
@@ -196,17 +202,18 @@ impl Args<'_> {
             return Ok(());
         }
         let elem = std::mem::size_of::<T>();
-        let q_len = (n - 1) * q_rows.token_stride + (heads - 1) * q_rows.head_stride + d;
-        let out_len = (n - 1) * out_rows.token_stride + (heads - 1) * out_rows.head_stride + d;
-        let kv_len = if blocks == 0 || kv_heads == 0 {
-            0
-        } else {
-            (blocks - 1) * block_stride + (kv_heads - 1) * head_stride + block_size * 2 * d
-        };
+        let overflow = |what: &str| format!("{OP}: {what}'s strides overflow");
+        let q_len = q_rows.values(d).ok_or_else(|| overflow("query"))?;
+        let out_len = out_rows.values(d).ok_or_else(|| overflow("out"))?;
+        let kv_len = shape.values().ok_or_else(|| overflow("kv_cache"))?;
+        // the rows of the n sequences (a longer table's other rows are not read)
         let table_len = if width == 0 {
             0
         } else {
-            (table_rows.min(n) - 1) * table_stride + width
+            (n - 1)
+                .checked_mul(table_stride)
+                .and_then(|v| v.checked_add(width))
+                .ok_or_else(|| overflow("block_table"))?
         };
         let (qp, op, kp) = (
             self.query.data()? as *const u8,
@@ -240,16 +247,7 @@ impl Args<'_> {
                 std::slice::from_raw_parts(tp as *const i32, table_len),
             )
         };
-        let cache = PagedKvCache::strided(
-            kv,
-            blocks,
-            block_stride,
-            kv_heads,
-            head_stride,
-            block_size,
-            d,
-        )
-        .map_err(|e| format!("{OP}: {e}"))?;
+        let cache = PagedKvCache::strided(kv, shape).map_err(|e| format!("{OP}: {e}"))?;
         let batch = DecodeBatch {
             seq_lens,
             block_table: table,

@@ -122,7 +122,7 @@ fn run<T: Element + Default>(
         token_stride: 2 * h * d + 5,
         head_stride: 2 * d,
     };
-    let query: Vec<T> = (0..q_rows.span(d, "q").unwrap())
+    let query: Vec<T> = (0..q_rows.values(d).unwrap())
         .map(|_| T::from_f32(rng.unit() * 3.0))
         .collect();
     let batch = DecodeBatch {
@@ -484,6 +484,14 @@ fn padded_strides_give_the_same_bits_as_a_contiguous_cache() {
     let dense: Vec<f32> = (0..blocks * kvh * slab).map(|_| rng.unit()).collect();
     // pages padded as vLLM pads hybrid models' attention pages, heads 8 values apart
     let (head_stride, block_stride) = (slab + 8, 2 * (slab + 8) + 40);
+    let shape = |block_stride, head_stride| CacheShape {
+        blocks,
+        block_stride,
+        kv_heads: kvh,
+        head_stride,
+        block_size: bs,
+        head_dim: d,
+    };
     let mut padded = vec![f32::NAN; (blocks - 1) * block_stride + head_stride + slab];
     for b in 0..blocks {
         for h in 0..kvh {
@@ -492,7 +500,7 @@ fn padded_strides_give_the_same_bits_as_a_contiguous_cache() {
         }
     }
     let a = PagedKvCache::new(&dense, blocks, kvh, bs, d).unwrap();
-    let b = PagedKvCache::strided(&padded, blocks, block_stride, kvh, head_stride, bs, d).unwrap();
+    let b = PagedKvCache::strided(&padded, shape(block_stride, head_stride)).unwrap();
     let seq_lens = [70i32, 33];
     let table = [4i32, 0, 2, 1, 3, 0];
     let batch = table_of(&seq_lens, &table, 3);
@@ -520,9 +528,7 @@ fn padded_strides_give_the_same_bits_as_a_contiguous_cache() {
         assert_eq!(x, y, "{kernel:?}");
     }
     // slabs that overlap, or run past the data, are refused
-    assert!(PagedKvCache::strided(&padded, blocks, block_stride, kvh, slab - 1, bs, d).is_err());
-    assert!(PagedKvCache::strided(&padded, blocks, head_stride, kvh, head_stride, bs, d).is_err());
-    assert!(
-        PagedKvCache::strided(&padded[1..], blocks, block_stride, kvh, head_stride, bs, d).is_err()
-    );
+    assert!(PagedKvCache::strided(&padded, shape(block_stride, slab - 1)).is_err());
+    assert!(PagedKvCache::strided(&padded, shape(head_stride, head_stride)).is_err());
+    assert!(PagedKvCache::strided(&padded[1..], shape(block_stride, head_stride)).is_err());
 }
