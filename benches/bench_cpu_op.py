@@ -27,9 +27,13 @@ op runs on torch's intra-op pool, like ``F.linear``):
   here is shared with a sibling hardware thread, so phases differ by up to 5x);
 * ``--variants amx,avx512`` times the int8 mode once per kernel variant (rows ``int8/amx``,
   ``int8/avx512``: AMX-INT8 tiles against the VNNI kernel on the same data); by default only the best.
+* ``--layouts rows4,lanes16``: the int8 mode on each weight layout, side by side (rows ``int8`` = rows4,
+  ``int8/lanes16``; each ``xM1`` against M = 1 in its own layout); by default rows4 and the layout
+  ``ops.prepare_weight(int8_only=True)`` picks on this machine (``_ops_cpu.int8_layout()``).
 
 Usage: python benches/bench_cpu_op.py [--shapes 5120x17408,...] [--m 1,2,4,8,16,128,512] [--threads 1,2]
-                                      [--hot] [--budget 1.0] [--variants amx,avx512] [--json out.json]
+                                      [--hot] [--budget 1.0] [--variants amx,avx512]
+                                      [--layouts rows4,lanes16] [--json out.json]
 """
 
 from __future__ import annotations
@@ -177,12 +181,16 @@ def main() -> None:
     ap.add_argument("--hot", action="store_true", help="also time one cache-resident copy per shape")
     ap.add_argument("--no-bf16", action="store_true", help="skip torch bf16 (it is slow at large M)")
     ap.add_argument("--variants", default="", help="int8 mode once per kernel variant, e.g. amx,avx512")
+    ap.add_argument("--layouts", default=None, help="int8 weight layouts, e.g. rows4,lanes16 (default: rows4 "
+                    "and this machine's int8 layout)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.m.split(",")]
     threads = [int(v) for v in args.threads.split(",")]
     kernel_variants = [v for v in args.variants.split(",") if v]
+    layouts = [v for v in (args.layouts or f"rows4,{_ops_cpu.int8_layout()}").split(",") if v]
+    layouts = list(dict.fromkeys(layouts))
 
     print(f"CPU: {platform.processor() or platform.machine()}, kernel variant {_ops_cpu.kernel_variant()}, "
           f"native dispatch: {ops.NATIVE_CPU_UNAVAILABLE is None}, torch {torch.__version__}, g = {GROUP}")
@@ -206,11 +214,14 @@ def main() -> None:
     print(hdr)
     for k, n in shapes:
         q, s = random_canonical(n, k, GROUP)
-        qk, sk = ops.prepare_weight(q, s, GROUP)
-        packed = qk.numel() + 2 * sk.numel()
-        copies = max(1, -(-COLD_BYTES // packed))
-        tq = [qk] + [hugepages.copy_of(qk) for _ in range(copies - 1)]
-        ts = [sk] + [hugepages.copy_of(sk) for _ in range(copies - 1)]
+        copies_of = {}
+        for layout in layouts:
+            qk, sk = _ops_cpu.prepare_weight(q, s, GROUP, layout)
+            packed = qk.numel() + 2 * sk.numel()
+            copies = max(1, -(-COLD_BYTES // packed))
+            copies_of[layout] = ([qk] + [hugepages.copy_of(qk) for _ in range(copies - 1)],
+                                 [sk] + [hugepages.copy_of(sk) for _ in range(copies - 1)])
+        tq, ts = copies_of.get("rows4", next(iter(copies_of.values())))
         dense = None
         if not args.no_bf16:
             w = torch.randn(n, k, dtype=torch.bfloat16)
@@ -224,35 +235,43 @@ def main() -> None:
                 fns = {}
                 if dense is not None and (m <= 16 or n * k <= 1 << 27):
                     fns["bf16"] = (lambda i: torch.nn.functional.linear(x, dense[i % len(dense)]), len(dense), None)
-                variants = [(f"int8/{v}", ops.AUTO, copies, v) for v in kernel_variants] or [
-                    ("int8", ops.AUTO, copies, "auto")]
-                if not (m > 16 and m != ms[-1]):  # exact is the f32 path; keep the run short
-                    variants.append(("exact", ops.EXACT, copies, "auto"))
-                hot_variants = [(f"{name} hot", act, 1, v) for name, act, _, v in variants
+                # (mode name, activations, copies, kernel variant, layout)
+                copies = len(tq)
+                variants = [(f"int8/{v}", ops.AUTO, copies, v, "rows4") for v in kernel_variants] or [
+                    ("int8", ops.AUTO, copies, "auto", "rows4")]
+                variants = [v for v in variants if "rows4" in layouts]
+                variants += [(f"int8/{lay}", ops.AUTO, len(copies_of[lay][0]), "auto", lay)
+                             for lay in layouts if lay != "rows4"]
+                if "rows4" in layouts and not (m > 16 and m != ms[-1]):  # the f32 path; keep the run short
+                    variants.append(("exact", ops.EXACT, copies, "auto", "rows4"))
+                hot_variants = [(f"{name} hot", act, 1, v, lay) for name, act, _, v, lay in variants
                                 if act == ops.AUTO] if args.hot else []
 
                 def entries(vs):
-                    return {mode: (lambda i, act=act: torch.ops.ternary_rs.ternary_linear(
-                                x, tq[i], ts[i], n, k, GROUP, None, act),
+                    return {mode: (lambda i, act=act, lay=lay: torch.ops.ternary_rs.ternary_linear(
+                                x, copies_of[lay][0][i], copies_of[lay][1][i], n, k, GROUP, None, act),
                                    cps, lambda kernel=kernel: _ops_cpu.set_kernel_variant(kernel))
-                            for mode, act, cps, kernel in vs}
+                            for mode, act, cps, kernel, lay in vs}
                 # Cold rows (and bf16, also cold) round-robin together; cache-resident ("hot") rows in a
                 # loop of their own, or the cold calls between them would evict their weights.
                 fns.update(entries(variants))
                 if m > 1:  # M = 1 in the same rounds: the goal is time(M) / time(1) (x M1 columns)
                     x1 = x[:1].clone()
-                    fns["m1"] = (lambda i: torch.ops.ternary_rs.ternary_linear(
-                        x1, tq[i], ts[i], n, k, GROUP, None, ops.AUTO), copies, None)
+                    for lay in layouts:
+                        fns[f"m1/{lay}"] = (lambda i, lay=lay: torch.ops.ternary_rs.ternary_linear(
+                            x1, copies_of[lay][0][i], copies_of[lay][1][i], n, k, GROUP, None, ops.AUTO),
+                            len(copies_of[lay][0]), None)
                 got = timed_together(fns, args.budget * len(fns))
                 if hot_variants:
                     got.update(timed_together(entries(hot_variants), args.budget * len(hot_variants)))
                 variants += hot_variants
                 _ops_cpu.set_kernel_variant("auto")
                 t_bf16, t_bf16_min = got.get("bf16", (None, None))
-                t_m1, t_m1_min = got.get("m1", (None, None))
-                for mode, act, _cps, _kernel in variants:
+                for mode, act, _cps, _kernel, lay in variants:
                     t, t_min = got[mode]
-                    row = {"k": k, "n": n, "m": m, "threads": th, "mode": mode, "seconds": t,
+                    t_m1, t_m1_min = got.get(f"m1/{lay}", (None, None))
+                    packed = copies_of[lay][0][0].numel() + 2 * copies_of[lay][1][0].numel()
+                    row = {"k": k, "n": n, "m": m, "threads": th, "mode": mode, "layout": lay, "seconds": t,
                            "G_weights_per_s": n * k / t / 1e9, "G_weight_tokens_per_s": m * n * k / t / 1e9,
                            "packed_GBps": packed / t / 1e9, "fraction_of_bandwidth": packed / t / 1e9 / bandwidth[th],
                            "bf16_seconds": t_bf16, "speedup_vs_bf16": (t_bf16 / t) if t_bf16 else None,
@@ -268,7 +287,7 @@ def main() -> None:
                     print(f"{k:>6} x {n:<6} {m:>4} {th:>3} {mode:>16} {t * 1e3:9.3f} {row['G_weights_per_s']:7.1f} "
                           f"{row['G_weight_tokens_per_s']:7.1f} {row['packed_GBps']:6.2f} "
                           f"{100 * row['fraction_of_bandwidth']:5.1f} {bf} {m1}", flush=True)
-        tq = ts = dense = None  # free this shape's copies before the next
+        tq = ts = dense = copies_of = None  # free this shape's copies before the next
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

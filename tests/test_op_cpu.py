@@ -518,3 +518,96 @@ def test_bench_round_robin_timing_calls_every_side_in_turn():
     assert log[len(warm):].count("setup a") == 4
     for median, fastest in got.values():
         assert 0 <= fastest <= median
+
+
+def reference_lanes_layout(q: torch.Tensor, s: torch.Tensor, k: int, g: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows-in-lanes layout written from its description (``_ops_cpu``, docs/design.md): rows in groups
+    of 16, K padded to 256 with t = 0; per group 64-byte lines of 16 weights, byte 4·n + b of line j holding
+    at bits 2·i the code of row n, weight 16·j + 4·i + b; scales [group][weight group][row], padding 0."""
+    n = q.shape[0]
+    kp = -(-k // 256) * 256
+    groups = -(-n // 16)
+    codes = ((q.numpy()[:, :, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & 3).reshape(n, k)
+    full = np.ones((groups * 16, kp), dtype=np.uint8)
+    full[:n, :k] = codes
+    out = np.zeros((groups, kp // 16, 16, 4), dtype=np.uint8)  # [group][line][row][byte]
+    for i in range(4):
+        # weights 16·j + 4·i + b of row r → line j, row r, byte b, bits 2i
+        part = full.reshape(groups, 16, kp // 16, 4, 4)[:, :, :, i, :]  # [group][row][line][b]
+        out |= (part.transpose(0, 2, 1, 3) << (2 * i)).astype(np.uint8)
+    scales = np.zeros((groups * 16, kp // g), dtype=np.float16)
+    scales[:n, : k // g] = s.numpy()
+    scales = scales.reshape(groups, 16, kp // g).transpose(0, 2, 1)
+    return out.reshape(groups, -1), scales.reshape(groups, -1)
+
+
+@pytest.mark.parametrize("n,k,g", [(5, 32, 32), (17, 96, 32), (16, 256, 128), (33, 512, 256), (9, 320, 64)])
+def test_prepare_weight_lanes16_layout(n, k, g):
+    rng = np.random.default_rng(k + n + 1)
+    q, s = make_weight(rng, n, k, g)
+    qk, sk = _ops_cpu.prepare_weight(q, s, g, "lanes16")
+    want_q, want_s = reference_lanes_layout(q, s, k, g)
+    assert tuple(qk.shape) == want_q.shape and tuple(sk.shape) == want_s.shape
+    np.testing.assert_array_equal(qk.numpy(), want_q)
+    np.testing.assert_array_equal(sk.numpy(), want_s)
+    assert _ops_cpu.layout_of(qk, n, k, g) == "lanes16"
+    assert _ops_cpu.layout_of(ops.prepare_weight(q, s, g)[0], n, k, g) == "rows4"
+
+
+@pytest.mark.parametrize("variant", _ops_cpu.available_variants())
+@pytest.mark.parametrize("activations", [ops.EXACT, ops.INT8_GROUP, ops.INT8_TOKEN])
+def test_lanes16_weights_match_rows4_and_reference(variant, activations):
+    """Every variant and mode on a lanes16 weight (the AVX-512 lanes kernel, or the plain reference) is within
+    the float64 bound; the int8 modes agree with the rows4 weight; the Python path gives the native result."""
+    rng = np.random.default_rng(11)
+    for m, n, k, g in [(1, 37, 320, 32), (3, 9, 512, 64), (8, 40, 1024, 128), (19, 21, 768, 256),
+                       (2, 1030, 1024, 128), (16, 1100, 1024, 128)]:
+        q, s = make_weight(rng, n, k, g)
+        lanes = _ops_cpu.prepare_weight(q, s, g, "lanes16")
+        rows4 = ops.prepare_weight(q, s, g)
+        dtype = DTYPES[(m + n) % 3]
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(dtype)
+        with _ops_cpu.kernel_options(variant):
+            got = run_op(x, *lanes, n, k, g, activations=activations)
+            got_py = _ops_cpu.ternary_linear(x, *lanes, n, k, g, activations=activations)
+            want = run_op(x, *rows4, n, k, g, activations=activations)
+        w64 = dequantize64(q, s, g)
+        y64, mag = reference(x, w64, None)
+        extra = 0.0 if activations == ops.EXACT else int8_bound(x, w64, g, activations == ops.INT8_TOKEN)
+        assert_close(got, y64, mag, k, extra)
+        torch.testing.assert_close(got_py, got, rtol=0, atol=0)
+        np.testing.assert_allclose(
+            got.float().numpy(), want.float().numpy(), rtol=2 * OUT_EPS[dtype] + 1e-5, atol=1e-5 * float(mag.max())
+        )
+
+
+def test_int8_layout_choice_and_override(monkeypatch):
+    rng = np.random.default_rng(2)
+    n, k, g = 20, 256, 128
+    q, s = make_weight(rng, n, k, g)
+    chosen = _ops_cpu.int8_layout()
+    assert chosen in _ops_cpu.LAYOUTS
+    assert _ops_cpu.layout_of(ops.prepare_weight(q, s, g, int8_only=True)[0], n, k, g) == chosen
+    assert _ops_cpu.layout_of(ops.prepare_weight(q, s, g)[0], n, k, g) == "rows4"  # exact-mode weights
+    with _ops_cpu.kernel_options("scalar"):
+        assert _ops_cpu.int8_layout() == "rows4"  # the lanes kernel is AVX-512's
+    for forced in _ops_cpu.LAYOUTS:
+        monkeypatch.setenv("TERNARY_RS_CPU_LAYOUT", forced)
+        assert _ops_cpu.int8_layout() == forced
+    monkeypatch.setenv("TERNARY_RS_CPU_LAYOUT", "rows8")
+    with pytest.raises(ValueError, match="rows4 or lanes16"):
+        _ops_cpu.int8_layout()
+    with pytest.raises(ValueError, match="layout"):
+        _ops_cpu.prepare_weight(q, s, g, "rows8")
+
+
+def test_lanes16_shape_errors_name_the_layout():
+    rng = np.random.default_rng(6)
+    n, k, g = 20, 256, 128
+    q, s = make_weight(rng, n, k, g)
+    qk, sk = _ops_cpu.prepare_weight(q, s, g, "lanes16")
+    x = torch.randn(2, k)
+    with pytest.raises(RuntimeError, match="lanes16"):
+        run_op(x, qk, sk[:, :-1].contiguous(), n, k, g)
+    with pytest.raises(RuntimeError, match="prepared uint8"):
+        run_op(x, qk[:, :-64].contiguous(), sk, n, k, g)

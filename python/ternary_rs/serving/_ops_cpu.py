@@ -6,6 +6,12 @@ The kernel (``rust/ternary-core/src/kernels/cpu``) never materialises the dense 
   (four rows interleaved, ``Kp`` = K rounded up to 256; per row and 256 weights one 64-byte chunk whose
   byte j holds the codes of weights j, 64+j, 128+j, 192+j), and the scales into ``float16
   [ceil(N/4), Kp/g·4]`` (the four rows of a group side by side). Same 2 bits per weight.
+  Weights only the int8 modes will multiply may instead take the rows-in-lanes layout (``layout="lanes16"``,
+  what ``int8_layout()`` picks on full-width AVX-512 VNNI CPUs without AMX): ``uint8 [ceil(N/16), 4·Kp]`` and
+  ``float16 [ceil(N/16), Kp/g·16]``, 16 rows in the 32-bit lanes of each 64-byte line, so the int8 kernel
+  unpacks a line with a shift and an AND at every M (docs/design.md#the-rows-in-lanes-layout). The op tells
+  the two apart by the codes' second dimension (``Kp`` vs ``4·Kp``); exact-mode calls on a lanes16 weight
+  run a plain reference (correct, slow): prepare weights that f32 activations will meet in ``rows4``.
 * The op's CPU kernel is registered **natively** with torch's dispatcher (``register_native``: PyTorch's
   stable C ABI, resolved at run time from the loaded libtorch), so a call runs no Python, and it splits
   its work over torch's own intra-op thread pool — inside vLLM the OpenMP pool bound to the cores.
@@ -153,9 +159,29 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def prepared_shapes(out_features: int, in_features: int, group_size: int):
-    """Shapes of the prepared ``(qweight, scales)`` of a ``[out_features, in_features]`` weight."""
-    return _core.cpu_prepared_shapes(int(out_features), int(in_features), int(group_size))
+LAYOUTS = ("rows4", "lanes16")
+
+
+def prepared_shapes(out_features: int, in_features: int, group_size: int, layout: str = "rows4"):
+    """Shapes of the prepared ``(qweight, scales)`` of a ``[out_features, in_features]`` weight in ``layout``."""
+    return _core.cpu_prepared_shapes(int(out_features), int(in_features), int(group_size), layout)
+
+
+def int8_layout() -> str:
+    """The layout for weights only the int8 modes will multiply, with the kernel variant in use: ``"lanes16"``
+    where the AVX-512 VNNI rows-in-lanes kernel runs on full-width units (no AMX), else ``"rows4"``;
+    ``TERNARY_RS_CPU_LAYOUT`` (rows4 / lanes16 / auto) overrides."""
+    _push_settings()
+    return _core.cpu_int8_layout()
+
+
+def layout_of(qweight: torch.Tensor, out_features: int, in_features: int, group_size: int) -> str:
+    """Which layout a prepared ``qweight`` is in (by its shape; ``"rows4"`` when neither fits)."""
+    shape = tuple(qweight.shape)
+    for layout in LAYOUTS:
+        if shape == tuple(prepared_shapes(out_features, in_features, group_size, layout)[0]):
+            return layout
+    return "rows4"
 
 
 def _check_canonical(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple[int, int]:
@@ -170,23 +196,24 @@ def _check_canonical(qweight: torch.Tensor, scales: torch.Tensor, group_size: in
     return n, k
 
 
-def _prepare_into(qweight, scales, group_size, n, k, codes, prepared_scales) -> None:
+def _prepare_into(qweight, scales, group_size, n, k, codes, prepared_scales, layout: str = "rows4") -> None:
     q = qweight.contiguous()
     s = scales.contiguous()
     _core.ternary_cpu_prepare(q.data_ptr(), s.data_ptr(), n, k, group_size, codes.data_ptr(),
-                              prepared_scales.data_ptr())
+                              prepared_scales.data_ptr(), "qweight", layout)
 
 
-def prepare_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int):
-    """Canonical ``(uint8 [N, K/4], float16 [N, K/g])`` → the kernel layout (see the module docs)."""
+def prepare_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int, layout: str = "rows4"):
+    """Canonical ``(uint8 [N, K/4], float16 [N, K/g])`` → the kernel layout ``layout`` (see the module docs)."""
     n, k = _check_canonical(qweight, scales, group_size)
-    q_shape, s_shape = prepared_shapes(n, k, group_size)
+    _check(layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {layout!r}")
+    q_shape, s_shape = prepared_shapes(n, k, group_size, layout)
     # The kernels stream these once per call: on 2 MiB pages (see hugepages.py), so the heap memory of the
     # canonical tensors a loader frees as it goes is no longer reused by them: hand it back first.
     hugepages.trim_heap()
     codes = hugepages.empty(q_shape, torch.uint8)
     prepared_scales = hugepages.empty(s_shape, torch.float16)
-    _prepare_into(qweight, scales, group_size, n, k, codes, prepared_scales)
+    _prepare_into(qweight, scales, group_size, n, k, codes, prepared_scales, layout)
     return codes, prepared_scales
 
 
@@ -216,7 +243,8 @@ def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bi
         raise TypeError(f"ternary_linear: x dtype {x.dtype} is not supported; use bfloat16, float16 or float32")
     _check(x.dim() >= 1 and x.shape[-1] == k, f"ternary_linear: x has shape {tuple(x.shape)}, expected [..., {k}]")
     _check(g in _core.GROUP_SIZES and k % g == 0, f"ternary_linear: in_features {k} / group_size {g} invalid")
-    q_shape, s_shape = prepared_shapes(n, k, g)
+    layout = layout_of(qweight, n, k, g)
+    q_shape, s_shape = prepared_shapes(n, k, g, layout)
     _check(
         qweight.dtype == torch.uint8 and tuple(qweight.shape) == q_shape and qweight.is_contiguous(),
         f"ternary_linear: qweight must be the prepared uint8 {list(q_shape)} (ops.prepare_weight), got "
@@ -242,7 +270,7 @@ def ternary_linear(x, qweight, scales, out_features, in_features, group_size, bi
     if m > 0 and n > 0:
         _core.ternary_gemm_cpu(
             x2.data_ptr(), name, m, k, qweight.data_ptr(), scales.data_ptr(), n, g, b_ptr, y.data_ptr(),
-            _variant, int(activations),
+            _variant, int(activations), layout,
         )
     return y.reshape(*lead, n)
 

@@ -93,11 +93,14 @@ AUTO, EXACT, INT8_GROUP, INT8_TOKEN = _ops_cpu.AUTO, _ops_cpu.EXACT, _ops_cpu.IN
 log = logging.getLogger("ternary_rs.ops")
 
 
-def prepare_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int):
-    """Permute canonical tensors once into the layout of the kernel for their device."""
+def prepare_weight(qweight: torch.Tensor, scales: torch.Tensor, group_size: int, *, int8_only: bool = False):
+    """Permute canonical tensors once into the layout of the kernel for their device. ``int8_only``: the
+    weight will only meet the int8 activation modes (bf16 / fp16 activations, or BitNet's per-token mode),
+    so on the CPU it may take the layout those modes run fastest on (``_ops_cpu.int8_layout``)."""
     if qweight.device.type == "cuda":
         return _ops_cuda.prepare_weight(qweight, scales, group_size)
-    return _ops_cpu.prepare_weight(qweight, scales, group_size)
+    layout = _ops_cpu.int8_layout() if int8_only else "rows4"
+    return _ops_cpu.prepare_weight(qweight, scales, group_size, layout)
 
 
 def prepare_stacked(qweight: torch.Tensor, scales: torch.Tensor, group_size: int):

@@ -20,7 +20,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBa
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 from ..serving import ops as ternary_ops
-from .linear import TernaryMethodBase, validate_loaded
+from .linear import TernaryMethodBase, int8_only, validate_loaded
 from .params import CODES_PER_BYTE
 
 # Attribute cached on a canonical qweight Parameter shared by embed_tokens and a tied lm_head.
@@ -67,7 +67,8 @@ class TernaryEmbeddingMethod(TernaryMethodBase, QuantizeMethodBase):
         """Kernel layout of the layer's canonical tensors, prepared once per (shared) Parameter."""
         cached = getattr(layer.qweight, _KERNEL_CACHE_ATTR, None)
         if cached is None:
-            cached = ternary_ops.prepare_weight(layer.qweight.data, layer.scales.data, layer.ternary_group_size)
+            cached = ternary_ops.prepare_weight(layer.qweight.data, layer.scales.data, layer.ternary_group_size,
+                                                int8_only=int8_only(layer))
             setattr(layer.qweight, _KERNEL_CACHE_ATTR, cached)
         return cached
 

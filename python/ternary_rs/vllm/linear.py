@@ -30,6 +30,7 @@ from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
+from ..serving import _ops_cpu
 from ..serving import ops as ternary_ops  # registers torch.ops.ternary_rs.*
 from .params import CODES_PER_BYTE, SUPPORTED_GROUP_SIZES, k_shard_multiple
 
@@ -196,6 +197,25 @@ class TernaryMethodBase:
         )
 
 
+def int8_only(layer: torch.nn.Module) -> bool:
+    """Whether every call of the layer runs an int8 activation mode, so that its weight may take the int8
+    layout (``ops.prepare_weight(int8_only=True)``): the int8 modes asked for, except BitNet's per-token mode on
+    a K shard (``int8_token_sharded`` calls the op's exact mode), or the auto mode on bf16 / fp16 activations —
+    vLLM processes the weights with the model dtype as torch's default — unless ``TERNARY_RS_CPU_INT8`` says
+    otherwise."""
+    activations = getattr(layer, "ternary_activations", ternary_ops.AUTO)
+    if activations == ternary_ops.INT8_TOKEN and getattr(layer, "ternary_k_sharded", False):
+        return False
+    if activations in (ternary_ops.INT8_GROUP, ternary_ops.INT8_TOKEN):
+        return True
+    if activations != ternary_ops.AUTO:
+        return False
+    default = _ops_cpu.default_int8()
+    if default is not None:
+        return default
+    return torch.get_default_dtype() in (torch.bfloat16, torch.float16)
+
+
 def int8_token_sharded(layer: torch.nn.Module, x: torch.Tensor, qweight_k, scales_k, bias) -> torch.Tensor:
     """The op's int8-per-token mode for a K shard: the token scale ``127 / max(max|x|, 1e-5)`` takes max|x|
     over every rank's shard (one all-gather of a float per token), ``q = clamp(round(x · scale), -128, 127)``
@@ -231,7 +251,8 @@ class TernaryLinearMethod(TernaryMethodBase, LinearMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         validate_loaded(self.prefix, layer.qweight.data, layer.scales.data,
                         lambda: self.quant_config.locate_invalid(self.prefix))
-        qweight_k, scales_k = ternary_ops.prepare_weight(layer.qweight.data, layer.scales.data, layer.ternary_group_size)
+        qweight_k, scales_k = ternary_ops.prepare_weight(layer.qweight.data, layer.scales.data, layer.ternary_group_size,
+                                                         int8_only=int8_only(layer))
         # Kernel layout replaces the canonical tensors (no second copy kept).
         layer.qweight = torch.nn.Parameter(qweight_k, requires_grad=False)
         layer.scales = torch.nn.Parameter(scales_k, requires_grad=False)

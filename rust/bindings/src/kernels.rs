@@ -9,7 +9,9 @@ use half::{bf16, f16};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use ternary_core::canonical::{check_shape, CanonicalRef};
-use ternary_core::kernels::cpu::{self, layout, Activation, KernelChoice, PreparedRef, Variant};
+use ternary_core::kernels::cpu::{
+    self, layout, Activation, KernelChoice, Layout, PreparedRef, Variant,
+};
 use ternary_core::threads::Rayon;
 
 use crate::errors::to_py;
@@ -21,6 +23,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_prepared_shapes, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernel_variants, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_kernel_best, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_int8_layout, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_dense_prefill_pays, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_set_kernel_variant, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_set_default_int8, m)?)?;
@@ -141,22 +144,32 @@ fn checked_len(a: usize, b: usize, what: &str) -> PyResult<usize> {
         .ok_or_else(|| PyValueError::new_err(format!("{what}: size {a} x {b} overflows")))
 }
 
-/// Shapes of the CPU kernel's prepared tensors for a `[rows, cols]` weight at `group_size`:
-/// `((row_blocks, Kp) uint8 codes, (row_blocks, Gp·4) float16 scales)`.
+/// Shapes of the CPU kernel's prepared tensors for a `[rows, cols]` weight at `group_size` in `layout`
+/// ("rows4": `((row_blocks, Kp) uint8 codes, (row_blocks, Gp·4) float16 scales)`; "lanes16":
+/// `((row_groups, 4·Kp), (row_groups, Gp·16))`).
 #[pyfunction]
+#[pyo3(signature = (rows, cols, group_size, layout = "rows4"))]
 fn cpu_prepared_shapes(
     rows: usize,
     cols: usize,
     group_size: usize,
-) -> ((usize, usize), (usize, usize)) {
-    let blocks = layout::row_blocks(rows);
-    (
-        (blocks, layout::block_bytes(cols)),
-        (
-            blocks,
-            layout::padded_groups(cols, group_size) * layout::ROWS,
-        ),
-    )
+    layout: &str,
+) -> PyResult<((usize, usize), (usize, usize))> {
+    let layout = Layout::parse(layout).map_err(to_py)?;
+    Ok((
+        layout.codes_shape(rows, cols),
+        layout.scales_shape(rows, cols, group_size),
+    ))
+}
+
+/// The layout `ops.prepare_weight` gives weights that only the int8 modes will multiply, with the CPU
+/// kernel variant in use ("lanes16" where that is the AVX-512 VNNI rows-in-lanes kernel on full-width
+/// units, else "rows4"; `TERNARY_RS_CPU_LAYOUT` overrides).
+#[pyfunction]
+fn cpu_int8_layout() -> PyResult<&'static str> {
+    Ok(cpu::int8_layout_for(torch::variant())
+        .map_err(to_py)?
+        .name())
 }
 
 /// Names of the CPU kernel variants this machine can run (always includes "scalar").
@@ -187,7 +200,7 @@ fn cpu_dense_prefill_pays(name: &str) -> PyResult<bool> {
 /// kernel layout at `out_ptr` / `out_scales_ptr` (shapes from `cpu_prepared_shapes`); validates codes
 /// and scales first.
 #[pyfunction]
-#[pyo3(signature = (qweight_ptr, scales_ptr, rows, cols, group_size, out_ptr, out_scales_ptr, tensor = "qweight"))]
+#[pyo3(signature = (qweight_ptr, scales_ptr, rows, cols, group_size, out_ptr, out_scales_ptr, tensor = "qweight", layout = "rows4"))]
 // One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 fn ternary_cpu_prepare(
@@ -200,13 +213,17 @@ fn ternary_cpu_prepare(
     out_ptr: usize,
     out_scales_ptr: usize,
     tensor: &str,
+    layout: &str,
 ) -> PyResult<()> {
     check_shape(rows, cols, group_size).map_err(to_py)?;
+    let layout = Layout::parse(layout).map_err(to_py)?;
     let codes = checked_len(rows, cols / 4, "qweight")?;
     let groups = checked_len(rows, cols / group_size, "scales")?;
     let overflow = || PyValueError::new_err("prepared weight size overflows");
-    let out_len = layout::prepared_bytes(rows, cols).ok_or_else(overflow)?;
-    let out_scales = layout::prepared_scales(rows, cols, group_size).ok_or_else(overflow)?;
+    let out_len = layout.prepared_bytes(rows, cols).ok_or_else(overflow)?;
+    let out_scales = layout
+        .prepared_scales(rows, cols, group_size)
+        .ok_or_else(overflow)?;
     let tensor = tensor.to_owned();
     py.detach(move || {
         // SAFETY: the Python wrapper passes contiguous CPU tensors of exactly these sizes.
@@ -225,7 +242,7 @@ fn ternary_cpu_prepare(
             qweight,
             scales,
         };
-        layout::prepare_into(w, &tensor, out, out_s).map_err(to_py)
+        layout::prepare_layout_into(w, &tensor, layout, out, out_s).map_err(to_py)
     })
 }
 
@@ -234,7 +251,7 @@ fn ternary_cpu_prepare(
 /// means no bias. `variant` is "auto", "avx512", "avx2" or "scalar"; `activations` is one of the
 /// `ACTIVATIONS_*` values (0 = auto: by dtype and the process default).
 #[pyfunction]
-#[pyo3(signature = (x_ptr, dtype, m, k, planes_ptr, scales_ptr, n, group_size, bias_ptr, y_ptr, variant = "auto", activations = 0))]
+#[pyo3(signature = (x_ptr, dtype, m, k, planes_ptr, scales_ptr, n, group_size, bias_ptr, y_ptr, variant = "auto", activations = 0, layout = "rows4"))]
 // One parameter per Python argument: the signature `_core` callers use.
 #[allow(clippy::too_many_arguments)]
 fn ternary_gemm_cpu(
@@ -251,17 +268,21 @@ fn ternary_gemm_cpu(
     y_ptr: usize,
     variant: &str,
     activations: i64,
+    layout: &str,
 ) -> PyResult<()> {
     check_shape(n, k, group_size).map_err(to_py)?;
     let variant = Variant::parse(variant).map_err(to_py)?;
+    let layout = Layout::parse(layout).map_err(to_py)?;
     let precision =
         torch::resolve_precision(activations, dtype == "float32").map_err(PyValueError::new_err)?;
     let overflow = || PyValueError::new_err("prepared weight size overflows");
     let sizes = Sizes {
         x: checked_len(m, k, "x")?,
         y: checked_len(m, n, "y")?,
-        planes: layout::prepared_bytes(n, k).ok_or_else(overflow)?,
-        scales: layout::prepared_scales(n, k, group_size).ok_or_else(overflow)?,
+        planes: layout.prepared_bytes(n, k).ok_or_else(overflow)?,
+        scales: layout
+            .prepared_scales(n, k, group_size)
+            .ok_or_else(overflow)?,
         n,
     };
     let ptrs = Pointers {
@@ -276,6 +297,7 @@ fn ternary_gemm_cpu(
         n,
         k,
         g: group_size,
+        layout,
     };
     let choice = KernelChoice { variant, precision };
     match dtype {
@@ -306,6 +328,8 @@ pub(crate) struct GemmShape {
     pub(crate) n: usize,
     pub(crate) k: usize,
     pub(crate) g: usize,
+    /// How the prepared weight is arranged.
+    pub(crate) layout: Layout,
 }
 
 #[derive(Clone, Copy)]
@@ -323,7 +347,7 @@ fn run<T: Activation>(
     shape: GemmShape,
     choice: KernelChoice,
 ) -> PyResult<()> {
-    let GemmShape { m, n, k, g } = shape;
+    let GemmShape { m, n, k, g, layout } = shape;
     // SAFETY: the Python wrapper passes contiguous CPU tensors of exactly these sizes, y freshly
     // allocated (not aliasing any input).
     let (x, planes, scales, bias, y) = unsafe {
@@ -343,6 +367,7 @@ fn run<T: Activation>(
         rows: n,
         cols: k,
         group_size: g,
+        layout,
         planes,
         scales,
     };

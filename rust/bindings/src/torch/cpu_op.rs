@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 
 use half::{bf16, f16};
 use ternary_core::kernels::cpu::{
-    self, dense, layout, Activation, KernelChoice, Precision, PreparedRef,
+    self, dense, layout, Activation, KernelChoice, Layout, Precision, PreparedRef,
 };
 use ternary_core::threads::ParallelFor;
 
@@ -69,9 +69,9 @@ pub(crate) fn dtype_name(api: &Api, x: &Tensor<'_>, op: &str) -> Result<&'static
     }
 }
 
-/// Refuse tensors off the CPU, an x whose last dimension is not `k`, and a weight that is not the
-/// prepared CPU layout for `[n, k]` in groups of `g`.
-fn check_operands(api: &Api, op: &LinearOp<'_>) -> Result<(), String> {
+/// Refuse tensors off the CPU, an x whose last dimension is not `k`, and a weight that is not a
+/// prepared CPU layout for `[n, k]` in groups of `g`; returns which layout it is.
+fn check_operands(api: &Api, op: &LinearOp<'_>) -> Result<Layout, String> {
     let (n, k, g) = (op.n, op.k, op.g);
     for (t, what) in [
         (&op.x, "x"),
@@ -92,25 +92,32 @@ fn check_operands(api: &Api, op: &LinearOp<'_>) -> Result<(), String> {
     }
     ternary_core::canonical::check_shape(n.max(1), k, g)
         .map_err(|e| format!("ternary_linear: {e}"))?;
-    let want_q = [layout::row_blocks(n) as i64, layout::block_bytes(k) as i64];
-    let want_s = [
-        layout::row_blocks(n) as i64,
-        (layout::padded_groups(k, g) * layout::ROWS) as i64,
-    ];
+    // The two layouts' codes differ in their second dimension for one (n, k): Kp vs 4·Kp.
     let (qweight, scales) = (&op.qweight, &op.scales);
-    if qweight.dtype()? != api.dtype_u8 || qweight.sizes()? != want_q || !qweight.is_contiguous()? {
+    let qs = qweight.sizes()?;
+    let shape_of = |l: Layout| {
+        let (q, s) = (l.codes_shape(n, k), l.scales_shape(n, k, g));
+        ([q.0 as i64, q.1 as i64], [s.0 as i64, s.1 as i64])
+    };
+    let layout = [Layout::Rows4, Layout::Lanes16]
+        .into_iter()
+        .find(|&l| qs == shape_of(l).0)
+        .unwrap_or(Layout::Rows4);
+    let (want_q, want_s) = shape_of(layout);
+    if qweight.dtype()? != api.dtype_u8 || qs != want_q || !qweight.is_contiguous()? {
         return Err(format!(
-            "ternary_linear: qweight must be the prepared uint8 {want_q:?} (ops.prepare_weight), got shape {:?}",
-            qweight.sizes()?
+            "ternary_linear: qweight must be the prepared uint8 {want_q:?} (ops.prepare_weight; {:?} in the lanes16 layout), got shape {qs:?}",
+            shape_of(Layout::Lanes16).0
         ));
     }
     if scales.dtype()? != api.dtype_f16 || scales.sizes()? != want_s || !scales.is_contiguous()? {
         return Err(format!(
-            "ternary_linear: scales must be the prepared float16 {want_s:?} (ops.prepare_weight), got shape {:?}",
+            "ternary_linear: scales must be the prepared float16 {want_s:?} (ops.prepare_weight, {} layout), got shape {:?}",
+            layout.name(),
             scales.sizes()?
         ));
     }
-    Ok(())
+    Ok(layout)
 }
 
 /// The bias as a contiguous CPU tensor of shape `[n]` in `dtype`.
@@ -135,7 +142,7 @@ fn checked_bias<'a>(
 
 fn linear<'a>(api: &'a Api, op: LinearOp<'a>) -> Result<Tensor<'a>, String> {
     let name = dtype_name(api, &op.x, "ternary_linear")?;
-    check_operands(api, &op)?;
+    let layout = check_operands(api, &op)?;
     let LinearOp {
         x,
         qweight,
@@ -172,9 +179,11 @@ fn linear<'a>(api: &'a Api, op: LinearOp<'a>) -> Result<Tensor<'a>, String> {
         },
         y: y.data()? as usize,
     };
-    let shape = GemmShape { m, n, k, g };
+    let shape = GemmShape { m, n, k, g, layout };
     let pool = TorchPool(api);
-    if prefers_dense_prefill(name == "bfloat16", activations, m) {
+    // The dense path decodes row blocks (4-row layout only); a lanes16 weight's prefill runs its int8
+    // kernel (the layout is chosen only where that is the faster one: `cpu::int8_layout`).
+    if layout == Layout::Rows4 && prefers_dense_prefill(name == "bfloat16", activations, m) {
         if let Some(gemm) = &api.gemm {
             dense_tile_gemm(api, gemm, ptrs, shape, &pool)?;
             return Ok(y);
@@ -214,9 +223,15 @@ fn run<T: Activation>(
 
 /// The prepared weight behind `p.planes` / `p.scales`.
 fn prepared_weight(p: Pointers, shape: GemmShape) -> Result<PreparedRef<'static>, String> {
-    let GemmShape { n, k, g, .. } = shape;
-    let planes = layout::prepared_bytes(n, k).ok_or("prepared weight size overflows")?;
-    let scales = layout::prepared_scales(n, k, g).ok_or("prepared scales size overflows")?;
+    let GemmShape {
+        n, k, g, layout, ..
+    } = shape;
+    let planes = layout
+        .prepared_bytes(n, k)
+        .ok_or("prepared weight size overflows")?;
+    let scales = layout
+        .prepared_scales(n, k, g)
+        .ok_or("prepared scales size overflows")?;
     // SAFETY: both are the data of contiguous CPU tensors checked to have exactly these sizes, alive
     // (held by the caller's handles) for the whole call; 'static never escapes the call.
     Ok(unsafe {
@@ -224,6 +239,7 @@ fn prepared_weight(p: Pointers, shape: GemmShape) -> Result<PreparedRef<'static>
             rows: n,
             cols: k,
             group_size: g,
+            layout,
             planes: std::slice::from_raw_parts(p.planes as *const u8, planes),
             scales: std::slice::from_raw_parts(p.scales as *const f16, scales),
         }

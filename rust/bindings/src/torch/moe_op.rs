@@ -115,6 +115,7 @@ fn stacked<'t>(
                     rows: n,
                     cols: k,
                     group_size: g,
+                    layout: layout::Layout::Rows4,
                     planes: std::slice::from_raw_parts(qp.add(e * planes), planes),
                     scales: std::slice::from_raw_parts(sp.add(e * scales), scales),
                 }

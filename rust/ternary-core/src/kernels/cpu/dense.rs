@@ -73,6 +73,7 @@ pub fn decode_blocks_bf16(
     pool: &dyn ParallelFor,
 ) -> Result<()> {
     w.check()?;
+    w.require_rows4("decode_blocks_bf16")?;
     let (n, k) = (w.rows, w.cols);
     if blocks.start > blocks.end || blocks.end > row_blocks(n) {
         return Err(Error::invalid(format!(

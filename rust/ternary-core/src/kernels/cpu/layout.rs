@@ -19,6 +19,23 @@
 //! Scales stay fp16 (converting to f32 would add 6 % to the bytes the memory-bound GEMV streams at
 //! g = 128), rearranged to `[Np/4][Gp][4]` (`Gp = Kp / g` groups, padded groups 0) so a row block's
 //! scales are contiguous and the four rows of one group sit together.
+//!
+//! ## The rows-in-lanes layout ([`Layout::Lanes16`])
+//!
+//! The int8 modes on AVX-512 VNNI want the opposite: 4 consecutive weights of each of 16 rows in one
+//! vector (lane n = row n), so that one `vpdpbusd` with a broadcast of 4 activation codes adds 16 rows'
+//! partial sums and a group's epilogue is one conversion and FMA per 16 rows (`lanes`). Prepared that
+//! way once, the kernel unpacks each 64-byte line with a shift and an AND, with no transpose per call:
+//!
+//! * rows in groups of [`LANE_ROWS`] = 16 (N padded to 16, padded rows code 1), K padded to `Kp` as
+//!   above; a row group is `Kp / 16` lines of 64 bytes, `4·Kp` bytes, groups one after another;
+//! * in line `j` of a group, byte `4n + b` holds at bits `2i..2i+1` the code of row `n`, weight
+//!   `16·j + 4·i + b` (`i, b = 0..4`): `(line >> 2i) & 3` byte-wise gives, in lane n, the codes of
+//!   weights `16·j + 4·i .. + 4` of row n — the order `vpdpbusd` multiplies them with 4 activation codes;
+//! * scales `[Np/16][Gp][16]` fp16 (one 32-byte load per row group and weight group).
+//!
+//! Consecutive lines are consecutive weights, so a weight group (g = 32 … 256) is 2 … 16 whole lines.
+//! The same bytes per weight as the 4-row layout; the weight is again one front-to-back stream.
 
 use half::f16;
 use rayon::prelude::*;
@@ -36,6 +53,100 @@ pub const CHUNK_BYTES: usize = 64;
 pub const SUB_K: usize = 64;
 /// Code of t = 0, used for padding.
 const ZERO_CODE: u8 = 1;
+/// Rows per group of the rows-in-lanes layout (one 32-bit lane each).
+pub const LANE_ROWS: usize = 16;
+/// Bytes of one line of the rows-in-lanes layout (16 rows × 16 weights).
+pub const LINE_BYTES: usize = 64;
+/// Weights of one row per line of the rows-in-lanes layout.
+pub const LINE_K: usize = 16;
+
+/// How a prepared weight's codes and scales are arranged (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Four rows interleaved, 64-weight sub-vectors of one row per vector: every kernel variant.
+    Rows4,
+    /// Rows in the 32-bit lanes of 16-row groups: the int8 modes on AVX-512 VNNI (`lanes`); the other
+    /// modes and variants run a plain reference on it.
+    Lanes16,
+}
+
+impl Layout {
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::Rows4 => "rows4",
+            Layout::Lanes16 => "lanes16",
+        }
+    }
+
+    pub fn parse(name: &str) -> Result<Layout> {
+        match name {
+            "rows4" => Ok(Layout::Rows4),
+            "lanes16" => Ok(Layout::Lanes16),
+            other => Err(Error::invalid(format!(
+                "unknown CPU weight layout '{other}'; expected rows4 or lanes16"
+            ))),
+        }
+    }
+
+    /// Rows of one unit of the layout (a row block or a row group).
+    pub fn unit_rows(self) -> usize {
+        match self {
+            Layout::Rows4 => ROWS,
+            Layout::Lanes16 => LANE_ROWS,
+        }
+    }
+
+    /// Units (row blocks / row groups) of a weight of `rows` rows.
+    pub fn units(self, rows: usize) -> usize {
+        rows.div_ceil(self.unit_rows())
+    }
+
+    /// Code bytes of one unit: `unit_rows · Kp / 4`.
+    pub fn unit_bytes(self, cols: usize) -> usize {
+        self.unit_rows() * padded_cols(cols) / 4
+    }
+
+    /// The prepared codes as a 2-D shape `[units, unit_bytes]` (the shape a torch tensor of them has;
+    /// for one (rows, cols) the two layouts' shapes differ in the second dimension: `Kp` vs `4·Kp`).
+    pub fn codes_shape(self, rows: usize, cols: usize) -> (usize, usize) {
+        (self.units(rows), self.unit_bytes(cols))
+    }
+
+    /// The prepared scales as `[units, Gp · unit_rows]`.
+    pub fn scales_shape(self, rows: usize, cols: usize, group_size: usize) -> (usize, usize) {
+        (
+            self.units(rows),
+            padded_groups(cols, group_size) * self.unit_rows(),
+        )
+    }
+
+    /// Code bytes of a prepared `[rows, cols]` weight (checked: `None` on overflow).
+    pub fn prepared_bytes(self, rows: usize, cols: usize) -> Option<usize> {
+        self.units(rows).checked_mul(self.unit_bytes(cols))
+    }
+
+    /// fp16 values of the prepared scales of a `[rows, cols]` weight at `group_size` (checked).
+    pub fn prepared_scales(self, rows: usize, cols: usize, group_size: usize) -> Option<usize> {
+        self.units(rows)
+            .checked_mul(padded_groups(cols, group_size))?
+            .checked_mul(self.unit_rows())
+    }
+}
+
+/// Position of weight `(n, k)` of a rows-in-lanes row group (`n < 16`): (byte offset in the group, bit
+/// shift).
+#[inline]
+pub fn lanes_code_position(n: usize, k: usize) -> (usize, u32) {
+    let (j, within) = (k / LINE_K, k % LINE_K);
+    (j * LINE_BYTES + 4 * n + within % 4, 2 * (within / 4) as u32)
+}
+
+/// Code `t + 1` of weight `(n, k)` of a rows-in-lanes row group (for tests and the reference kernels).
+#[inline]
+pub fn lanes_code(group: &[u8], n: usize, k: usize) -> u8 {
+    let (byte, shift) = lanes_code_position(n, k);
+    (group[byte] >> shift) & 3
+}
 
 /// K rounded up to whole superblocks.
 pub fn padded_cols(cols: usize) -> usize {
@@ -120,14 +231,37 @@ fn prepare_block(rows_codes: &[&[u8]], cols: usize, out: &mut [u8]) {
     }
 }
 
+/// Permute one row group of up to [`LANE_ROWS`] canonical rows into the rows-in-lanes layout.
+fn prepare_lanes_group(rows_codes: &[&[u8]], out: &mut [u8]) {
+    out.fill(ZERO_CODE * 0x55);
+    for (n, codes) in rows_codes.iter().enumerate() {
+        // Canonical byte kb holds weights 4·kb .. + 4 (code of weight 4·kb + l at bits 2l): one
+        // sub-step i of one line, b = l.
+        for (kb, &byte) in codes.iter().enumerate() {
+            let (j, i) = (kb / 4, kb % 4);
+            let line = &mut out[j * LINE_BYTES + 4 * n..][..4];
+            let shift = 2 * i;
+            for (b, dst) in line.iter_mut().enumerate() {
+                let c = (byte >> (2 * b)) & 3;
+                *dst = (*dst & !(3 << shift)) | (c << shift);
+            }
+        }
+    }
+}
+
 /// Check the output sizes of [`prepare_into`].
-fn check_prepared_sizes(w: &CanonicalRef<'_>, planes: usize, scales: usize) -> Result<()> {
-    let want_planes = prepared_bytes(w.rows, w.cols);
-    let want_scales = prepared_scales(w.rows, w.cols, w.group_size);
+fn check_prepared_sizes(
+    w: &CanonicalRef<'_>,
+    layout: Layout,
+    planes: usize,
+    scales: usize,
+) -> Result<()> {
+    let want_planes = layout.prepared_bytes(w.rows, w.cols);
+    let want_scales = layout.prepared_scales(w.rows, w.cols, w.group_size);
     if Some(planes) != want_planes || Some(scales) != want_scales {
         return Err(Error::invalid(format!(
-            "prepared buffers for [{}, {}] g{} need {want_planes:?} code bytes and {want_scales:?} scales, got {planes} and {scales}",
-            w.rows, w.cols, w.group_size
+            "prepared buffers ({}) for [{}, {}] g{} need {want_planes:?} code bytes and {want_scales:?} scales, got {planes} and {scales}",
+            layout.name(), w.rows, w.cols, w.group_size
         )));
     }
     Ok(())
@@ -142,9 +276,25 @@ pub fn prepare_into(
     out: &mut [u8],
     out_scales: &mut [f16],
 ) -> Result<()> {
+    prepare_layout_into(w, tensor, Layout::Rows4, out, out_scales)
+}
+
+/// [`prepare_into`] for either layout (sizes from [`Layout::prepared_bytes`] and
+/// [`Layout::prepared_scales`]).
+pub fn prepare_layout_into(
+    w: CanonicalRef<'_>,
+    tensor: &str,
+    layout: Layout,
+    out: &mut [u8],
+    out_scales: &mut [f16],
+) -> Result<()> {
     w.validate(tensor)?;
-    check_prepared_sizes(&w, out.len(), out_scales.len())?;
+    check_prepared_sizes(&w, layout, out.len(), out_scales.len())?;
     if w.rows == 0 {
+        return Ok(());
+    }
+    if layout == Layout::Lanes16 {
+        prepare_lanes(w, out, out_scales);
         return Ok(());
     }
     let (cols, g) = (w.cols, w.group_size);
@@ -173,13 +323,54 @@ pub fn prepare_into(
     Ok(())
 }
 
+/// The rows-in-lanes half of [`prepare_layout_into`] (sizes checked), row group by row group on all
+/// cores.
+fn prepare_lanes(w: CanonicalRef<'_>, out: &mut [u8], out_scales: &mut [f16]) {
+    let (cols, g) = (w.cols, w.group_size);
+    let codes_per_row = cols / 4;
+    let groups = cols / g;
+    let gp = padded_groups(cols, g);
+    let unit = Layout::Lanes16.unit_bytes(cols);
+    crate::threads::install(|| {
+        out.par_chunks_exact_mut(unit)
+            .zip(out_scales.par_chunks_exact_mut(gp * LANE_ROWS))
+            .enumerate()
+            .with_min_len(4)
+            .for_each(|(grp, (group_out, scales_out))| {
+                let span = grp * LANE_ROWS..((grp + 1) * LANE_ROWS).min(w.rows);
+                let rows: Vec<&[u8]> = span
+                    .clone()
+                    .map(|n| &w.qweight[n * codes_per_row..(n + 1) * codes_per_row])
+                    .collect();
+                prepare_lanes_group(&rows, group_out);
+                scales_out.fill(f16::ZERO);
+                for (r, n) in span.enumerate() {
+                    for gi in 0..groups {
+                        scales_out[gi * LANE_ROWS + r] = w.scales[n * groups + gi];
+                    }
+                }
+            });
+    });
+}
+
 /// Permute a canonical weight into new buffers (see [`prepare_into`]).
 pub fn prepare(w: CanonicalRef<'_>, tensor: &str) -> Result<(Vec<u8>, Vec<f16>)> {
+    prepare_layout(w, tensor, Layout::Rows4)
+}
+
+/// [`prepare_layout_into`] into new buffers.
+pub fn prepare_layout(
+    w: CanonicalRef<'_>,
+    tensor: &str,
+    layout: Layout,
+) -> Result<(Vec<u8>, Vec<f16>)> {
     let overflow = || Error::invalid(format!("shape [{}, {}] overflows", w.rows, w.cols));
-    let n = prepared_bytes(w.rows, w.cols).ok_or_else(overflow)?;
-    let s = prepared_scales(w.rows, w.cols, w.group_size).ok_or_else(overflow)?;
+    let n = layout.prepared_bytes(w.rows, w.cols).ok_or_else(overflow)?;
+    let s = layout
+        .prepared_scales(w.rows, w.cols, w.group_size)
+        .ok_or_else(overflow)?;
     let (mut out, mut scales) = (vec![0u8; n], vec![f16::ZERO; s]);
-    prepare_into(w, tensor, &mut out, &mut scales)?;
+    prepare_layout_into(w, tensor, layout, &mut out, &mut scales)?;
     Ok((out, scales))
 }
 
@@ -261,7 +452,59 @@ mod tests {
         assert!(e.contains("layer.qweight") && e.contains("index 20"), "{e}");
     }
 
+    /// Plain rows-in-lanes reference written from the layout description, weight by weight.
+    fn lanes_reference(rows: usize, cols: usize, codes: &[u8]) -> Vec<u8> {
+        let kp = padded_cols(cols);
+        let mut out = vec![0u8; rows.div_ceil(16) * 4 * kp];
+        for n in 0..rows.div_ceil(16) * 16 {
+            for k in 0..kp {
+                let c = if n < rows && k < cols {
+                    codes[n * cols + k]
+                } else {
+                    1
+                };
+                let byte = (n / 16) * 4 * kp + (k / 16) * 64 + 4 * (n % 16) + k % 4;
+                out[byte] |= c << (2 * ((k % 16) / 4));
+            }
+        }
+        out
+    }
+
     proptest! {
+        #[test]
+        fn lanes_match_reference(rows in 1usize..40, chunks32 in 1usize..20, gi in 0usize..4, seed in any::<u64>()) {
+            let g = crate::canonical::GROUP_SIZES[gi];
+            let cols = chunks32 * 32;
+            prop_assume!(cols % g == 0);
+            let mut state = seed | 1;
+            let codes: Vec<u8> = (0..rows * cols)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    (state % 3) as u8
+                })
+                .collect();
+            let q = canonical(cols, &codes);
+            let s: Vec<f16> = (0..rows * cols / g).map(|i| f16::from_f32(i as f32 + 1.0)).collect();
+            let w = CanonicalRef { rows, cols, group_size: g, qweight: &q, scales: &s };
+            let (p, ps) = prepare_layout(w, "w", Layout::Lanes16).unwrap();
+            prop_assert_eq!(&p, &lanes_reference(rows, cols, &codes));
+            let unit = Layout::Lanes16.unit_bytes(cols);
+            for n in 0..rows {
+                for k in 0..cols {
+                    prop_assert_eq!(lanes_code(&p[(n / 16) * unit..], n % 16, k), codes[n * cols + k]);
+                }
+            }
+            let gp = padded_groups(cols, g);
+            for n in 0..rows.div_ceil(16) * 16 {
+                for gi in 0..gp {
+                    let want = if n < rows && gi < cols / g { s[n * (cols / g) + gi] } else { f16::ZERO };
+                    prop_assert_eq!(ps[(n / 16) * gp * 16 + gi * 16 + n % 16], want);
+                }
+            }
+        }
+
         #[test]
         fn matches_reference(rows in 1usize..10, chunks32 in 1usize..20, gi in 0usize..4, seed in any::<u64>()) {
             let g = crate::canonical::GROUP_SIZES[gi];

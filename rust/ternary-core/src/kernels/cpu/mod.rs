@@ -39,6 +39,7 @@
 
 pub mod dense;
 pub mod half_linear;
+mod lanes;
 pub mod layout;
 pub mod moe;
 mod quant;
@@ -61,7 +62,7 @@ use crate::canonical::check_shape;
 use crate::threads::ParallelFor;
 use crate::{Error, Result};
 
-pub use layout::ROWS;
+pub use layout::{Layout, ROWS};
 pub use quant::{quantize_row, INT8_MAX, TOKEN_SCALE_FLOOR};
 
 /// Tokens one int8 kernel call handles together (each weight sub-vector is unpacked once for them).
@@ -237,6 +238,28 @@ impl Variant {
     }
 }
 
+/// The layout for weights that only the int8 modes will multiply with `variant` (what
+/// `ops.prepare_weight` gives vLLM's bf16 / fp16 layers): [`Layout::Lanes16`] where the variant is
+/// [`Variant::Avx512`] on full-width 512-bit units (not [`Variant::Amx`], whose tiles read row blocks;
+/// not Zen 4, whose bf16 prefill goes through the dense path), else [`Layout::Rows4`].
+/// `TERNARY_RS_CPU_LAYOUT` = `rows4` / `lanes16` / `auto` overrides (lanes16 runs with every variant,
+/// through a plain reference where the lanes kernel is missing).
+pub fn int8_layout_for(variant: Variant) -> Result<Layout> {
+    match std::env::var("TERNARY_RS_CPU_LAYOUT") {
+        Ok(v) if !v.is_empty() && v != "auto" => Layout::parse(&v),
+        _ => Ok(default_int8_layout(variant)),
+    }
+}
+
+fn default_int8_layout(variant: Variant) -> Layout {
+    #[cfg(target_arch = "x86_64")]
+    if variant == Variant::Avx512 && variant.is_supported() && !avx512::half_width_512() {
+        return Layout::Lanes16;
+    }
+    let _ = variant;
+    Layout::Rows4
+}
+
 /// How activations enter the dot products (see the module docs for the error bounds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Precision {
@@ -319,9 +342,11 @@ pub struct PreparedRef<'a> {
     pub rows: usize,
     pub cols: usize,
     pub group_size: usize,
-    /// `layout::prepared_bytes(rows, cols)` code bytes.
+    /// How `planes` and `scales` are arranged.
+    pub layout: Layout,
+    /// `layout.prepared_bytes(rows, cols)` code bytes.
     pub planes: &'a [u8],
-    /// `layout::prepared_scales(rows, cols, group_size)` scales.
+    /// `layout.prepared_scales(rows, cols, group_size)` scales.
     pub scales: &'a [f16],
 }
 
@@ -329,14 +354,17 @@ impl PreparedRef<'_> {
     /// Check the shape and the buffer lengths against it.
     pub fn check(&self) -> Result<()> {
         check_shape(self.rows, self.cols, self.group_size)?;
-        let planes = layout::prepared_bytes(self.rows, self.cols);
-        let scales = layout::prepared_scales(self.rows, self.cols, self.group_size);
+        let planes = self.layout.prepared_bytes(self.rows, self.cols);
+        let scales = self
+            .layout
+            .prepared_scales(self.rows, self.cols, self.group_size);
         if Some(self.planes.len()) != planes || Some(self.scales.len()) != scales {
             return Err(Error::invalid(format!(
-                "prepared weight [{}, {}] g{} needs {:?} code bytes and {:?} scales, got {} and {}",
+                "prepared weight [{}, {}] g{} ({}) needs {:?} code bytes and {:?} scales, got {} and {}",
                 self.rows,
                 self.cols,
                 self.group_size,
+                self.layout.name(),
                 planes,
                 scales,
                 self.planes.len(),
@@ -346,8 +374,26 @@ impl PreparedRef<'_> {
         Ok(())
     }
 
-    /// Codes and scales of row block `b`.
+    /// Refuse a weight in another layout than the 4-row one (the paths that read row blocks).
+    pub fn require_rows4(&self, what: &str) -> Result<()> {
+        if self.layout != Layout::Rows4 {
+            return Err(Error::invalid(format!(
+                "{what} needs weights in the {} layout, got {} (prepare them with layout rows4)",
+                Layout::Rows4.name(),
+                self.layout.name()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Codes and scales of row block `b` (4-row layout only).
     fn block(&self, b: usize) -> (&[u8], &[f16]) {
+        assert_eq!(
+            self.layout,
+            Layout::Rows4,
+            "row blocks of a {:?} weight",
+            self.layout
+        );
         let bb = layout::block_bytes(self.cols);
         let sb = layout::padded_groups(self.cols, self.group_size) * ROWS;
         (
@@ -445,6 +491,7 @@ struct Scratch {
     tiles: amx::TokenTiles,
     #[cfg(target_arch = "x86_64")]
     wide: wide::Tokens,
+    lanes: lanes::Tokens,
 }
 
 /// The AMX and wide kernels' token buffers (none off x86-64).
@@ -590,7 +637,9 @@ pub fn gemm<T: Activation>(
     };
     SCRATCH.with(|s| {
         let mut s = s.borrow_mut();
-        if choice.precision.is_int8() {
+        if w.layout == Layout::Lanes16 {
+            job.run_lanes(&mut s, x, choice.precision, par);
+        } else if choice.precision.is_int8() {
             job.run_int8(&mut s, x, choice.precision == Precision::Int8Token, par);
         } else {
             job.run_exact(&mut s, x, par);
@@ -656,6 +705,72 @@ impl<T: Activation> Job<'_, T> {
         #[cfg(not(target_arch = "x86_64"))]
         let (tiles, wide) = (&mut (), &mut ());
         self.run_quantized(xq.of(&s.q, &s.xs4, &s.qsum4), tiles, wide, par);
+    }
+
+    /// A rows-in-lanes weight ([`lanes`]): the int8 modes through the AVX-512 VNNI lanes kernel (or its
+    /// plain reference on other variants), the exact modes through the plain reference.
+    fn run_lanes(&self, s: &mut Scratch, x: &[T], precision: Precision, par: &dyn ParallelFor) {
+        let (w, m) = (self.w, self.m);
+        let kp = layout::padded_cols(w.cols);
+        let gp = layout::padded_groups(w.cols, w.group_size);
+        let groups = Layout::Lanes16.units(w.rows);
+        let unit_weights = layout::LANE_ROWS * kp;
+        // Row group `grp`'s sums for every token, stored (+ bias) to y.
+        let store = |grp: usize, vals: &[[f32; layout::LANE_ROWS]]| {
+            let n0 = grp * layout::LANE_ROWS;
+            let rows = layout::LANE_ROWS.min(w.rows - n0);
+            for (t, v) in vals.iter().enumerate() {
+                let mut v = *v;
+                self.store_row(t, n0, &mut v[..rows]);
+            }
+        };
+        if !precision.is_int8() {
+            let xf = resize(&mut s.xf, m * kp);
+            for (dst, src) in xf.chunks_exact_mut(kp).zip(x.chunks_exact(w.cols)) {
+                T::to_f32_slice(src, &mut dst[..w.cols]);
+            }
+            let xf = &*xf;
+            self.split(groups, unit_weights, par, &|range| {
+                let mut out = Vec::new();
+                for grp in range {
+                    lanes::reference_exact(&w, grp, xf, m, &mut out);
+                    store(grp, &out);
+                }
+            });
+            return;
+        }
+        let xq = quantize_rows(self.kernels, w, x, m, precision == Precision::Int8Token, s)
+            .of(&s.q, &s.xs4, &s.qsum4);
+        s.lanes.fill(xq.xs4, xq.qsum4, m, gp);
+        let tokens = &s.lanes;
+        #[cfg(target_arch = "x86_64")]
+        if self.kernels.int8_wide {
+            self.split(groups, unit_weights, par, &|range| {
+                let mut worker = lanes::Worker::new();
+                let r_max = if m >= lanes::PAIR_MIN_M {
+                    lanes::MAX_R
+                } else {
+                    1
+                };
+                let mut grp = range.start;
+                while grp < range.end {
+                    let r = r_max.min(range.end - grp);
+                    let out = worker.groups(&w, grp, r, xq.q, tokens, m);
+                    for (ri, vals) in out.chunks_exact(m).enumerate() {
+                        store(grp + ri, vals);
+                    }
+                    grp += r;
+                }
+            });
+            return;
+        }
+        self.split(groups, unit_weights, par, &|range| {
+            let mut out = Vec::new();
+            for grp in range {
+                lanes::reference(&w, grp, xq.q, tokens, m, &mut out);
+                store(grp, &out);
+            }
+        });
     }
 
     /// Whether [`Job::run_quantized`] takes the per-row int8 kernel (not AMX tiles or the wide one).

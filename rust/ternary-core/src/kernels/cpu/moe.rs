@@ -53,6 +53,10 @@ impl Experts<'_> {
                 self.w2.len()
             )));
         }
+        for w in self.w13.iter().chain(self.w2) {
+            // The grouped int8 GEMM reads row blocks.
+            w.require_rows4("the MoE kernel")?;
+        }
         let (hidden, inter) = (a.cols, a.rows / 2);
         if a.rows % 2 != 0 || d.rows != hidden || d.cols != inter {
             return Err(Error::invalid(format!(

@@ -92,12 +92,21 @@ impl Case {
         layout::prepare(self.canonical(), "w").unwrap()
     }
 
+    fn prepared_in(&self, layout: Layout) -> (Vec<u8>, Vec<f16>) {
+        layout::prepare_layout(self.canonical(), "w", layout).unwrap()
+    }
+
     /// This case's weight in the kernel layout, over `prepared`'s buffers.
     fn weight<'a>(&self, prepared: &'a (Vec<u8>, Vec<f16>)) -> PreparedRef<'a> {
+        self.weight_in(prepared, Layout::Rows4)
+    }
+
+    fn weight_in<'a>(&self, prepared: &'a (Vec<u8>, Vec<f16>), layout: Layout) -> PreparedRef<'a> {
         PreparedRef {
             rows: self.n,
             cols: self.k,
             group_size: self.g,
+            layout,
             planes: &prepared.0,
             scales: &prepared.1,
         }
@@ -111,9 +120,21 @@ impl Case {
         precision: Precision,
         prepared: &(Vec<u8>, Vec<f16>),
     ) -> Vec<T> {
+        self.run_in(x, bias, variant, precision, prepared, Layout::Rows4)
+    }
+
+    fn run_in<T: Activation + Default + Clone>(
+        &self,
+        x: &[T],
+        bias: Option<&[T]>,
+        variant: Variant,
+        precision: Precision,
+        prepared: &(Vec<u8>, Vec<f16>),
+        layout: Layout,
+    ) -> Vec<T> {
         let m = x.len() / self.k;
         let mut y = vec![T::default(); m * self.n];
-        let w = self.weight(prepared);
+        let w = self.weight_in(prepared, layout);
         gemm(
             w,
             x,
@@ -137,12 +158,16 @@ fn supported() -> Vec<Variant> {
 
 /// Exact mode, f32: within the documented f32-accumulation bound of float64.
 fn check_exact_f32(m: usize, n: usize, k: usize, g: usize, seed: u64) {
+    check_exact_f32_in(m, n, k, g, seed, Layout::Rows4);
+}
+
+fn check_exact_f32_in(m: usize, n: usize, k: usize, g: usize, seed: u64, layout: Layout) {
     let c = case(m, n, k, g, seed);
-    let planes = c.prepared();
+    let planes = c.prepared_in(layout);
     let (want, mag) = c.reference(&c.x, true);
     let mut scalar_out = None;
     for v in supported() {
-        let got = c.run(&c.x, Some(&c.bias), v, Precision::Exact, &planes);
+        let got = c.run_in(&c.x, Some(&c.bias), v, Precision::Exact, &planes, layout);
         for i in 0..got.len() {
             let tol =
                 4.0 * (k as f64) * f32::EPSILON as f64 * (mag[i] + c.bias[i % n].abs() as f64)
@@ -406,6 +431,7 @@ fn rejects_bad_sizes_and_variants() {
         rows: 4,
         cols: 64,
         group_size: 32,
+        layout: Layout::Rows4,
         planes: &planes,
         scales: &scales,
     };
@@ -836,6 +862,114 @@ fn wide_int8_matches_its_scalar_model_bit_for_bit() {
         }
     }
     WIDE_MIN_M_OVERRIDE.with(|o| o.set(None));
+}
+
+/// The rows-in-lanes layout: every variant (the AVX-512 lanes kernel, or the plain reference on the
+/// others) equals the wide kernel's scalar model bit for bit at every M = 1..20 — the same numbers for
+/// a token whatever batch it is in — on partial row groups, odd N, every group size, both int8 modes,
+/// with and without bias; in parallel with bf16 in and out; the exact mode within its float64 bound.
+#[test]
+fn lanes_int8_matches_the_wide_model_bit_for_bit() {
+    let shapes: &[(usize, usize, usize)] = &[
+        (1, 96, 32),
+        (5, 1280, 64),
+        (17, 640, 128),
+        (33, 2304, 256),
+        (37, 544, 32),
+        (16, 1024, 128),
+        (3, 768, 256),
+        (21, 192, 64),
+    ];
+    for (si, &(n, k, g)) in shapes.iter().enumerate() {
+        for m in 1..=20 {
+            if (m + si) % 3 != 0 && m > 9 && m != 16 && m != 20 {
+                continue; // every shape at M = 1..9, 16, 20; a third of the rest
+            }
+            let c = case(m, n, k, g, 300 + (si * 20 + m) as u64);
+            let planes = c.prepared_in(Layout::Lanes16);
+            for precision in [Precision::Int8Group, Precision::Int8Token] {
+                for bias in [false, true] {
+                    let want = wide_model(&c, m, precision, bias);
+                    let b = bias.then_some(&c.bias[..]);
+                    for v in supported() {
+                        let got = c.run_in(&c.x, b, v, precision, &planes, Layout::Lanes16);
+                        for (i, (a, w)) in got.iter().zip(&want).enumerate() {
+                            assert_eq!(
+                                a.to_bits(),
+                                w.to_bits(),
+                                "{v:?} {precision:?} m{m} n{n} k{k} g{g} bias {bias} [{i}]: {a} vs {w}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        check_exact_f32_in(3, n, k, g, 7 + si as u64, Layout::Lanes16);
+    }
+    // Parallel split over row groups (N·K above PARALLEL_MIN_WEIGHTS), bf16 in and out: one row group
+    // per pass (M = 1, 7) and pairs of them (M ≥ lanes::PAIR_MIN_M), ranges of odd length included.
+    for m in [1, 7, 19] {
+        let (n, k, g) = (1100, 1024, 128);
+        let c = case(m, n, k, g, 5);
+        let planes = c.prepared_in(Layout::Lanes16);
+        let xb: Vec<bf16> = c.x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let xq: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+        let bq: Vec<f32> = c.bias.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+        let cq = Case {
+            x: xq,
+            bias: bq,
+            ..c
+        };
+        let want_b: Vec<bf16> = wide_model(&cq, m, Precision::Int8Group, true)
+            .iter()
+            .map(|&v| bf16::from_f32(v))
+            .collect();
+        let bias_b: Vec<bf16> = cq.bias.iter().map(|&v| bf16::from_f32(v)).collect();
+        for v in supported() {
+            let got = cq.run_in(
+                &xb,
+                Some(&bias_b[..]),
+                v,
+                Precision::Int8Group,
+                &planes,
+                Layout::Lanes16,
+            );
+            for (i, (a, w)) in got.iter().zip(&want_b).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    w.to_bits(),
+                    "{v:?} parallel bf16 m{m} [{i}]: {a} vs {w}"
+                );
+            }
+        }
+    }
+}
+
+/// A rows-in-lanes weight is refused where row blocks are read (the MoE kernel, the bf16 decode) and
+/// checked against its own layout's sizes.
+#[test]
+fn lanes_weights_are_refused_where_row_blocks_are_read() {
+    let c = case(1, 40, 256, 128, 9);
+    let planes = c.prepared_in(Layout::Lanes16);
+    let w = c.weight_in(&planes, Layout::Lanes16);
+    w.check().unwrap();
+    let e = c
+        .weight_in(&planes, Layout::Rows4)
+        .check()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rows4"), "{e}");
+    let mut out = vec![bf16::ZERO; 40 * 256];
+    let e = dense::decode_blocks_bf16(&w, 0..1, &mut out, &Rayon)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("lanes16") && e.contains("rows4"), "{e}");
+    let experts = moe::Experts {
+        w13: std::slice::from_ref(&w),
+        w2: std::slice::from_ref(&w),
+    };
+    let e = experts.check().unwrap_err().to_string();
+    assert!(e.contains("MoE") && e.contains("lanes16"), "{e}");
 }
 
 /// Every variant and both int8 modes at M = 1..20 against float64 (the quantization bound) and the

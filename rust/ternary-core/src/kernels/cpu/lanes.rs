@@ -1,0 +1,354 @@
+//! The int8 modes on the rows-in-lanes layout ([`Layout::Lanes16`](super::layout::Layout)): 16 rows per
+//! vector, every M from one token up, the weight read once per call and unpacked once per token tile.
+//!
+//! [`wide`](super::wide) runs the same arithmetic on the 4-row layout, but has to transpose every
+//! 16-row × 512-column chunk into this arrangement first (a 16 × 16 transpose of 32-bit words per
+//! 1 KiB of codes, stored to an L1 buffer and loaded back: ~14 cycles per 64 bytes of codes on Zen 5,
+//! as much as 28 `vpdpbusd`); and the 4-row GEMV below 4 tokens needs an f32 epilogue per row and
+//! group (one conversion and FMA per two `vpdpbusd` at g = 128). Prepared in lanes, a line is one
+//! load, a 16-bit shift and an AND per 4 columns of 16 rows, and the epilogue is per 16 rows.
+//!
+//! Per 16-row group and weight group, for each token `t` of a tile of up to [`MAX_T`]: the int32 sum
+//! starts at `−Σq` (removing the `+1` of the codes in the integers) and adds `vpdpbusd(codes, q)`
+//! with the token's 4 codes broadcast; then `v = fma(f32(Σ t·q), f32(s) · xs, v)`, group after group
+//! from 0 — the numerics of [`wide`](super::wide) and of the AMX path, bit for bit, at every M (a
+//! token's result does not depend on the batch it is in). [`reference`] is the same in plain Rust
+//! (the fallback on CPUs without AVX-512 VNNI and what the SIMD kernel is tested against).
+
+// Register arrays (per row group, per token) are indexed in lockstep; index loops say that most plainly.
+#![allow(clippy::needless_range_loop)]
+
+use half::f16;
+
+use super::layout::{lanes_code, padded_cols, padded_groups, Layout, LANE_ROWS, LINE_K};
+use super::PreparedRef;
+
+/// Most tokens one pass over a row group handles (an int32 sum and an f32 total per token in registers).
+pub const MAX_T: usize = 8;
+/// Most row groups one pass handles: each token's broadcast codes feed `R` `vpdpbusd`s.
+pub const MAX_R: usize = 2;
+/// From this many tokens a pass takes [`MAX_R`] row groups (the broadcast loads halve); below, one
+/// row group keeps the weight a single stream.
+pub const PAIR_MIN_M: usize = 16;
+
+/// Per token and weight group, what the lanes kernels need of the quantized activations: `−Σq` and `xs`,
+/// `[m][Gp]` (the codes themselves are the quantizer's rows, `m · Kp`).
+#[derive(Default)]
+pub(crate) struct Tokens {
+    pub neg_qsum: Vec<i32>,
+    pub xs: Vec<f32>,
+    pub gp: usize,
+}
+
+impl Tokens {
+    /// Refill from the quantizer's `xs4` and `qsum4` (`m · Gp · 4`, each value repeated 4 times).
+    pub fn fill(&mut self, xs4: &[f32], qsum4: &[f32], m: usize, gp: usize) {
+        let rep = super::ROWS;
+        assert!(xs4.len() >= m * gp * rep && qsum4.len() >= m * gp * rep);
+        self.gp = gp;
+        self.neg_qsum.clear();
+        self.xs.clear();
+        for i in 0..m * gp {
+            // Σq of a group is an integer of at most 256 · 128 in magnitude: exact in f32.
+            self.neg_qsum.push(-(qsum4[i * rep] as i32));
+            self.xs.push(xs4[i * rep]);
+        }
+    }
+}
+
+/// Codes and scales of row group `grp` of a rows-in-lanes weight.
+pub(crate) fn group<'a>(w: &PreparedRef<'a>, grp: usize) -> (&'a [u8], &'a [f16]) {
+    debug_assert_eq!(w.layout, Layout::Lanes16);
+    let unit = Layout::Lanes16.unit_bytes(w.cols);
+    let su = padded_groups(w.cols, w.group_size) * LANE_ROWS;
+    (
+        &w.planes[grp * unit..(grp + 1) * unit],
+        &w.scales[grp * su..(grp + 1) * su],
+    )
+}
+
+/// The plain kernel: `out[t][n]` for the 16 rows of row group `grp` and all `m` tokens (`q`: `m · Kp`
+/// codes), with the SIMD kernel's numerics (see the module docs).
+pub(crate) fn reference(
+    w: &PreparedRef<'_>,
+    grp: usize,
+    q: &[i8],
+    tokens: &Tokens,
+    m: usize,
+    out: &mut Vec<[f32; LANE_ROWS]>,
+) {
+    let (kp, g, gp) = (padded_cols(w.cols), w.group_size, tokens.gp);
+    let (codes, scales) = group(w, grp);
+    out.clear();
+    for t in 0..m {
+        let mut v = [0f32; LANE_ROWS];
+        for (n, vn) in v.iter_mut().enumerate() {
+            for gi in 0..gp {
+                let mut sum = tokens.neg_qsum[t * gp + gi];
+                for k in gi * g..(gi + 1) * g {
+                    sum += lanes_code(codes, n, k) as i32 * q[t * kp + k] as i32;
+                }
+                let cs = scales[gi * LANE_ROWS + n].to_f32() * tokens.xs[t * gp + gi];
+                *vn = (sum as f32).mul_add(cs, *vn);
+            }
+        }
+        out.push(v);
+    }
+}
+
+/// The exact modes on a rows-in-lanes weight (no SIMD kernel: the layout is prepared for the int8
+/// modes, see `ops.prepare_weight`): `out[t][n] = Σ_g s · Σ_{k∈g} t·x` for row group `grp`, `x`: `m`
+/// rows of `Kp` f32 (zero padded). Products are exact, sums f32 in column order.
+pub(crate) fn reference_exact(
+    w: &PreparedRef<'_>,
+    grp: usize,
+    x: &[f32],
+    m: usize,
+    out: &mut Vec<[f32; LANE_ROWS]>,
+) {
+    let (kp, g) = (padded_cols(w.cols), w.group_size);
+    let gp = padded_groups(w.cols, g);
+    let (codes, scales) = group(w, grp);
+    out.clear();
+    for t in 0..m {
+        let xt = &x[t * kp..(t + 1) * kp];
+        let v: [f32; LANE_ROWS] = std::array::from_fn(|n| {
+            let mut total = 0f32;
+            for gi in 0..gp {
+                let mut sum = 0f32;
+                for k in gi * g..(gi + 1) * g {
+                    match lanes_code(codes, n, k) {
+                        0 => sum -= xt[k],
+                        2 => sum += xt[k],
+                        _ => {}
+                    }
+                }
+                total += sum * scales[gi * LANE_ROWS + n].to_f32();
+            }
+            total
+        });
+        out.push(v);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use simd::Worker;
+
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    #![allow(clippy::needless_range_loop)]
+
+    use std::arch::x86_64::*;
+
+    use super::*;
+    use crate::kernels::cpu::layout::LINE_BYTES;
+
+    /// Software prefetch distance in each row group's stream of lines.
+    const STREAM_AHEAD: usize = 4096;
+
+    /// One cache line of f32 totals (16 rows).
+    #[derive(Clone, Copy)]
+    #[repr(C, align(64))]
+    struct Line([f32; 16]);
+
+    /// One task's scratch: the running f32 totals of up to [`MAX_R`] row groups.
+    pub(crate) struct Worker {
+        /// `[R][m][16 rows]` f32 totals.
+        tot: Vec<Line>,
+    }
+
+    impl Worker {
+        pub fn new() -> Worker {
+            Worker { tot: Vec::new() }
+        }
+
+        /// `out[r·m + t][n]` for the `r` (1 ..= [`MAX_R`]) row groups `grp0 ..` of the rows-in-lanes
+        /// weight `w` and all `m` tokens (`q`: `m · Kp` codes): [`reference`]'s numbers, bit for bit
+        /// (rows past `w.rows` are garbage). `w` must be checked ([`PreparedRef::check`]) and the CPU
+        /// must have AVX-512 VNNI (`Kernels::int8_wide`).
+        pub fn groups(
+            &mut self,
+            w: &PreparedRef<'_>,
+            grp0: usize,
+            r: usize,
+            q: &[i8],
+            tokens: &Tokens,
+            m: usize,
+        ) -> &[[f32; 16]] {
+            let (kp, gp) = (padded_cols(w.cols), padded_groups(w.cols, w.group_size));
+            assert_eq!(w.layout, Layout::Lanes16);
+            assert!(
+                tokens.gp == gp && tokens.xs.len() >= m * gp && tokens.neg_qsum.len() >= m * gp
+            );
+            assert!(q.len() >= m * kp && m > 0);
+            assert!((1..=MAX_R).contains(&r) && grp0 + r <= Layout::Lanes16.units(w.rows));
+            self.tot.clear();
+            self.tot.resize(r * m, Line([0.0; 16]));
+            let tiles = m.div_ceil(MAX_T);
+            let per = m.div_ceil(tiles);
+            let codes: [*const u8; MAX_R] =
+                std::array::from_fn(|ri| group(w, grp0 + ri.min(r - 1)).0.as_ptr());
+            let scales: [*const f16; MAX_R] =
+                std::array::from_fn(|ri| group(w, grp0 + ri.min(r - 1)).1.as_ptr());
+            for m0 in (0..m).step_by(per) {
+                let t = per.min(m - m0);
+                let args = Tile {
+                    codes,
+                    scales,
+                    g: w.group_size,
+                    gp,
+                    kp,
+                    m,
+                    q: q.as_ptr(),
+                    neg_qsum: tokens.neg_qsum.as_ptr(),
+                    xs: tokens.xs.as_ptr(),
+                    m0,
+                    tot: self.tot.as_mut_ptr().cast(),
+                };
+                // SAFETY: the caller promised AVX-512 VNNI; every pointer covers what `Tile` says
+                // (asserted sizes: r whole row groups of 4·Kp code bytes and Gp·16 scales each,
+                // m0 + t ≤ m tokens of Kp codes and Gp sums / scales, r · m total lines).
+                unsafe { TILE_FNS[r - 1][t - 1](&args) };
+            }
+            bytemuck::cast_slice(&self.tot[..r * m])
+        }
+    }
+
+    // SAFETY: plain f32s, no padding (64 bytes, align 64).
+    unsafe impl bytemuck::Zeroable for Line {}
+    unsafe impl bytemuck::Pod for Line {}
+
+    /// One pass of `T` tokens (`m0 ..`) over `R` row groups.
+    struct Tile {
+        /// Each row group's `4 · Kp` code bytes.
+        codes: [*const u8; MAX_R],
+        /// Each row group's `[Gp][16]` scales.
+        scales: [*const f16; MAX_R],
+        g: usize,
+        gp: usize,
+        kp: usize,
+        /// Tokens of the call (the totals' stride per row group).
+        m: usize,
+        /// Codes, `[m][Kp]`.
+        q: *const i8,
+        /// `[m][Gp]`.
+        neg_qsum: *const i32,
+        /// `[m][Gp]`.
+        xs: *const f32,
+        m0: usize,
+        /// `[R][m][16]` f32 running totals.
+        tot: *mut f32,
+    }
+
+    type TileFn = unsafe fn(&Tile);
+
+    const TILE_FNS: [[TileFn; MAX_T]; MAX_R] = [
+        [
+            tile::<1, 1>,
+            tile::<1, 2>,
+            tile::<1, 3>,
+            tile::<1, 4>,
+            tile::<1, 5>,
+            tile::<1, 6>,
+            tile::<1, 7>,
+            tile::<1, 8>,
+        ],
+        [
+            tile::<2, 1>,
+            tile::<2, 2>,
+            tile::<2, 3>,
+            tile::<2, 4>,
+            tile::<2, 5>,
+            tile::<2, 6>,
+            tile::<2, 7>,
+            tile::<2, 8>,
+        ],
+    ];
+
+    /// Byte codes of sub-step `i` of a line: `(line >> 2i) & 3` (a 16-bit shift moves bits across
+    /// the byte boundary; the AND drops them again).
+    #[inline(always)]
+    unsafe fn unpack(w: __m512i, i: usize, mask: __m512i) -> __m512i {
+        match i {
+            0 => _mm512_and_si512(w, mask),
+            1 => _mm512_and_si512(_mm512_srli_epi16::<2>(w), mask),
+            2 => _mm512_and_si512(_mm512_srli_epi16::<4>(w), mask),
+            _ => _mm512_and_si512(_mm512_srli_epi16::<6>(w), mask),
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")]
+    unsafe fn tile<const R: usize, const T: usize>(p: &Tile) {
+        // With few sums in flight a chain of `vpdpbusd` per line would wait on its own latency: below
+        // 4 of them, the odd sub-steps go to a second set of sums (added in the integers at the epilogue).
+        let split = R * T < 4;
+        // SAFETY (whole body): the caller's pointers cover the R row groups (4·Kp code bytes, Gp·16
+        // scales each), tokens m0 .. m0 + T of q (Kp each), their groups (Gp each) and the totals
+        // (R × m × 16); line j + i reads stay below Kp / 16 lines; prefetches never fault.
+        unsafe {
+            let x: [*const i8; T] = std::array::from_fn(|t| p.q.add((p.m0 + t) * p.kp));
+            let tot_at = |ri: usize, t: usize| p.tot.add((ri * p.m + p.m0 + t) * 16);
+            let mask = _mm512_set1_epi8(3);
+            // One row group: the totals live in registers for the whole pass; two: in L1, read and
+            // written once per weight group.
+            let mut tot_reg: [__m512; T] = std::array::from_fn(|_| _mm512_setzero_ps());
+            let lines = p.g / LINE_K;
+            for gi in 0..p.gp {
+                let mut acc: [[__m512i; T]; R] = [std::array::from_fn(|t| {
+                    _mm512_set1_epi32(*p.neg_qsum.add((p.m0 + t) * p.gp + gi))
+                }); R];
+                let mut acc_odd = [[_mm512_setzero_si512(); T]; R];
+                for j in gi * lines..(gi + 1) * lines {
+                    let wv: [__m512i; R] = std::array::from_fn(|ri| {
+                        let at = p.codes[ri].add(j * LINE_BYTES);
+                        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(STREAM_AHEAD).cast());
+                        _mm512_loadu_si512(at.cast())
+                    });
+                    for i in 0..4 {
+                        let c: [__m512i; R] = std::array::from_fn(|ri| unpack(wv[ri], i, mask));
+                        for t in 0..T {
+                            // The token's 4 codes of columns 16·j + 4·i .. + 4, loaded once for every
+                            // row group (the broadcast folds into `vpdpbusd`'s memory operand).
+                            let xq = _mm512_set1_epi32(
+                                x[t].add(LINE_K * j + 4 * i).cast::<i32>().read_unaligned(),
+                            );
+                            for ri in 0..R {
+                                if split && i % 2 == 1 {
+                                    acc_odd[ri][t] = _mm512_dpbusd_epi32(acc_odd[ri][t], c[ri], xq);
+                                } else {
+                                    acc[ri][t] = _mm512_dpbusd_epi32(acc[ri][t], c[ri], xq);
+                                }
+                            }
+                        }
+                    }
+                }
+                for ri in 0..R {
+                    let s = _mm512_cvtph_ps(_mm256_loadu_si256(
+                        p.scales[ri].add(gi * LANE_ROWS).cast(),
+                    ));
+                    for t in 0..T {
+                        let cs =
+                            _mm512_mul_ps(s, _mm512_set1_ps(*p.xs.add((p.m0 + t) * p.gp + gi)));
+                        let sum = if split {
+                            _mm512_add_epi32(acc[ri][t], acc_odd[ri][t])
+                        } else {
+                            acc[ri][t]
+                        };
+                        let v = _mm512_cvtepi32_ps(sum);
+                        if R == 1 {
+                            tot_reg[t] = _mm512_fmadd_ps(v, cs, tot_reg[t]);
+                        } else {
+                            let at = tot_at(ri, t);
+                            _mm512_storeu_ps(at, _mm512_fmadd_ps(v, cs, _mm512_loadu_ps(at)));
+                        }
+                    }
+                }
+            }
+            if R == 1 {
+                for t in 0..T {
+                    _mm512_storeu_ps(tot_at(0, t), tot_reg[t]);
+                }
+            }
+        }
+    }
+}
