@@ -221,7 +221,7 @@ def main() -> None:
             copies = max(1, -(-COLD_BYTES // packed))
             copies_of[layout] = ([qk] + [hugepages.copy_of(qk) for _ in range(copies - 1)],
                                  [sk] + [hugepages.copy_of(sk) for _ in range(copies - 1)])
-        tq, ts = copies_of.get("rows4", next(iter(copies_of.values())))
+        tq = copies_of.get("rows4", next(iter(copies_of.values())))[0]
         dense = None
         if not args.no_bf16:
             w = torch.randn(n, k, dtype=torch.bfloat16)
@@ -287,7 +287,7 @@ def main() -> None:
                     print(f"{k:>6} x {n:<6} {m:>4} {th:>3} {mode:>16} {t * 1e3:9.3f} {row['G_weights_per_s']:7.1f} "
                           f"{row['G_weight_tokens_per_s']:7.1f} {row['packed_GBps']:6.2f} "
                           f"{100 * row['fraction_of_bandwidth']:5.1f} {bf} {m1}", flush=True)
-        tq = ts = dense = copies_of = None  # free this shape's copies before the next
+        tq = dense = copies_of = None  # free this shape's copies before the next
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
