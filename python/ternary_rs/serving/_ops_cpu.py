@@ -10,8 +10,8 @@ The kernel (``rust/ternary-core/src/kernels/cpu``) never materialises the dense 
   what ``int8_layout()`` picks on full-width AVX-512 VNNI CPUs without AMX): ``uint8 [ceil(N/16), 4·Kp]`` and
   ``float16 [ceil(N/16), Kp/g·16]``, 16 rows in the 32-bit lanes of each 64-byte line, so the int8 kernel
   unpacks a line with a shift and an AND at every M (docs/design.md#the-rows-in-lanes-layout). The op tells
-  the two apart by the codes' second dimension (``Kp`` vs ``4·Kp``); exact-mode calls on a lanes16 weight
-  run a plain reference (correct, slow): prepare weights that f32 activations will meet in ``rows4``.
+  the two apart by the codes' second dimension (``Kp`` vs ``4·Kp``); the exact modes run on either layout
+  (the MoE op needs ``rows4``).
 * The op's CPU kernel is registered **natively** with torch's dispatcher (``register_native``: PyTorch's
   stable C ABI, resolved at run time from the loaded libtorch), so a call runs no Python, and it splits
   its work over torch's own intra-op thread pool — inside vLLM the OpenMP pool bound to the cores.

@@ -96,9 +96,10 @@ pub(crate) fn reference(
     }
 }
 
-/// The exact modes on a rows-in-lanes weight (no SIMD kernel: the layout is prepared for the int8
-/// modes, see `ops.prepare_weight`): `out[t][n] = Σ_g s · Σ_{k∈g} t·x` for row group `grp`, `x`: `m`
-/// rows of `Kp` f32 (zero padded). Products are exact, sums f32 in column order.
+/// The exact modes on a rows-in-lanes weight, plain: `out[t][n] = Σ_g s · Σ_{k∈g} t·x` for row group
+/// `grp`, `x`: `m` rows of `Kp` f32 (zero padded). Per group `sum = fma(t, x, sum)` in column order (the
+/// product is exact, so this is `sum ± x`; a NaN or infinite x reaches the sum through `t = 0` too, as
+/// in a dense product), then `total = fma(sum, s, total)`: the SIMD kernel's numbers, bit for bit.
 pub(crate) fn reference_exact(
     w: &PreparedRef<'_>,
     grp: usize,
@@ -117,13 +118,10 @@ pub(crate) fn reference_exact(
             for gi in 0..gp {
                 let mut sum = 0f32;
                 for k in gi * g..(gi + 1) * g {
-                    match lanes_code(codes, n, k) {
-                        0 => sum -= xt[k],
-                        2 => sum += xt[k],
-                        _ => {}
-                    }
+                    let t = lanes_code(codes, n, k) as f32 - 1.0;
+                    sum = t.mul_add(xt[k], sum);
                 }
-                total += sum * scales[gi * LANE_ROWS + n].to_f32();
+                total = sum.mul_add(scales[gi * LANE_ROWS + n].to_f32(), total);
             }
             total
         });
@@ -132,7 +130,7 @@ pub(crate) fn reference_exact(
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use simd::Worker;
+pub(crate) use simd::{exact, Worker};
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
@@ -348,6 +346,111 @@ mod simd {
                 for t in 0..T {
                     _mm512_storeu_ps(tot_at(0, t), tot_reg[t]);
                 }
+            }
+        }
+    }
+
+    /// The exact modes on row group `grp` for all `m` tokens (`x`: `m` rows of `Kp` f32, zero padded),
+    /// into `out` (`m` lines): [`reference_exact`]'s numbers, bit for bit. Per line and sub-step, byte `b`
+    /// of every lane is the code of one weight of each of the 16 rows: a shift, an AND and a `vpermps`
+    /// from the table `[−1, 0, 1]` give the 16 rows' trits as f32, then one FMA per token with its
+    /// broadcast activation. The CPU must have AVX-512F / F16C (`Kernels::int8_wide`).
+    pub(crate) fn exact(
+        w: &PreparedRef<'_>,
+        grp: usize,
+        x: &[f32],
+        m: usize,
+        out: &mut Vec<[f32; LANE_ROWS]>,
+    ) {
+        let (kp, g) = (padded_cols(w.cols), w.group_size);
+        let gp = padded_groups(w.cols, g);
+        assert_eq!(w.layout, Layout::Lanes16);
+        assert!(x.len() >= m * kp && grp < Layout::Lanes16.units(w.rows));
+        let (codes, scales) = group(w, grp);
+        out.clear();
+        out.resize(m, [0.0; LANE_ROWS]);
+        let mut m0 = 0;
+        while m0 < m {
+            let t = MAX_T.min(m - m0);
+            let args = ExactTile {
+                codes: codes.as_ptr(),
+                scales: scales.as_ptr(),
+                x: x[m0 * kp..].as_ptr(),
+                kp,
+                g,
+                gp,
+                out: out[m0..].as_mut_ptr().cast(),
+            };
+            // SAFETY: the caller promised AVX-512F / F16C; the row group's 4·Kp code bytes and Gp·16
+            // scales, t ≤ MAX_T token rows of Kp f32 from m0 and t output lines (asserted above).
+            unsafe { EXACT_FNS[t - 1](&args) };
+            m0 += t;
+        }
+    }
+
+    struct ExactTile {
+        codes: *const u8,
+        scales: *const f16,
+        /// `T` rows of `Kp` f32.
+        x: *const f32,
+        kp: usize,
+        g: usize,
+        gp: usize,
+        /// `T` lines of 16 f32.
+        out: *mut f32,
+    }
+
+    const EXACT_FNS: [unsafe fn(&ExactTile); MAX_T] = [
+        exact_tile::<1>,
+        exact_tile::<2>,
+        exact_tile::<3>,
+        exact_tile::<4>,
+        exact_tile::<5>,
+        exact_tile::<6>,
+        exact_tile::<7>,
+        exact_tile::<8>,
+    ];
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")]
+    unsafe fn exact_tile<const T: usize>(p: &ExactTile) {
+        // SAFETY (whole body): the caller's pointers cover the row group (Kp / 16 lines, Gp·16 scales),
+        // T rows of Kp activations and T output lines; prefetches never fault.
+        unsafe {
+            let table = _mm512_setr_ps(
+                -1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+            );
+            let three = _mm512_set1_epi32(3);
+            let x: [*const f32; T] = std::array::from_fn(|t| p.x.add(t * p.kp));
+            let mut tot = [_mm512_setzero_ps(); T];
+            let lines = p.g / LINE_K;
+            for gi in 0..p.gp {
+                let mut sum = [_mm512_setzero_ps(); T];
+                for j in gi * lines..(gi + 1) * lines {
+                    let at = p.codes.add(j * LINE_BYTES);
+                    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(STREAM_AHEAD).cast());
+                    let wv = _mm512_loadu_si512(at.cast());
+                    for i in 0..4 {
+                        for b in 0..4 {
+                            // Lane n: the code of row n, weight 16·j + 4·i + b at bits 8·b + 2·i.
+                            let idx = _mm512_and_si512(
+                                _mm512_srlv_epi32(wv, _mm512_set1_epi32((8 * b + 2 * i) as i32)),
+                                three,
+                            );
+                            let tv = _mm512_permutexvar_ps(idx, table);
+                            let k = LINE_K * j + 4 * i + b;
+                            for t in 0..T {
+                                sum[t] = _mm512_fmadd_ps(tv, _mm512_set1_ps(*x[t].add(k)), sum[t]);
+                            }
+                        }
+                    }
+                }
+                let s = _mm512_cvtph_ps(_mm256_loadu_si256(p.scales.add(gi * LANE_ROWS).cast()));
+                for t in 0..T {
+                    tot[t] = _mm512_fmadd_ps(sum[t], s, tot[t]);
+                }
+            }
+            for t in 0..T {
+                _mm512_storeu_ps(p.out.add(t * LANE_ROWS), tot[t]);
             }
         }
     }

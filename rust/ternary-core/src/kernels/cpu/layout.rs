@@ -65,8 +65,8 @@ pub const LINE_K: usize = 16;
 pub enum Layout {
     /// Four rows interleaved, 64-weight sub-vectors of one row per vector: every kernel variant.
     Rows4,
-    /// Rows in the 32-bit lanes of 16-row groups: the int8 modes on AVX-512 VNNI (`lanes`); the other
-    /// modes and variants run a plain reference on it.
+    /// Rows in the 32-bit lanes of 16-row groups: the int8 modes on AVX-512 VNNI (`lanes`, which has
+    /// an exact-mode kernel too); other variants run its plain reference, the MoE kernel refuses it.
     Lanes16,
 }
 

@@ -243,7 +243,7 @@ impl Variant {
 /// [`Variant::Avx512`] on full-width 512-bit units (not [`Variant::Amx`], whose tiles read row blocks;
 /// not Zen 4, whose bf16 prefill goes through the dense path), else [`Layout::Rows4`].
 /// `TERNARY_RS_CPU_LAYOUT` = `rows4` / `lanes16` / `auto` overrides (lanes16 runs with every variant,
-/// through a plain reference where the lanes kernel is missing).
+/// through the plain reference where the AVX-512 lanes kernels are missing).
 pub fn int8_layout_for(variant: Variant) -> Result<Layout> {
     match std::env::var("TERNARY_RS_CPU_LAYOUT") {
         Ok(v) if !v.is_empty() && v != "auto" => Layout::parse(&v),
@@ -707,8 +707,8 @@ impl<T: Activation> Job<'_, T> {
         self.run_quantized(xq.of(&s.q, &s.xs4, &s.qsum4), tiles, wide, par);
     }
 
-    /// A rows-in-lanes weight ([`lanes`]): the int8 modes through the AVX-512 VNNI lanes kernel (or its
-    /// plain reference on other variants), the exact modes through the plain reference.
+    /// A rows-in-lanes weight ([`lanes`]): every mode through its AVX-512 lanes kernel, or the plain
+    /// reference on other variants.
     fn run_lanes(&self, s: &mut Scratch, x: &[T], precision: Precision, par: &dyn ParallelFor) {
         let (w, m) = (self.w, self.m);
         let kp = layout::padded_cols(w.cols);
@@ -730,9 +730,20 @@ impl<T: Activation> Job<'_, T> {
                 T::to_f32_slice(src, &mut dst[..w.cols]);
             }
             let xf = &*xf;
+            #[cfg(target_arch = "x86_64")]
+            let simd = self.kernels.int8_wide;
+            #[cfg(not(target_arch = "x86_64"))]
+            let simd = false;
             self.split(groups, unit_weights, par, &|range| {
                 let mut out = Vec::new();
                 for grp in range {
+                    #[cfg(target_arch = "x86_64")]
+                    if simd {
+                        lanes::exact(&w, grp, xf, m, &mut out);
+                        store(grp, &out);
+                        continue;
+                    }
+                    let _ = simd;
                     lanes::reference_exact(&w, grp, xf, m, &mut out);
                     store(grp, &out);
                 }

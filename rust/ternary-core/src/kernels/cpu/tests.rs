@@ -905,6 +905,37 @@ fn lanes_int8_matches_the_wide_model_bit_for_bit() {
             }
         }
         check_exact_f32_in(3, n, k, g, 7 + si as u64, Layout::Lanes16);
+        // The exact modes: the AVX-512 lanes kernel equals the plain reference bit for bit, NaN included.
+        for m in [1, 5, 9] {
+            let mut c = case(m, n, k, g, 500 + si as u64);
+            c.x[k / 2] = f32::NAN;
+            let planes = c.prepared_in(Layout::Lanes16);
+            let want = c.run_in(
+                &c.x,
+                Some(&c.bias),
+                Variant::Scalar,
+                Precision::Exact,
+                &planes,
+                Layout::Lanes16,
+            );
+            assert!(want[..n].iter().all(|v| v.is_nan()) && want[n..].iter().all(|v| !v.is_nan()));
+            for v in supported() {
+                let got = c.run_in(
+                    &c.x,
+                    Some(&c.bias),
+                    v,
+                    Precision::Exact,
+                    &planes,
+                    Layout::Lanes16,
+                );
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                        "{v:?} exact m{m} n{n} k{k} g{g} [{i}]: {a} vs {b}"
+                    );
+                }
+            }
+        }
     }
     // Parallel split over row groups (N·K above PARALLEL_MIN_WEIGHTS), bf16 in and out: one row group
     // per pass (M = 1, 7) and pairs of them (M ≥ lanes::PAIR_MIN_M), ranges of odd length included.
