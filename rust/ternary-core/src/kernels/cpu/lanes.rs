@@ -31,8 +31,9 @@ pub const MAX_R: usize = 2;
 /// row group keeps the weight a single stream.
 pub const PAIR_MIN_M: usize = 16;
 
-/// Per token and weight group, what the lanes kernels need of the quantized activations: `−Σq` and `xs`,
-/// `[m][Gp]` (the codes themselves are the quantizer's rows, `m · Kp`).
+/// Per token and weight group, what the rows-in-lanes kernels (these and `wide`) need of the quantized
+/// activations: `−Σq` and `xs`, `[m][Gp]` (the codes themselves are the quantizer's rows, `m · Kp`).
+/// Kept per thread.
 #[derive(Default)]
 pub(crate) struct Tokens {
     pub neg_qsum: Vec<i32>,

@@ -452,6 +452,19 @@ mod tests {
         assert!(e.contains("layer.qweight") && e.contains("index 20"), "{e}");
     }
 
+    /// `len` codes in {0, 1, 2} from a xorshift stream.
+    fn random_codes(len: usize, seed: u64) -> Vec<u8> {
+        let mut state = seed | 1;
+        (0..len)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state % 3) as u8
+            })
+            .collect()
+    }
+
     /// Plain rows-in-lanes reference written from the layout description, weight by weight.
     fn lanes_reference(rows: usize, cols: usize, codes: &[u8]) -> Vec<u8> {
         let kp = padded_cols(cols);
@@ -476,15 +489,7 @@ mod tests {
             let g = crate::canonical::GROUP_SIZES[gi];
             let cols = chunks32 * 32;
             prop_assume!(cols % g == 0);
-            let mut state = seed | 1;
-            let codes: Vec<u8> = (0..rows * cols)
-                .map(|_| {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    (state % 3) as u8
-                })
-                .collect();
+            let codes = random_codes(rows * cols, seed);
             let q = canonical(cols, &codes);
             let s: Vec<f16> = (0..rows * cols / g).map(|i| f16::from_f32(i as f32 + 1.0)).collect();
             let w = CanonicalRef { rows, cols, group_size: g, qweight: &q, scales: &s };
@@ -510,15 +515,7 @@ mod tests {
             let g = crate::canonical::GROUP_SIZES[gi];
             let cols = chunks32 * 32;
             prop_assume!(cols % g == 0);
-            let mut state = seed | 1;
-            let codes: Vec<u8> = (0..rows * cols)
-                .map(|_| {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    (state % 3) as u8
-                })
-                .collect();
+            let codes = random_codes(rows * cols, seed);
             let q = canonical(cols, &codes);
             let s: Vec<f16> = (0..rows * cols / g).map(|i| f16::from_f32(i as f32 + 1.0)).collect();
             let w = CanonicalRef { rows, cols, group_size: g, qweight: &q, scales: &s };

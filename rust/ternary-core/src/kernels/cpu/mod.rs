@@ -489,20 +489,17 @@ struct Scratch {
     xb: Vec<u16>,
     #[cfg(target_arch = "x86_64")]
     tiles: amx::TokenTiles,
-    #[cfg(target_arch = "x86_64")]
-    wide: wide::Tokens,
-    lanes: lanes::Tokens,
+    /// Per (token, group) `−Σq` and `xs`: the rows-in-lanes kernels' (`wide`, `lanes`) view of the
+    /// quantized activations.
+    tokens: lanes::Tokens,
 }
 
-/// The AMX and wide kernels' token buffers (none off x86-64).
+/// The AMX kernel's token buffers (none off x86-64).
 #[cfg(target_arch = "x86_64")]
 type TileScratch = amx::TokenTiles;
-#[cfg(target_arch = "x86_64")]
-type WideScratch = wide::Tokens;
 #[cfg(not(target_arch = "x86_64"))]
 type TileScratch = ();
-#[cfg(not(target_arch = "x86_64"))]
-type WideScratch = ();
+type WideScratch = lanes::Tokens;
 
 /// Activations quantized for the int8 kernels, `m` token rows: codes `[m][Kp]`, group scales and code
 /// sums `[m][Gp][ROWS]` ([`quant`]).
@@ -701,10 +698,10 @@ impl<T: Activation> Job<'_, T> {
     fn run_int8(&self, s: &mut Scratch, x: &[T], per_token: bool, par: &dyn ParallelFor) {
         let xq = quantize_rows(self.kernels, self.w, x, self.m, per_token, s);
         #[cfg(target_arch = "x86_64")]
-        let (tiles, wide) = (&mut s.tiles, &mut s.wide);
+        let tiles = &mut s.tiles;
         #[cfg(not(target_arch = "x86_64"))]
-        let (tiles, wide) = (&mut (), &mut ());
-        self.run_quantized(xq.of(&s.q, &s.xs4, &s.qsum4), tiles, wide, par);
+        let tiles = &mut ();
+        self.run_quantized(xq.of(&s.q, &s.xs4, &s.qsum4), tiles, &mut s.tokens, par);
     }
 
     /// A rows-in-lanes weight ([`lanes`]): every mode through its AVX-512 lanes kernel, or the plain
@@ -752,8 +749,8 @@ impl<T: Activation> Job<'_, T> {
         }
         let xq = quantize_rows(self.kernels, w, x, m, precision == Precision::Int8Token, s)
             .of(&s.q, &s.xs4, &s.qsum4);
-        s.lanes.fill(xq.xs4, xq.qsum4, m, gp);
-        let tokens = &s.lanes;
+        s.tokens.fill(xq.xs4, xq.qsum4, m, gp);
+        let tokens = &s.tokens;
         #[cfg(target_arch = "x86_64")]
         if self.kernels.int8_wide {
             self.split(groups, unit_weights, par, &|range| {
@@ -1062,7 +1059,7 @@ impl<T: Activation> Job<'_, T> {
     /// Int8 modes, AVX-512 VNNI from [`WIDE_MIN_M`] tokens: 16-row groups of the weight, each decoded
     /// once per call, against every token ([`wide`]).
     #[cfg(target_arch = "x86_64")]
-    fn int8_wide(&self, q: &[i8], tokens: &wide::Tokens, par: &dyn ParallelFor) {
+    fn int8_wide(&self, q: &[i8], tokens: &lanes::Tokens, par: &dyn ParallelFor) {
         let kp = layout::padded_cols(self.w.cols);
         let groups = self.w.rows.div_ceil(wide::GROUP_ROWS);
         self.split(groups, wide::GROUP_ROWS * kp, par, &|range| {

@@ -267,10 +267,10 @@ fn grouped_gemm<T: Activation>(
                 small.push((j, xq));
             } else {
                 #[cfg(target_arch = "x86_64")]
-                let (tiles, wide) = (&mut s.tiles, &mut s.wide);
+                let tiles = &mut s.tiles;
                 #[cfg(not(target_arch = "x86_64"))]
-                let (tiles, wide) = (&mut (), &mut ());
-                j.run_quantized(xq, tiles, wide, par);
+                let tiles = &mut ();
+                j.run_quantized(xq, tiles, &mut s.tokens, par);
             }
         }
         run_per_row_together(&small, k, par);

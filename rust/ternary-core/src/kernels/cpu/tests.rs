@@ -829,38 +829,7 @@ fn wide_int8_matches_its_scalar_model_bit_for_bit() {
     }
     // Parallel split over 16-row groups (N·K above PARALLEL_MIN_WEIGHTS), bf16 in and out: one row
     // group per pass (M = 7) and pairs of them (M ≥ wide::PAIR_MIN_M), ranges of odd length included.
-    for m in [7, 19] {
-        let (n, k, g) = (1100, 1024, 128);
-        let c = case(m, n, k, g, 5);
-        let planes = c.prepared();
-        let xb: Vec<bf16> = c.x.iter().map(|&v| bf16::from_f32(v)).collect();
-        let xq: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
-        let bq: Vec<f32> = c.bias.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
-        let cq = Case {
-            x: xq,
-            bias: bq,
-            ..c
-        };
-        let want_b: Vec<bf16> = wide_model(&cq, m, Precision::Int8Group, true)
-            .iter()
-            .map(|&v| bf16::from_f32(v))
-            .collect();
-        let bias_b: Vec<bf16> = cq.bias.iter().map(|&v| bf16::from_f32(v)).collect();
-        for v in [Variant::Avx512, Variant::Amx] {
-            if !v.is_supported() {
-                continue;
-            }
-            let got = cq.run(&xb, Some(&bias_b[..]), v, Precision::Int8Group, &planes);
-            assert_eq!(want_b.len(), got.len());
-            for (i, (a, w)) in got.iter().zip(&want_b).enumerate() {
-                assert_eq!(
-                    a.to_bits(),
-                    w.to_bits(),
-                    "{v:?} parallel bf16 m{m} [{i}]: {a} vs {w}"
-                );
-            }
-        }
-    }
+    check_parallel_bf16(Layout::Rows4, &[Variant::Avx512, Variant::Amx], &[7, 19]);
     WIDE_MIN_M_OVERRIDE.with(|o| o.set(None));
 }
 
@@ -939,10 +908,17 @@ fn lanes_int8_matches_the_wide_model_bit_for_bit() {
     }
     // Parallel split over row groups (N·K above PARALLEL_MIN_WEIGHTS), bf16 in and out: one row group
     // per pass (M = 1, 7) and pairs of them (M ≥ lanes::PAIR_MIN_M), ranges of odd length included.
-    for m in [1, 7, 19] {
+    check_parallel_bf16(Layout::Lanes16, &supported(), &[1, 7, 19]);
+}
+
+/// A 1100 × 1024 weight (split over threads; odd ranges of 16-row groups) with bf16 x, bias and y in the
+/// int8 group mode: `variants` (the unsupported ones skipped) equal the wide model rounded to bf16, bit for
+/// bit, at each M of `ms`.
+fn check_parallel_bf16(layout: Layout, variants: &[Variant], ms: &[usize]) {
+    for &m in ms {
         let (n, k, g) = (1100, 1024, 128);
         let c = case(m, n, k, g, 5);
-        let planes = c.prepared_in(Layout::Lanes16);
+        let planes = c.prepared_in(layout);
         let xb: Vec<bf16> = c.x.iter().map(|&v| bf16::from_f32(v)).collect();
         let xq: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
         let bq: Vec<f32> = c.bias.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
@@ -956,20 +932,21 @@ fn lanes_int8_matches_the_wide_model_bit_for_bit() {
             .map(|&v| bf16::from_f32(v))
             .collect();
         let bias_b: Vec<bf16> = cq.bias.iter().map(|&v| bf16::from_f32(v)).collect();
-        for v in supported() {
+        for &v in variants.iter().filter(|v| v.is_supported()) {
             let got = cq.run_in(
                 &xb,
                 Some(&bias_b[..]),
                 v,
                 Precision::Int8Group,
                 &planes,
-                Layout::Lanes16,
+                layout,
             );
+            assert_eq!(want_b.len(), got.len());
             for (i, (a, w)) in got.iter().zip(&want_b).enumerate() {
                 assert_eq!(
                     a.to_bits(),
                     w.to_bits(),
-                    "{v:?} parallel bf16 m{m} [{i}]: {a} vs {w}"
+                    "{v:?} {layout:?} parallel bf16 m{m} [{i}]: {a} vs {w}"
                 );
             }
         }

@@ -30,6 +30,7 @@
 use std::arch::x86_64::*;
 
 use super::avx512::unpack;
+use super::lanes::Tokens;
 use super::layout::{padded_cols, padded_groups, row_blocks, CHUNK_BYTES, ROWS, SUB_K, SUPER_K};
 use super::PreparedRef;
 
@@ -61,30 +62,6 @@ struct Line([i32; 16]);
 // SAFETY: plain 32-bit words, no padding (64 bytes, align 64).
 unsafe impl bytemuck::Zeroable for Line {}
 unsafe impl bytemuck::Pod for Line {}
-
-/// The activations of one call as the tile kernels read them: per token, `−Σq` (int32) and `xs` of
-/// every group, `[m][Gp]`. The codes themselves are the quantizer's rows (`m · Kp`). Kept per thread.
-#[derive(Default)]
-pub(crate) struct Tokens {
-    neg_qsum: Vec<i32>,
-    xs: Vec<f32>,
-    gp: usize,
-}
-
-impl Tokens {
-    /// Refill from the quantizer's `xs4` and `qsum4` (`m · Gp · 4`, each value repeated 4 times).
-    pub fn fill(&mut self, xs4: &[f32], qsum4: &[f32], m: usize, gp: usize) {
-        assert!(xs4.len() >= m * gp * ROWS && qsum4.len() >= m * gp * ROWS);
-        self.gp = gp;
-        self.neg_qsum.clear();
-        self.xs.clear();
-        for i in 0..m * gp {
-            // Σq of a group is an integer of at most 256 · 128 in magnitude: exact in f32.
-            self.neg_qsum.push(-(qsum4[i * ROWS] as i32));
-            self.xs.push(xs4[i * ROWS]);
-        }
-    }
-}
 
 /// One task's scratch: the decoded chunks, the 16-lane f32 scales and the running f32 totals of up to
 /// [`MAX_R`] row groups.
