@@ -8,7 +8,7 @@
 //! group (one conversion and FMA per two `vpdpbusd` at g = 128). Prepared in lanes, a line is one
 //! load, a 16-bit shift and an AND per 4 columns of 16 rows, and the epilogue is per 16 rows.
 //!
-//! Per 16-row group and weight group, for each token `t` of a tile of up to [`MAX_T`]: the int32 sum
+//! Per 16-row group and weight group, for each token `t` of a pass of up to [`MAX_T`]: the int32 sum
 //! starts at `−Σq` (removing the `+1` of the codes in the integers) and adds `vpdpbusd(codes, q)`
 //! with the token's 4 codes broadcast; then `v = fma(f32(Σ t·q), f32(s) · xs, v)`, group after group
 //! from 0 — the numerics of [`wide`](super::wide) and of the AMX path, bit for bit, at every M (a
@@ -24,12 +24,10 @@ use super::layout::{lanes_code, padded_cols, padded_groups, Layout, LANE_ROWS, L
 use super::PreparedRef;
 
 /// Most tokens one pass over a row group handles (an int32 sum and an f32 total per token in registers).
+/// More tokens take more passes, the row group's codes then read again from L2. (Two row groups per
+/// pass, each broadcast feeding two `vpdpbusd`, as `wide.rs` does from 16 tokens: 0-8 % slower here —
+/// Zen 5, 27B shapes, M = 8 and 16, one and two threads.)
 pub const MAX_T: usize = 8;
-/// Most row groups one pass handles: each token's broadcast codes feed `R` `vpdpbusd`s.
-pub const MAX_R: usize = 2;
-/// From this many tokens a pass takes [`MAX_R`] row groups (the broadcast loads halve); below, one
-/// row group keeps the weight a single stream.
-pub const PAIR_MIN_M: usize = 16;
 
 /// Per token and weight group, what the rows-in-lanes kernels (these and `wide`) need of the quantized
 /// activations: `−Σq` and `xs`, `[m][Gp]` (the codes themselves are the quantizer's rows, `m · Kp`).
@@ -150,9 +148,9 @@ mod simd {
     #[repr(C, align(64))]
     struct Line([f32; 16]);
 
-    /// One task's scratch: the running f32 totals of up to [`MAX_R`] row groups.
+    /// One task's scratch: the row group's f32 totals per token.
     pub(crate) struct Worker {
-        /// `[R][m][16 rows]` f32 totals.
+        /// `[m][16 rows]` f32 totals.
         tot: Vec<Line>,
     }
 
@@ -161,15 +159,14 @@ mod simd {
             Worker { tot: Vec::new() }
         }
 
-        /// `out[r·m + t][n]` for the `r` (1 ..= [`MAX_R`]) row groups `grp0 ..` of the rows-in-lanes
-        /// weight `w` and all `m` tokens (`q`: `m · Kp` codes): [`reference`]'s numbers, bit for bit
-        /// (rows past `w.rows` are garbage). `w` must be checked ([`PreparedRef::check`]) and the CPU
-        /// must have AVX-512 VNNI (`Kernels::int8_wide`).
-        pub fn groups(
+        /// `out[t][n]` for row group `grp` of the rows-in-lanes weight `w` and all `m` tokens (`q`:
+        /// `m · Kp` codes): [`reference`]'s numbers, bit for bit (rows past `w.rows` are garbage). `w`
+        /// must be checked ([`PreparedRef::check`]) and the CPU must have AVX-512 VNNI
+        /// (`Kernels::int8_wide`).
+        pub fn group(
             &mut self,
             w: &PreparedRef<'_>,
-            grp0: usize,
-            r: usize,
+            grp: usize,
             q: &[i8],
             tokens: &Tokens,
             m: usize,
@@ -179,37 +176,32 @@ mod simd {
             assert!(
                 tokens.gp == gp && tokens.xs.len() >= m * gp && tokens.neg_qsum.len() >= m * gp
             );
-            assert!(q.len() >= m * kp && m > 0);
-            assert!((1..=MAX_R).contains(&r) && grp0 + r <= Layout::Lanes16.units(w.rows));
+            assert!(q.len() >= m * kp && m > 0 && grp < Layout::Lanes16.units(w.rows));
             self.tot.clear();
-            self.tot.resize(r * m, Line([0.0; 16]));
-            let tiles = m.div_ceil(MAX_T);
-            let per = m.div_ceil(tiles);
-            let codes: [*const u8; MAX_R] =
-                std::array::from_fn(|ri| group(w, grp0 + ri.min(r - 1)).0.as_ptr());
-            let scales: [*const f16; MAX_R] =
-                std::array::from_fn(|ri| group(w, grp0 + ri.min(r - 1)).1.as_ptr());
+            self.tot.resize(m, Line([0.0; 16]));
+            let (codes, scales) = group(w, grp);
+            let passes = m.div_ceil(MAX_T);
+            let per = m.div_ceil(passes);
             for m0 in (0..m).step_by(per) {
                 let t = per.min(m - m0);
                 let args = Tile {
-                    codes,
-                    scales,
+                    codes: codes.as_ptr(),
+                    scales: scales.as_ptr(),
                     g: w.group_size,
                     gp,
                     kp,
-                    m,
                     q: q.as_ptr(),
                     neg_qsum: tokens.neg_qsum.as_ptr(),
                     xs: tokens.xs.as_ptr(),
                     m0,
-                    tot: self.tot.as_mut_ptr().cast(),
+                    tot: self.tot[m0..].as_mut_ptr().cast(),
                 };
                 // SAFETY: the caller promised AVX-512 VNNI; every pointer covers what `Tile` says
-                // (asserted sizes: r whole row groups of 4·Kp code bytes and Gp·16 scales each,
-                // m0 + t ≤ m tokens of Kp codes and Gp sums / scales, r · m total lines).
-                unsafe { TILE_FNS[r - 1][t - 1](&args) };
+                // (asserted sizes: the row group's 4·Kp code bytes and Gp·16 scales, tokens m0 .. m0 + t
+                // ≤ m of Kp codes and Gp sums / scales, t total lines from m0).
+                unsafe { TILE_FNS[t - 1](&args) };
             }
-            bytemuck::cast_slice(&self.tot[..r * m])
+            bytemuck::cast_slice(&self.tot[..m])
         }
     }
 
@@ -217,17 +209,15 @@ mod simd {
     unsafe impl bytemuck::Zeroable for Line {}
     unsafe impl bytemuck::Pod for Line {}
 
-    /// One pass of `T` tokens (`m0 ..`) over `R` row groups.
+    /// One pass of `T` tokens (`m0 ..`) over a row group.
     struct Tile {
-        /// Each row group's `4 · Kp` code bytes.
-        codes: [*const u8; MAX_R],
-        /// Each row group's `[Gp][16]` scales.
-        scales: [*const f16; MAX_R],
+        /// The row group's `4 · Kp` code bytes.
+        codes: *const u8,
+        /// The row group's `[Gp][16]` scales.
+        scales: *const f16,
         g: usize,
         gp: usize,
         kp: usize,
-        /// Tokens of the call (the totals' stride per row group).
-        m: usize,
         /// Codes, `[m][Kp]`.
         q: *const i8,
         /// `[m][Gp]`.
@@ -235,33 +225,12 @@ mod simd {
         /// `[m][Gp]`.
         xs: *const f32,
         m0: usize,
-        /// `[R][m][16]` f32 running totals.
+        /// `[T][16]` f32 totals of tokens m0 ...
         tot: *mut f32,
     }
 
-    type TileFn = unsafe fn(&Tile);
-
-    const TILE_FNS: [[TileFn; MAX_T]; MAX_R] = [
-        [
-            tile::<1, 1>,
-            tile::<1, 2>,
-            tile::<1, 3>,
-            tile::<1, 4>,
-            tile::<1, 5>,
-            tile::<1, 6>,
-            tile::<1, 7>,
-            tile::<1, 8>,
-        ],
-        [
-            tile::<2, 1>,
-            tile::<2, 2>,
-            tile::<2, 3>,
-            tile::<2, 4>,
-            tile::<2, 5>,
-            tile::<2, 6>,
-            tile::<2, 7>,
-            tile::<2, 8>,
-        ],
+    const TILE_FNS: [unsafe fn(&Tile); MAX_T] = [
+        tile::<1>, tile::<2>, tile::<3>, tile::<4>, tile::<5>, tile::<6>, tile::<7>, tile::<8>,
     ];
 
     /// Byte codes of sub-step `i` of a line: `(line >> 2i) & 3` (a 16-bit shift moves bits across
@@ -277,76 +246,56 @@ mod simd {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")]
-    unsafe fn tile<const R: usize, const T: usize>(p: &Tile) {
+    unsafe fn tile<const T: usize>(p: &Tile) {
         // With few sums in flight a chain of `vpdpbusd` per line would wait on its own latency: below
         // 4 of them, the odd sub-steps go to a second set of sums (added in the integers at the epilogue).
-        let split = R * T < 4;
-        // SAFETY (whole body): the caller's pointers cover the R row groups (4·Kp code bytes, Gp·16
-        // scales each), tokens m0 .. m0 + T of q (Kp each), their groups (Gp each) and the totals
-        // (R × m × 16); line j + i reads stay below Kp / 16 lines; prefetches never fault.
+        let split = T < 4;
+        // SAFETY (whole body): the caller's pointers cover the row group (4·Kp code bytes, Gp·16
+        // scales), tokens m0 .. m0 + T of q (Kp each), their groups (Gp each) and T total lines; line
+        // reads stay below Kp / 16 lines; prefetches never fault.
         unsafe {
             let x: [*const i8; T] = std::array::from_fn(|t| p.q.add((p.m0 + t) * p.kp));
-            let tot_at = |ri: usize, t: usize| p.tot.add((ri * p.m + p.m0 + t) * 16);
             let mask = _mm512_set1_epi8(3);
-            // One row group: the totals live in registers for the whole pass; two: in L1, read and
-            // written once per weight group.
-            let mut tot_reg: [__m512; T] = std::array::from_fn(|_| _mm512_setzero_ps());
+            let mut tot: [__m512; T] = std::array::from_fn(|_| _mm512_setzero_ps());
             let lines = p.g / LINE_K;
             for gi in 0..p.gp {
-                let mut acc: [[__m512i; T]; R] = [std::array::from_fn(|t| {
+                let mut acc: [__m512i; T] = std::array::from_fn(|t| {
                     _mm512_set1_epi32(*p.neg_qsum.add((p.m0 + t) * p.gp + gi))
-                }); R];
-                let mut acc_odd = [[_mm512_setzero_si512(); T]; R];
+                });
+                let mut acc_odd = [_mm512_setzero_si512(); T];
                 for j in gi * lines..(gi + 1) * lines {
-                    let wv: [__m512i; R] = std::array::from_fn(|ri| {
-                        let at = p.codes[ri].add(j * LINE_BYTES);
-                        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(STREAM_AHEAD).cast());
-                        _mm512_loadu_si512(at.cast())
-                    });
+                    let at = p.codes.add(j * LINE_BYTES);
+                    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(STREAM_AHEAD).cast());
+                    let wv = _mm512_loadu_si512(at.cast());
                     for i in 0..4 {
-                        let c: [__m512i; R] = std::array::from_fn(|ri| unpack(wv[ri], i, mask));
+                        let c = unpack(wv, i, mask);
                         for t in 0..T {
-                            // The token's 4 codes of columns 16·j + 4·i .. + 4, loaded once for every
-                            // row group (the broadcast folds into `vpdpbusd`'s memory operand).
+                            // The token's 4 codes of columns 16·j + 4·i .. + 4 (the broadcast folds into
+                            // `vpdpbusd`'s memory operand).
                             let xq = _mm512_set1_epi32(
                                 x[t].add(LINE_K * j + 4 * i).cast::<i32>().read_unaligned(),
                             );
-                            for ri in 0..R {
-                                if split && i % 2 == 1 {
-                                    acc_odd[ri][t] = _mm512_dpbusd_epi32(acc_odd[ri][t], c[ri], xq);
-                                } else {
-                                    acc[ri][t] = _mm512_dpbusd_epi32(acc[ri][t], c[ri], xq);
-                                }
+                            if split && i % 2 == 1 {
+                                acc_odd[t] = _mm512_dpbusd_epi32(acc_odd[t], c, xq);
+                            } else {
+                                acc[t] = _mm512_dpbusd_epi32(acc[t], c, xq);
                             }
                         }
                     }
                 }
-                for ri in 0..R {
-                    let s = _mm512_cvtph_ps(_mm256_loadu_si256(
-                        p.scales[ri].add(gi * LANE_ROWS).cast(),
-                    ));
-                    for t in 0..T {
-                        let cs =
-                            _mm512_mul_ps(s, _mm512_set1_ps(*p.xs.add((p.m0 + t) * p.gp + gi)));
-                        let sum = if split {
-                            _mm512_add_epi32(acc[ri][t], acc_odd[ri][t])
-                        } else {
-                            acc[ri][t]
-                        };
-                        let v = _mm512_cvtepi32_ps(sum);
-                        if R == 1 {
-                            tot_reg[t] = _mm512_fmadd_ps(v, cs, tot_reg[t]);
-                        } else {
-                            let at = tot_at(ri, t);
-                            _mm512_storeu_ps(at, _mm512_fmadd_ps(v, cs, _mm512_loadu_ps(at)));
-                        }
-                    }
+                let s = _mm512_cvtph_ps(_mm256_loadu_si256(p.scales.add(gi * LANE_ROWS).cast()));
+                for t in 0..T {
+                    let cs = _mm512_mul_ps(s, _mm512_set1_ps(*p.xs.add((p.m0 + t) * p.gp + gi)));
+                    let sum = if split {
+                        _mm512_add_epi32(acc[t], acc_odd[t])
+                    } else {
+                        acc[t]
+                    };
+                    tot[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), cs, tot[t]);
                 }
             }
-            if R == 1 {
-                for t in 0..T {
-                    _mm512_storeu_ps(tot_at(0, t), tot_reg[t]);
-                }
+            for t in 0..T {
+                _mm512_storeu_ps(p.tot.add(t * LANE_ROWS), tot[t]);
             }
         }
     }

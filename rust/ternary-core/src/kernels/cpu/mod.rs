@@ -755,19 +755,8 @@ impl<T: Activation> Job<'_, T> {
         if self.kernels.int8_wide {
             self.split(groups, unit_weights, par, &|range| {
                 let mut worker = lanes::Worker::new();
-                let r_max = if m >= lanes::PAIR_MIN_M {
-                    lanes::MAX_R
-                } else {
-                    1
-                };
-                let mut grp = range.start;
-                while grp < range.end {
-                    let r = r_max.min(range.end - grp);
-                    let out = worker.groups(&w, grp, r, xq.q, tokens, m);
-                    for (ri, vals) in out.chunks_exact(m).enumerate() {
-                        store(grp + ri, vals);
-                    }
-                    grp += r;
+                for grp in range {
+                    store(grp, worker.group(&w, grp, xq.q, tokens, m));
                 }
             });
             return;

@@ -907,7 +907,7 @@ fn lanes_int8_matches_the_wide_model_bit_for_bit() {
         }
     }
     // Parallel split over row groups (N·K above PARALLEL_MIN_WEIGHTS), bf16 in and out: one row group
-    // per pass (M = 1, 7) and pairs of them (M ≥ lanes::PAIR_MIN_M), ranges of odd length included.
+    // per pass (M = 1, 7) and two passes (M = 19), ranges of odd length included.
     check_parallel_bf16(Layout::Lanes16, &supported(), &[1, 7, 19]);
 }
 
