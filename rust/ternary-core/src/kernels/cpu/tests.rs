@@ -778,6 +778,24 @@ fn wide_model(c: &Case, m: usize, precision: Precision, bias: bool) -> Vec<f32> 
     y
 }
 
+/// (N, K, g) of the bit-equality tests of the rows-in-lanes kernels: partial 16- and 32-row groups, odd N,
+/// partial chunks, every group size.
+const BIT_EQUALITY_SHAPES: [(usize, usize, usize); 8] = [
+    (1, 96, 32),
+    (5, 1280, 64),
+    (17, 640, 128),
+    (33, 2304, 256),
+    (37, 544, 32),
+    (16, 1024, 128),
+    (3, 768, 256),
+    (21, 192, 64),
+];
+
+/// The token counts tried on shape `si`: every M = 1..9, 16 and 20, a third of the rest.
+fn bit_equality_ms(si: usize) -> impl Iterator<Item = usize> {
+    (1..=20).filter(move |&m| (m + si).is_multiple_of(3) || m <= 9 || m == 16 || m == 20)
+}
+
 /// The rows-in-lanes AVX-512 kernel (forced at every M = 1..20) and the AMX tiles (from
 /// `AMX_MIN_M` tokens; the rows-in-lanes kernel below) equal their one scalar model bit for bit:
 /// partial 16- and 32-row groups, odd N, partial chunks, every group size, both int8 modes, token
@@ -789,21 +807,8 @@ fn wide_int8_matches_its_scalar_model_bit_for_bit() {
         return;
     }
     WIDE_MIN_M_OVERRIDE.with(|o| o.set(Some(1)));
-    let shapes: &[(usize, usize, usize)] = &[
-        (1, 96, 32),
-        (5, 1280, 64),
-        (17, 640, 128),
-        (33, 2304, 256),
-        (37, 544, 32),
-        (16, 1024, 128),
-        (3, 768, 256),
-        (21, 192, 64),
-    ];
-    for (si, &(n, k, g)) in shapes.iter().enumerate() {
-        for m in 1..=20 {
-            if (m + si) % 3 != 0 && m > 9 && m != 16 && m != 20 {
-                continue; // every shape at M = 1..9, 16, 20; a third of the rest
-            }
+    for (si, &(n, k, g)) in BIT_EQUALITY_SHAPES.iter().enumerate() {
+        for m in bit_equality_ms(si) {
             let c = case(m, n, k, g, 100 + (si * 20 + m) as u64);
             let planes = c.prepared();
             for precision in [Precision::Int8Group, Precision::Int8Token] {
@@ -839,21 +844,8 @@ fn wide_int8_matches_its_scalar_model_bit_for_bit() {
 /// with and without bias; in parallel with bf16 in and out; the exact mode within its float64 bound.
 #[test]
 fn lanes_int8_matches_the_wide_model_bit_for_bit() {
-    let shapes: &[(usize, usize, usize)] = &[
-        (1, 96, 32),
-        (5, 1280, 64),
-        (17, 640, 128),
-        (33, 2304, 256),
-        (37, 544, 32),
-        (16, 1024, 128),
-        (3, 768, 256),
-        (21, 192, 64),
-    ];
-    for (si, &(n, k, g)) in shapes.iter().enumerate() {
-        for m in 1..=20 {
-            if (m + si) % 3 != 0 && m > 9 && m != 16 && m != 20 {
-                continue; // every shape at M = 1..9, 16, 20; a third of the rest
-            }
+    for (si, &(n, k, g)) in BIT_EQUALITY_SHAPES.iter().enumerate() {
+        for m in bit_equality_ms(si) {
             let c = case(m, n, k, g, 300 + (si * 20 + m) as u64);
             let planes = c.prepared_in(Layout::Lanes16);
             for precision in [Precision::Int8Group, Precision::Int8Token] {
