@@ -1,5 +1,6 @@
-//! The int8 modes on the rows-in-lanes layout ([`Layout::Lanes16`](super::layout::Layout)): 16 rows per
-//! vector, every M from one token up, the weight read once per call and unpacked once per token tile.
+//! The rows-in-lanes layout's kernels ([`Layout::Lanes16`](super::layout::Layout)): 16 rows per vector,
+//! every M from one token up, the weight read once per call and unpacked once per pass of up to
+//! [`MAX_T`] tokens; [`int8`] for the int8 modes, [`exact`] for the exact ones.
 //!
 //! [`wide`](super::wide) runs the same arithmetic on the 4-row layout, but has to transpose every
 //! 16-row × 512-column chunk into this arrangement first (a 16 × 16 transpose of 32-bit words per
@@ -66,8 +67,54 @@ pub(crate) fn group<'a>(w: &PreparedRef<'a>, grp: usize) -> (&'a [u8], &'a [f16]
     )
 }
 
-/// The plain kernel: `out[t][n]` for the 16 rows of row group `grp` and all `m` tokens (`q`: `m · Kp`
-/// codes), with the SIMD kernel's numerics (see the module docs).
+/// `out[t][n]` (`m` lines) of the int8 modes for the 16 rows of row group `grp` of the checked weight
+/// `w` and all `m` tokens (`q`: `m · Kp` codes): the AVX-512 VNNI kernel where `simd` (the caller
+/// checked the CPU: `Kernels::int8_wide`), else [`reference`] — the same numbers, bit for bit.
+pub(crate) fn int8(
+    w: &PreparedRef<'_>,
+    grp: usize,
+    q: &[i8],
+    tokens: &Tokens,
+    m: usize,
+    simd: bool,
+    out: &mut Vec<[f32; LANE_ROWS]>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        return simd::int8(w, grp, q, tokens, m, out);
+    }
+    let _ = simd;
+    reference(w, grp, q, tokens, m, out);
+}
+
+/// `out[t][n]` of the exact modes for row group `grp` and all `m` tokens (`x`: `m` rows of `Kp` f32, zero
+/// padded): the AVX-512 kernel where `simd` (AVX-512F / F16C, as `Kernels::int8_wide` implies), else
+/// [`reference_exact`] — the same numbers, bit for bit.
+pub(crate) fn exact(
+    w: &PreparedRef<'_>,
+    grp: usize,
+    x: &[f32],
+    m: usize,
+    simd: bool,
+    out: &mut Vec<[f32; LANE_ROWS]>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        return simd::exact(w, grp, x, m, out);
+    }
+    let _ = simd;
+    reference_exact(w, grp, x, m, out);
+}
+
+/// Token passes of a call of `m` tokens: `(first token, tokens)`, at most [`MAX_T`] each, as even as
+/// possible (9 tokens: 5 + 4, not 8 + 1).
+fn passes(m: usize) -> impl Iterator<Item = (usize, usize)> {
+    let per = m.div_ceil(m.div_ceil(MAX_T).max(1)).max(1);
+    (0..m).step_by(per).map(move |m0| (m0, per.min(m - m0)))
+}
+
+/// The plain int8 kernel: `out[t][n]` for the 16 rows of row group `grp` and all `m` tokens (`q`:
+/// `m · Kp` codes), with the SIMD kernel's numerics (see the module docs).
 pub(crate) fn reference(
     w: &PreparedRef<'_>,
     grp: usize,
@@ -117,8 +164,8 @@ pub(crate) fn reference_exact(
             for gi in 0..gp {
                 let mut sum = 0f32;
                 for k in gi * g..(gi + 1) * g {
-                    let t = lanes_code(codes, n, k) as f32 - 1.0;
-                    sum = t.mul_add(xt[k], sum);
+                    let trit = lanes_code(codes, n, k) as f32 - 1.0;
+                    sum = trit.mul_add(xt[k], sum);
                 }
                 total = sum.mul_add(scales[gi * LANE_ROWS + n].to_f32(), total);
             }
@@ -127,9 +174,6 @@ pub(crate) fn reference_exact(
         out.push(v);
     }
 }
-
-#[cfg(target_arch = "x86_64")]
-pub(crate) use simd::{exact, Worker};
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
@@ -143,71 +187,41 @@ mod simd {
     /// Software prefetch distance in each row group's stream of lines.
     const STREAM_AHEAD: usize = 4096;
 
-    /// One cache line of f32 totals (16 rows).
-    #[derive(Clone, Copy)]
-    #[repr(C, align(64))]
-    struct Line([f32; 16]);
-
-    /// One task's scratch: the row group's f32 totals per token.
-    pub(crate) struct Worker {
-        /// `[m][16 rows]` f32 totals.
-        tot: Vec<Line>,
-    }
-
-    impl Worker {
-        pub fn new() -> Worker {
-            Worker { tot: Vec::new() }
-        }
-
-        /// `out[t][n]` for row group `grp` of the rows-in-lanes weight `w` and all `m` tokens (`q`:
-        /// `m · Kp` codes): [`reference`]'s numbers, bit for bit (rows past `w.rows` are garbage). `w`
-        /// must be checked ([`PreparedRef::check`]) and the CPU must have AVX-512 VNNI
-        /// (`Kernels::int8_wide`).
-        pub fn group(
-            &mut self,
-            w: &PreparedRef<'_>,
-            grp: usize,
-            q: &[i8],
-            tokens: &Tokens,
-            m: usize,
-        ) -> &[[f32; 16]] {
-            let (kp, gp) = (padded_cols(w.cols), padded_groups(w.cols, w.group_size));
-            assert_eq!(w.layout, Layout::Lanes16);
-            assert!(
-                tokens.gp == gp && tokens.xs.len() >= m * gp && tokens.neg_qsum.len() >= m * gp
-            );
-            assert!(q.len() >= m * kp && m > 0 && grp < Layout::Lanes16.units(w.rows));
-            self.tot.clear();
-            self.tot.resize(m, Line([0.0; 16]));
-            let (codes, scales) = group(w, grp);
-            let passes = m.div_ceil(MAX_T);
-            let per = m.div_ceil(passes);
-            for m0 in (0..m).step_by(per) {
-                let t = per.min(m - m0);
-                let args = Tile {
-                    codes: codes.as_ptr(),
-                    scales: scales.as_ptr(),
-                    g: w.group_size,
-                    gp,
-                    kp,
-                    q: q.as_ptr(),
-                    neg_qsum: tokens.neg_qsum.as_ptr(),
-                    xs: tokens.xs.as_ptr(),
-                    m0,
-                    tot: self.tot[m0..].as_mut_ptr().cast(),
-                };
-                // SAFETY: the caller promised AVX-512 VNNI; every pointer covers what `Tile` says
-                // (asserted sizes: the row group's 4·Kp code bytes and Gp·16 scales, tokens m0 .. m0 + t
-                // ≤ m of Kp codes and Gp sums / scales, t total lines from m0).
-                unsafe { TILE_FNS[t - 1](&args) };
-            }
-            bytemuck::cast_slice(&self.tot[..m])
+    /// [`super::int8`] on AVX-512 VNNI (the caller checked the CPU).
+    pub(super) fn int8(
+        w: &PreparedRef<'_>,
+        grp: usize,
+        q: &[i8],
+        tokens: &Tokens,
+        m: usize,
+        out: &mut Vec<[f32; LANE_ROWS]>,
+    ) {
+        let (kp, gp) = (padded_cols(w.cols), padded_groups(w.cols, w.group_size));
+        assert_eq!(w.layout, Layout::Lanes16);
+        assert!(tokens.gp == gp && tokens.xs.len() >= m * gp && tokens.neg_qsum.len() >= m * gp);
+        assert!(q.len() >= m * kp && grp < Layout::Lanes16.units(w.rows));
+        let (codes, scales) = group(w, grp);
+        out.clear();
+        out.resize(m, [0.0; LANE_ROWS]);
+        for (m0, t) in passes(m) {
+            let args = Tile {
+                codes: codes.as_ptr(),
+                scales: scales.as_ptr(),
+                g: w.group_size,
+                gp,
+                kp,
+                q: q.as_ptr(),
+                neg_qsum: tokens.neg_qsum.as_ptr(),
+                xs: tokens.xs.as_ptr(),
+                m0,
+                tot: out[m0..].as_mut_ptr().cast(),
+            };
+            // SAFETY: the caller checked AVX-512 VNNI; every pointer covers what `Tile` says (asserted
+            // sizes: the row group's 4·Kp code bytes and Gp·16 scales, tokens m0 .. m0 + t ≤ m of Kp
+            // codes and Gp sums / scales, t output lines from m0).
+            unsafe { TILE_FNS[t - 1](&args) };
         }
     }
-
-    // SAFETY: plain f32s, no padding (64 bytes, align 64).
-    unsafe impl bytemuck::Zeroable for Line {}
-    unsafe impl bytemuck::Pod for Line {}
 
     /// One pass of `T` tokens (`m0 ..`) over a row group.
     struct Tile {
@@ -296,12 +310,10 @@ mod simd {
         }
     }
 
-    /// The exact modes on row group `grp` for all `m` tokens (`x`: `m` rows of `Kp` f32, zero padded),
-    /// into `out` (`m` lines): [`reference_exact`]'s numbers, bit for bit. Per line and sub-step, byte `b`
-    /// of every lane is the code of one weight of each of the 16 rows: a shift, an AND and a `vpermps`
-    /// from the table `[−1, 0, 1]` give the 16 rows' trits as f32, then one FMA per token with its
-    /// broadcast activation. The CPU must have AVX-512F / F16C (`Kernels::int8_wide`).
-    pub(crate) fn exact(
+    /// [`super::exact`] on AVX-512: per line and sub-step, byte `b` of every lane is the code of one
+    /// weight of each of the 16 rows: a shift, an AND and a `vpermps` from the table `[−1, 0, 1]` give
+    /// the 16 rows' trits as f32, then one FMA per token with its broadcast activation.
+    pub(super) fn exact(
         w: &PreparedRef<'_>,
         grp: usize,
         x: &[f32],
@@ -315,9 +327,7 @@ mod simd {
         let (codes, scales) = group(w, grp);
         out.clear();
         out.resize(m, [0.0; LANE_ROWS]);
-        let mut m0 = 0;
-        while m0 < m {
-            let t = MAX_T.min(m - m0);
+        for (m0, t) in passes(m) {
             let args = ExactTile {
                 codes: codes.as_ptr(),
                 scales: scales.as_ptr(),
@@ -327,10 +337,9 @@ mod simd {
                 gp,
                 out: out[m0..].as_mut_ptr().cast(),
             };
-            // SAFETY: the caller promised AVX-512F / F16C; the row group's 4·Kp code bytes and Gp·16
+            // SAFETY: the caller checked AVX-512F / F16C; the row group's 4·Kp code bytes and Gp·16
             // scales, t ≤ MAX_T token rows of Kp f32 from m0 and t output lines (asserted above).
             unsafe { EXACT_FNS[t - 1](&args) };
-            m0 += t;
         }
     }
 

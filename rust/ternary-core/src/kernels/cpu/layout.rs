@@ -175,14 +175,12 @@ pub fn padded_groups(cols: usize, group_size: usize) -> usize {
 
 /// Bytes of a prepared `[rows, cols]` weight (checked: `None` on overflow).
 pub fn prepared_bytes(rows: usize, cols: usize) -> Option<usize> {
-    row_blocks(rows).checked_mul(block_bytes(cols))
+    Layout::Rows4.prepared_bytes(rows, cols)
 }
 
 /// fp16 values of the prepared scales of a `[rows, cols]` weight at `group_size` (checked).
 pub fn prepared_scales(rows: usize, cols: usize, group_size: usize) -> Option<usize> {
-    row_blocks(rows)
-        .checked_mul(padded_groups(cols, group_size))?
-        .checked_mul(ROWS)
+    Layout::Rows4.prepared_scales(rows, cols, group_size)
 }
 
 /// Position of weight `(r, k)` of a row block: (byte offset in the block, bit shift).

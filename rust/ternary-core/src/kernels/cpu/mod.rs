@@ -712,14 +712,21 @@ impl<T: Activation> Job<'_, T> {
         let gp = layout::padded_groups(w.cols, w.group_size);
         let groups = Layout::Lanes16.units(w.rows);
         let unit_weights = layout::LANE_ROWS * kp;
-        // Row group `grp`'s sums for every token, stored (+ bias) to y.
-        let store = |grp: usize, vals: &[[f32; layout::LANE_ROWS]]| {
-            let n0 = grp * layout::LANE_ROWS;
-            let rows = layout::LANE_ROWS.min(w.rows - n0);
-            for (t, v) in vals.iter().enumerate() {
-                let mut v = *v;
-                self.store_row(t, n0, &mut v[..rows]);
-            }
+        // The AVX-512 lanes kernels where the variant is an AVX-512 one, else the plain references.
+        let simd = self.kernels.int8_wide;
+        // `sums(grp, out)` for every row group (split over `par`), each stored (+ bias) to y.
+        let row_groups = |sums: &(dyn Fn(usize, &mut Vec<[f32; layout::LANE_ROWS]>) + Sync)| {
+            self.split(groups, unit_weights, par, &|range| {
+                let mut out = Vec::new();
+                for grp in range {
+                    sums(grp, &mut out);
+                    let n0 = grp * layout::LANE_ROWS;
+                    let rows = layout::LANE_ROWS.min(w.rows - n0);
+                    for (t, v) in out.iter_mut().enumerate() {
+                        self.store_row(t, n0, &mut v[..rows]);
+                    }
+                }
+            })
         };
         if !precision.is_int8() {
             let xf = resize(&mut s.xf, m * kp);
@@ -727,47 +734,14 @@ impl<T: Activation> Job<'_, T> {
                 T::to_f32_slice(src, &mut dst[..w.cols]);
             }
             let xf = &*xf;
-            #[cfg(target_arch = "x86_64")]
-            let simd = self.kernels.int8_wide;
-            #[cfg(not(target_arch = "x86_64"))]
-            let simd = false;
-            self.split(groups, unit_weights, par, &|range| {
-                let mut out = Vec::new();
-                for grp in range {
-                    #[cfg(target_arch = "x86_64")]
-                    if simd {
-                        lanes::exact(&w, grp, xf, m, &mut out);
-                        store(grp, &out);
-                        continue;
-                    }
-                    let _ = simd;
-                    lanes::reference_exact(&w, grp, xf, m, &mut out);
-                    store(grp, &out);
-                }
-            });
+            row_groups(&|grp, out| lanes::exact(&w, grp, xf, m, simd, out));
             return;
         }
         let xq = quantize_rows(self.kernels, w, x, m, precision == Precision::Int8Token, s)
             .of(&s.q, &s.xs4, &s.qsum4);
         s.tokens.fill(xq.xs4, xq.qsum4, m, gp);
         let tokens = &s.tokens;
-        #[cfg(target_arch = "x86_64")]
-        if self.kernels.int8_wide {
-            self.split(groups, unit_weights, par, &|range| {
-                let mut worker = lanes::Worker::new();
-                for grp in range {
-                    store(grp, worker.group(&w, grp, xq.q, tokens, m));
-                }
-            });
-            return;
-        }
-        self.split(groups, unit_weights, par, &|range| {
-            let mut out = Vec::new();
-            for grp in range {
-                lanes::reference(&w, grp, xq.q, tokens, m, &mut out);
-                store(grp, &out);
-            }
-        });
+        row_groups(&|grp, out| lanes::int8(&w, grp, xq.q, tokens, m, simd, out));
     }
 
     /// Whether [`Job::run_quantized`] takes the per-row int8 kernel (not AMX tiles or the wide one).
