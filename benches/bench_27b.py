@@ -208,12 +208,46 @@ def _status() -> dict[str, int]:
     return out
 
 
+# How much of the model's own weight bytes the bandwidth probe reads (the largest code tensors first): more
+# than any L3 this runs on (480 MiB on the AMX machines), so it reads DRAM as a decode step does.
+PROBE_BYTES = 1 << 30
+
+
+def weight_read_bandwidth(model) -> float:
+    """GB/s of a reduction (a wrapping sum of 64-bit words: as fast as ``torch.sum`` of f32, whose NaN and
+    subnormal bit patterns random codes would hit) over the largest ternary code tensors of the served
+    model, ``PROBE_BYTES`` of them: the pages a decode step streams, read by torch's threads as vLLM set
+    them. Taken right before and after each timed run (this VM's bandwidth drifts by tens of per cent
+    within minutes, so a figure taken before loading does not describe a run minutes later), with no
+    memory of its own (a 1 GiB buffer would raise the peak RSS this bench also reports)."""
+    import torch
+
+    codes = {}
+    for module in model.modules():
+        for name in ("qweight_k", "qweight"):
+            t = getattr(module, name, None)
+            if isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.is_contiguous() and t.numel() % 8 == 0:
+                codes[t.data_ptr()] = t
+    chosen, total = [], 0
+    for t in sorted(codes.values(), key=lambda t: -t.numel()):
+        if total >= PROBE_BYTES:
+            break
+        chosen.append(t.view(torch.int64))
+        total += t.numel()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for t in chosen:
+            t.sum()
+        best = min(best, time.perf_counter() - t0)
+    return total / best / 1e9
+
+
 def serve(model: Path, tokens: int, batches: list[int], max_model_len: int, compile_: bool, profile: int = 0,
           prefix_caching: bool = True) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: its peak RSS is the total
-    ncpu = os.cpu_count() or 1
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}" if ncpu > 1 else "0")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    # Reserved CPUs, thread binding and KV space are left to the plugin (vLLM defaults, as LLM(model) gives
+    # them); its settings line is printed with the results.
     import torch  # noqa: F401  (imported before the baseline, as vLLM will)
     import vllm.model_executor.models.qwen3_5  # noqa: F401
     from vllm import LLM, SamplingParams
@@ -240,13 +274,16 @@ def serve(model: Path, tokens: int, batches: list[int], max_model_len: int, comp
         ttft = time.perf_counter() - t0
         sp = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True, detokenize=False)
         prompts = fresh(1000 * batch + 500)
+        bandwidth_before = llm.apply_model(weight_read_bandwidth)[0]
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         total = time.perf_counter() - t0
+        bandwidth_after = llm.apply_model(weight_read_bandwidth)[0]
         generated = sum(len(o.outputs[0].token_ids) for o in outs)
         # The timed run does its own prefill of prompts as long as the first run's: subtract that run's time.
         runs.append({"batch": batch, "ttft_s": ttft, "generated": generated,
-                     "decode_tok_per_s": (generated - batch) / max(total - ttft, 1e-9)})
+                     "decode_tok_per_s": (generated - batch) / max(total - ttft, 1e-9),
+                     "bandwidth": [bandwidth_before, bandwidth_after]})
     served = _status()
     if profile:
         _profile(llm, prompts, profile)
@@ -441,14 +478,19 @@ def run_one(args, model: Path, batches: list[int], size: int, per_token: int, ba
     print(f"peak RSS {gib(peak)} vs goal 1.3 x checkpoint + KV cache = {gib(goal)} "
           f"(ratio {peak / goal:.2f}; KV cache space {gib(r['kv_cache_bytes'])})")
     print(f"load {r['load_s']:.0f} s; {args.tokens} decode tokens per request")
+    # "of streaming": against the start-up figure (torch.sum over 1 GiB, before loading) and against the
+    # model's own weight pages read just before and after that batch size's timed run (their mean).
     print(f"{'batch':>5} {'first token s':>13} {'decode tok/s':>12} {'x batch 1':>9} {'weights GB/s':>12} "
-          f"{'of streaming':>12}")
+          f"{'of streaming':>12} {'weight pages GB/s before/after':>30} {'of those':>8}")
     one = next((x["decode_tok_per_s"] for x in r["runs"] if x["batch"] == 1), None)
     for x in r["runs"]:
         rate = x["decode_tok_per_s"]
         steps = rate / x["batch"]  # decode steps per second: each reads the weights once
+        read = steps * per_token / 1e9
+        before, after = x["bandwidth"]
         print(f"{x['batch']:>5} {x['ttft_s']:>13.2f} {rate:>12.2f} {(rate / one if one else float('nan')):>9.2f} "
-              f"{steps * per_token / 1e9:>12.2f} {steps * per_token / 1e9 / bandwidth:>12.0%}")
+              f"{read:>12.2f} {read / bandwidth:>12.0%} {f'{before:.1f} / {after:.1f}':>30} "
+              f"{read / ((before + after) / 2):>8.0%}")
     return one
 
 
