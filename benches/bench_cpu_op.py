@@ -5,7 +5,9 @@ op runs on torch's intra-op pool, like ``F.linear``):
 
 * **streaming read bandwidth** of this machine (``torch.sum`` over 1 GiB of f32) on 2 MiB pages, where the
   prepared weights live (``ternary_rs.serving.hugepages``): the physical limit a decode GEMV at M = 1 is
-  bounded by, and the ``%bw`` base; also printed on torch's 4 KiB pages (TLB misses every 4 KiB: lower);
+  bounded by; also printed on torch's 4 KiB pages (TLB misses every 4 KiB: lower). The ``%bw`` base is
+  that sum timed again in the same rounds as each row's calls (column ``bw``): a VM's bandwidth can drift
+  by tens of per cent between the start of a run and its last shape;
 * per shape (in_features × out_features; the 27B decode shapes by default) and M: G weights/s,
   G weight-tokens/s and GB/s of the packed weight (codes + scales: the bytes the kernel streams), the
   fraction of the streaming bandwidth, and the ratio to torch bf16 ``F.linear`` of the same shape, for
@@ -200,6 +202,9 @@ def main() -> None:
         print(f"streaming read bandwidth, {t} thread(s): {bw:.1f} GB/s on huge pages "
               f"(THP {hugepages.thp_mode()}; the %bw base), {small_pages[t]:.1f} GB/s on torch's own pages")
     results = {"bandwidth_GBps": bandwidth, "bandwidth_small_pages_GBps": small_pages, "overhead": {}, "rows": []}
+    # The %bw base, timed in the same rounds as every row's calls (the figures above are the start's).
+    stream = hugepages.empty((1 << 28,), torch.float32)
+    stream.fill_(1.0)
     for t in threads:
         results["overhead"][t] = o = overhead(t)
         print(f"per-call at 1x1024->1024, {t} thread(s): native op {o['native_us']:.2f} us, kernel called "
@@ -210,7 +215,7 @@ def main() -> None:
               f"{o['torch_ops_add_us']:.2f} us (goal: overhead <= 5 us)")
 
     hdr = (f"{'K x N':>14} {'M':>4} {'thr':>3} {'mode':>16} {'ms':>9} {'Gw/s':>7} {'Gwt/s':>7} {'GB/s':>6} "
-           f"{'%bw':>5} {'bf16 ms':>9} {'x bf16':>7} {'x min':>6} {'xM1':>6} {'xM1min':>6}")
+           f"{'bw':>5} {'%bw':>5} {'bf16 ms':>9} {'x bf16':>7} {'x min':>6} {'xM1':>6} {'xM1min':>6}")
     print(hdr)
     for k, n in shapes:
         q, s = random_canonical(n, k, GROUP)
@@ -261,7 +266,9 @@ def main() -> None:
                         fns[f"m1/{lay}"] = (lambda i, lay=lay: torch.ops.ternary_rs.ternary_linear(
                             x1, copies_of[lay][0][i], copies_of[lay][1][i], n, k, GROUP, None, ops.AUTO),
                             len(copies_of[lay][0]), None)
+                fns["stream"] = (lambda i: stream.sum(), 1, None)
                 got = timed_together(fns, args.budget * len(fns))
+                bw_here = stream.numel() * 4 / got.pop("stream")[0] / 1e9
                 if hot_variants:
                     got.update(timed_together(entries(hot_variants), args.budget * len(hot_variants)))
                 variants += hot_variants
@@ -273,7 +280,9 @@ def main() -> None:
                     packed = copies_of[lay][0][0].numel() + 2 * copies_of[lay][1][0].numel()
                     row = {"k": k, "n": n, "m": m, "threads": th, "mode": mode, "layout": lay, "seconds": t,
                            "G_weights_per_s": n * k / t / 1e9, "G_weight_tokens_per_s": m * n * k / t / 1e9,
-                           "packed_GBps": packed / t / 1e9, "fraction_of_bandwidth": packed / t / 1e9 / bandwidth[th],
+                           "packed_GBps": packed / t / 1e9, "bandwidth_GBps": bw_here,
+                           "fraction_of_bandwidth": packed / t / 1e9 / bw_here,
+                           "fraction_of_start_bandwidth": packed / t / 1e9 / bandwidth[th],
                            "bf16_seconds": t_bf16, "speedup_vs_bf16": (t_bf16 / t) if t_bf16 else None,
                            "min_seconds": t_min, "bf16_min_seconds": t_bf16_min,
                            "speedup_vs_bf16_min": (t_bf16_min / t_min) if t_bf16 else None,
@@ -285,7 +294,7 @@ def main() -> None:
                     bf = (f"{t_bf16 * 1e3:9.3f} {t_bf16 / t:7.2f} {t_bf16_min / t_min:6.2f}" if t_bf16
                           else f"{'-':>9} {'-':>7} {'-':>6}")
                     print(f"{k:>6} x {n:<6} {m:>4} {th:>3} {mode:>16} {t * 1e3:9.3f} {row['G_weights_per_s']:7.1f} "
-                          f"{row['G_weight_tokens_per_s']:7.1f} {row['packed_GBps']:6.2f} "
+                          f"{row['G_weight_tokens_per_s']:7.1f} {row['packed_GBps']:6.2f} {bw_here:5.1f} "
                           f"{100 * row['fraction_of_bandwidth']:5.1f} {bf} {m1}", flush=True)
         tq = dense = copies_of = None  # free this shape's copies before the next
     if args.json:
