@@ -19,8 +19,10 @@
    with the split into anonymous and file-backed pages at those points; the KV cache space configured and
    vLLM's own maximum concurrency; the ratio to the goal ``1.3 × checkpoint + KV cache``; per batch size the
    time to first token, decode tokens/s (``--tokens`` new tokens, excluding the first), the ratio to batch 1,
-   and the weight bytes read per second as a fraction of the streaming bandwidth measured in the same run
-   (``torch.sum``, as ``bench_cpu_op.py``). ``--rotation both`` then serves the same weights without the
+   and the weight bytes read per second as a fraction of the streaming bandwidth measured at the start
+   (``torch.sum``, as ``bench_cpu_op.py``) and of the bandwidth of the model's own weight pages read right
+   before and after that batch size's timed run (``weight_read_bandwidth``: this VM's bandwidth drifts
+   between ~45 and ~80 GB/s within minutes, so only the bracketing figure describes the run). ``--rotation both`` then serves the same weights without the
    rotation (the shards linked, the config without it).
 3. ``--llama-cpp`` (needs ``LLAMA_CPP_BIN``, ``scripts/build_llama_cpp.sh``): the unrotated weights as a TQ2_0
    GGUF written by ``ternary-rs convert --gguf-type TQ2_0 --requantize`` (TQ2_0 has one scale per 256
