@@ -246,8 +246,19 @@ mod simd {
     }
 
     const TILE_FNS: [unsafe fn(&Tile); MAX_T] = [
-        tile::<1>, tile::<2>, tile::<3>, tile::<4>, tile::<5>, tile::<6>, tile::<7>, tile::<8>,
+        tile_in_place::<1>,
+        tile_in_place::<2>,
+        tile::<3>,
+        tile::<4>,
+        tile::<5>,
+        tile::<6>,
+        tile::<7>,
+        tile::<8>,
     ];
+    const _: () = assert!(
+        IN_PLACE_MAX_T == 2,
+        "TILE_FNS picks the in-place tile for 1 and 2 tokens"
+    );
 
     /// Byte codes of sub-step `i` of a line: `(line >> 2i) & 3` (a 16-bit shift moves bits across
     /// the byte boundary; the AND drops them again).
@@ -261,83 +272,113 @@ mod simd {
         }
     }
 
-    /// Tokens up to which a pass takes the codes in place ([`tile`]).
+    /// Passes of up to this many tokens take the codes in place ([`tile_in_place`]), longer ones shifted
+    /// ([`tile`]).
     const IN_PLACE_MAX_T: usize = 2;
 
+    /// A pass of 3 or more tokens: per line and sub-step `i` the codes shifted down (`unpack`), shared by
+    /// every token; the odd sub-steps go to a second set of sums (added in the integers at the epilogue):
+    /// twice the independent `vpdpbusd` chains. Zen 5, 27B shapes, one thread: M = 4 12-14 %, M = 8 3-4 %,
+    /// M = 16 2-3 % faster than one chain per token (~85 % of the `vpdpbusd` issue rate at 8-16).
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")]
     unsafe fn tile<const T: usize>(p: &Tile) {
-        // Two ways through a line, both exact integer sums (the same totals):
-        //
-        // * up to `IN_PLACE_MAX_T` tokens, sub-step `i` takes its codes in place — `line & (3 << 2i)`, each
-        //   code times 4^i — into a chain of its own per line of a pair (8 per token), and the group's
-        //   epilogue shifts chain `i` right by `2i` (exact: every term is a multiple of 4^i). No shift per
-        //   line, and chains enough that `vpdpbusd`'s latency (~3-4 cycles) is hidden: with one token the
-        //   shifts and two chains held the kernel to ~45-52 GB/s per core from cache, below what two cores
-        //   must decode when DRAM gives 80 GB/s and the rest of the step runs beside it;
-        // * from three tokens the shift is shared by every token, their chains fill the pipeline, and
-        //   registers are short: shifted codes, two chains per token (M = 4 12-14 %, M = 8 3-4 %, M = 16
-        //   2-3 % faster than one chain; Zen 5, 27B shapes, one thread).
-        //
         // SAFETY (whole body): the caller's pointers cover the row group (4·Kp code bytes, Gp·16
         // scales), tokens m0 .. m0 + T of q (Kp each), their groups (Gp each) and T total lines; line
         // reads stay below Kp / 16 lines; prefetches never fault.
         unsafe {
-            let in_place = T <= IN_PLACE_MAX_T;
+            let x: [*const i8; T] = std::array::from_fn(|t| p.q.add((p.m0 + t) * p.kp));
+            let mask = _mm512_set1_epi8(3);
+            let mut tot: [__m512; T] = std::array::from_fn(|_| _mm512_setzero_ps());
+            let lines = p.g / LINE_K;
+            for gi in 0..p.gp {
+                let mut acc: [__m512i; T] = std::array::from_fn(|t| {
+                    _mm512_set1_epi32(*p.neg_qsum.add((p.m0 + t) * p.gp + gi))
+                });
+                let mut acc_odd = [_mm512_setzero_si512(); T];
+                for j in gi * lines..(gi + 1) * lines {
+                    let at = p.codes.add(j * LINE_BYTES);
+                    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(STREAM_AHEAD).cast());
+                    let wv = _mm512_loadu_si512(at.cast());
+                    for i in 0..4 {
+                        let c = unpack(wv, i, mask);
+                        for t in 0..T {
+                            // The token's 4 codes of columns 16·j + 4·i .. + 4 (the broadcast folds into
+                            // `vpdpbusd`'s memory operand).
+                            let xq = _mm512_set1_epi32(
+                                x[t].add(LINE_K * j + 4 * i).cast::<i32>().read_unaligned(),
+                            );
+                            if i % 2 == 1 {
+                                acc_odd[t] = _mm512_dpbusd_epi32(acc_odd[t], c, xq);
+                            } else {
+                                acc[t] = _mm512_dpbusd_epi32(acc[t], c, xq);
+                            }
+                        }
+                    }
+                }
+                let s = _mm512_cvtph_ps(_mm256_loadu_si256(p.scales.add(gi * LANE_ROWS).cast()));
+                for t in 0..T {
+                    let cs = _mm512_mul_ps(s, _mm512_set1_ps(*p.xs.add((p.m0 + t) * p.gp + gi)));
+                    let sum = _mm512_add_epi32(acc[t], acc_odd[t]);
+                    tot[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), cs, tot[t]);
+                }
+            }
+            for t in 0..T {
+                _mm512_storeu_ps(p.tot.add(t * LANE_ROWS), tot[t]);
+            }
+        }
+    }
+
+    /// A pass of 1 or 2 tokens, where [`tile`]'s per-line shifts and two chains per token (each `vpdpbusd`
+    /// waiting ~3-4 cycles for the previous one) held one token to ~225 G weights/s per core from L3:
+    /// sub-step `i` takes its codes in place — `line & (3 << 2i)`, each code times 4^i — into a chain of its
+    /// own per line of a pair (8 per token), and the weight group's epilogue shifts chain `i` right by
+    /// `2i` (exact: every term is a multiple of 4^i, so the totals are [`tile`]'s bit for bit). No shift
+    /// per line and the latency hidden: ~255 G weights/s.
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")]
+    unsafe fn tile_in_place<const T: usize>(p: &Tile) {
+        // SAFETY (whole body): as `tile`'s; line pairs stay inside the group (an even number of lines).
+        unsafe {
             let x: [*const i8; T] = std::array::from_fn(|t| p.q.add((p.m0 + t) * p.kp));
             let masks: [__m512i; 4] =
                 std::array::from_fn(|i| _mm512_set1_epi8((3u8 << (2 * i)) as i8));
             let mut tot: [__m512; T] = std::array::from_fn(|_| _mm512_setzero_ps());
             let lines = p.g / LINE_K;
-            // Line `j` as the `h`-th of a pair (`h` constant after unrolling, so every chain index is).
-            let line = |acc: &mut [[__m512i; 8]; T], j: usize, h: usize| {
-                let at = p.codes.add(j * LINE_BYTES);
-                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(STREAM_AHEAD).cast());
-                let wv = _mm512_loadu_si512(at.cast());
-                for i in 0..4 {
-                    let (c, k) = if in_place {
-                        (_mm512_and_si512(wv, masks[i]), 4 * h + i)
-                    } else {
-                        (unpack(wv, i, masks[0]), i % 2)
-                    };
-                    for t in 0..T {
-                        // The token's 4 codes of columns 16·j + 4·i .. + 4 (the broadcast folds into
-                        // `vpdpbusd`'s memory operand).
-                        let xq = _mm512_set1_epi32(
-                            x[t].add(LINE_K * j + 4 * i).cast::<i32>().read_unaligned(),
-                        );
-                        acc[t][k] = _mm512_dpbusd_epi32(acc[t][k], c, xq);
-                    }
-                }
-            };
             for gi in 0..p.gp {
-                // Chain 0 starts from −Σq (the codes are t + 1), the others from 0 (unused ones stay zero
-                // and fold away).
+                // acc[t][4·h + i]: chain 0 starts from −Σq (the codes are t + 1), the others from 0.
                 let mut acc: [[__m512i; 8]; T] = std::array::from_fn(|t| {
                     let mut a = [_mm512_setzero_si512(); 8];
                     a[0] = _mm512_set1_epi32(*p.neg_qsum.add((p.m0 + t) * p.gp + gi));
                     a
                 });
-                for j in (gi * lines..(gi + 1) * lines).step_by(2) {
-                    line(&mut acc, j, 0);
-                    line(&mut acc, j + 1, 1);
+                for j0 in (gi * lines..(gi + 1) * lines).step_by(2) {
+                    for h in 0..2 {
+                        let j = j0 + h;
+                        let at = p.codes.add(j * LINE_BYTES);
+                        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(STREAM_AHEAD).cast());
+                        let wv = _mm512_loadu_si512(at.cast());
+                        for i in 0..4 {
+                            let c = _mm512_and_si512(wv, masks[i]);
+                            for t in 0..T {
+                                let xq = _mm512_set1_epi32(
+                                    x[t].add(LINE_K * j + 4 * i).cast::<i32>().read_unaligned(),
+                                );
+                                acc[t][4 * h + i] = _mm512_dpbusd_epi32(acc[t][4 * h + i], c, xq);
+                            }
+                        }
+                    }
                 }
                 let s = _mm512_cvtph_ps(_mm256_loadu_si256(p.scales.add(gi * LANE_ROWS).cast()));
                 for t in 0..T {
                     let cs = _mm512_mul_ps(s, _mm512_set1_ps(*p.xs.add((p.m0 + t) * p.gp + gi)));
                     let a = &acc[t];
-                    let sum = if in_place {
-                        let step = |i: usize| _mm512_add_epi32(a[i], a[4 + i]);
-                        let (s1, s2, s3) = (step(1), step(2), step(3));
+                    let step = |i: usize| _mm512_add_epi32(a[i], a[4 + i]);
+                    let sum = _mm512_add_epi32(
+                        _mm512_add_epi32(step(0), _mm512_srai_epi32::<2>(step(1))),
                         _mm512_add_epi32(
-                            _mm512_add_epi32(step(0), _mm512_srai_epi32::<2>(s1)),
-                            _mm512_add_epi32(
-                                _mm512_srai_epi32::<4>(s2),
-                                _mm512_srai_epi32::<6>(s3),
-                            ),
-                        )
-                    } else {
-                        _mm512_add_epi32(a[0], a[1])
-                    };
+                            _mm512_srai_epi32::<4>(step(2)),
+                            _mm512_srai_epi32::<6>(step(3)),
+                        ),
+                    );
                     tot[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), cs, tot[t]);
                 }
             }
