@@ -434,10 +434,14 @@ def main() -> None:
         if args.llama_cpp:
             unrotated = variants["unrotated"][0]
             gguf_path = llama_cpp_gguf(unrotated, root / (unrotated.name + "-TQ2_0.gguf"))
+            # Bracketed like our runs: which of this VM's bandwidth states llama.cpp ran in.
+            before = stream_bandwidth(threads)
             theirs = llama_bench(gguf_path, args.tokens, threads)
+            after = stream_bandwidth(threads)
             print(f"== upstream llama.cpp, {gguf_path.name}, {threads} threads, batch 1: {theirs:.2f} tok/s "
-                  f"(weights {theirs * per_token / 1e9:.2f} GB/s, {theirs * per_token / 1e9 / bandwidth:.0%} of "
-                  f"streaming, counting our bytes per step)")
+                  f"(weights {theirs * per_token / 1e9:.2f} GB/s, counting our bytes per step: "
+                  f"{theirs * per_token / 1e9 / ((before + after) / 2):.0%} of the streaming bandwidth read right "
+                  f"before / after it, {before:.1f} / {after:.1f} GB/s)")
             for name, ours in batch1.items():
                 if ours:
                     print(f"   {name} batch 1: {ours:.2f} tok/s = {ours / theirs:.2f}x llama.cpp (goal 1.8x)")
