@@ -315,16 +315,10 @@ mod simd {
                         }
                     }
                 }
-                let s = _mm512_cvtph_ps(_mm256_loadu_si256(p.scales.add(gi * LANE_ROWS).cast()));
-                for t in 0..T {
-                    let cs = _mm512_mul_ps(s, _mm512_set1_ps(*p.xs.add((p.m0 + t) * p.gp + gi)));
-                    let sum = _mm512_add_epi32(acc[t], acc_odd[t]);
-                    tot[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), cs, tot[t]);
-                }
+                let sums = std::array::from_fn(|t| _mm512_add_epi32(acc[t], acc_odd[t]));
+                finish_group(p, gi, &sums, &mut tot);
             }
-            for t in 0..T {
-                _mm512_storeu_ps(p.tot.add(t * LANE_ROWS), tot[t]);
-            }
+            store_totals(p, &tot);
         }
     }
 
@@ -367,21 +361,49 @@ mod simd {
                         }
                     }
                 }
-                let s = _mm512_cvtph_ps(_mm256_loadu_si256(p.scales.add(gi * LANE_ROWS).cast()));
-                for t in 0..T {
-                    let cs = _mm512_mul_ps(s, _mm512_set1_ps(*p.xs.add((p.m0 + t) * p.gp + gi)));
+                let sums = std::array::from_fn(|t| {
                     let a = &acc[t];
                     let step = |i: usize| _mm512_add_epi32(a[i], a[4 + i]);
-                    let sum = _mm512_add_epi32(
+                    _mm512_add_epi32(
                         _mm512_add_epi32(step(0), _mm512_srai_epi32::<2>(step(1))),
                         _mm512_add_epi32(
                             _mm512_srai_epi32::<4>(step(2)),
                             _mm512_srai_epi32::<6>(step(3)),
                         ),
-                    );
-                    tot[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), cs, tot[t]);
-                }
+                    )
+                });
+                finish_group(p, gi, &sums, &mut tot);
             }
+            store_totals(p, &tot);
+        }
+    }
+
+    /// The end of weight group `gi` for every token of a pass, given its integer sums `Σ t·q`:
+    /// `tot = fma(f32(Σ t·q), f32(s) · xs, tot)` — one home for both tiles' rounding, which must agree
+    /// bit for bit.
+    #[inline(always)]
+    unsafe fn finish_group<const T: usize>(
+        p: &Tile,
+        gi: usize,
+        sums: &[__m512i; T],
+        tot: &mut [__m512; T],
+    ) {
+        // SAFETY: the caller's `Tile` covers the row group's Gp·16 scales and tokens m0 .. m0 + T's Gp
+        // scales; gi < Gp.
+        unsafe {
+            let s = _mm512_cvtph_ps(_mm256_loadu_si256(p.scales.add(gi * LANE_ROWS).cast()));
+            for t in 0..T {
+                let cs = _mm512_mul_ps(s, _mm512_set1_ps(*p.xs.add((p.m0 + t) * p.gp + gi)));
+                tot[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), cs, tot[t]);
+            }
+        }
+    }
+
+    /// A pass's `T` lines of 16 totals to `p.tot`.
+    #[inline(always)]
+    unsafe fn store_totals<const T: usize>(p: &Tile, tot: &[__m512; T]) {
+        // SAFETY: the caller's `Tile` covers T output lines.
+        unsafe {
             for t in 0..T {
                 _mm512_storeu_ps(p.tot.add(t * LANE_ROWS), tot[t]);
             }
