@@ -182,6 +182,7 @@ mod simd {
     use std::arch::x86_64::*;
 
     use super::*;
+    use crate::canonical::GROUP_SIZES;
     use crate::kernels::cpu::layout::LINE_BYTES;
 
     /// Software prefetch distance in each row group's stream of lines.
@@ -198,8 +199,9 @@ mod simd {
     ) {
         let (kp, gp) = (padded_cols(w.cols), padded_groups(w.cols, w.group_size));
         assert_eq!(w.layout, Layout::Lanes16);
-        // Whole pairs of lines per weight group (the canonical group sizes are multiples of 32).
-        assert!(w.group_size.is_multiple_of(2 * LINE_K));
+        // A tile function per canonical group size (each a whole number of line pairs).
+        let by_group = GROUP_SIZES.iter().position(|&g| g == w.group_size);
+        let fns = &TILE_FNS[by_group.expect("a canonical group size (checked with the weight)")];
         assert!(tokens.gp == gp && tokens.xs.len() >= m * gp && tokens.neg_qsum.len() >= m * gp);
         assert!(q.len() >= m * kp && grp < Layout::Lanes16.units(w.rows));
         let (codes, scales) = group(w, grp);
@@ -209,7 +211,6 @@ mod simd {
             let args = Tile {
                 codes: codes.as_ptr(),
                 scales: scales.as_ptr(),
-                g: w.group_size,
                 gp,
                 kp,
                 q: q.as_ptr(),
@@ -221,7 +222,7 @@ mod simd {
             // SAFETY: the caller checked AVX-512 VNNI; every pointer covers what `Tile` says (asserted
             // sizes: the row group's 4·Kp code bytes and Gp·16 scales, tokens m0 .. m0 + t ≤ m of Kp
             // codes and Gp sums / scales, t output lines from m0).
-            unsafe { TILE_FNS[t - 1](&args) };
+            unsafe { fns[t - 1](&args) };
         }
     }
 
@@ -231,7 +232,6 @@ mod simd {
         codes: *const u8,
         /// The row group's `[Gp][16]` scales.
         scales: *const f16,
-        g: usize,
         gp: usize,
         kp: usize,
         /// Codes, `[m][Kp]`.
@@ -245,19 +245,43 @@ mod simd {
         tot: *mut f32,
     }
 
-    const TILE_FNS: [unsafe fn(&Tile); MAX_T] = [
-        tile_in_place::<1>,
-        tile_in_place::<2>,
-        tile::<3>,
-        tile::<4>,
-        tile::<5>,
-        tile::<6>,
-        tile::<7>,
-        tile::<8>,
+    /// Per group size and token count, its tile: the lines of a weight group a constant, so each group's
+    /// lines are one straight run of loads and `vpdpbusd` and the loop around them a pointer step. (With
+    /// the count known only at run time, the loop bounds took ~40 scalar instructions per 128-weight group
+    /// beside the 80 of its lines.)
+    const TILE_FNS: [[unsafe fn(&Tile); MAX_T]; GROUP_SIZES.len()] = [
+        tile_fns::<{ GROUP_SIZES[0] / LINE_K }>(),
+        tile_fns::<{ GROUP_SIZES[1] / LINE_K }>(),
+        tile_fns::<{ GROUP_SIZES[2] / LINE_K }>(),
+        tile_fns::<{ GROUP_SIZES[3] / LINE_K }>(),
     ];
+
+    const _: () = {
+        let mut i = 0;
+        while i < GROUP_SIZES.len() {
+            assert!(
+                GROUP_SIZES[i].is_multiple_of(2 * LINE_K),
+                "whole line pairs per group"
+            );
+            i += 1;
+        }
+    };
+
+    const fn tile_fns<const LINES: usize>() -> [unsafe fn(&Tile); MAX_T] {
+        [
+            tile_in_place::<1, LINES>,
+            tile_in_place::<2, LINES>,
+            tile::<3, LINES>,
+            tile::<4, LINES>,
+            tile::<5, LINES>,
+            tile::<6, LINES>,
+            tile::<7, LINES>,
+            tile::<8, LINES>,
+        ]
+    }
     const _: () = assert!(
         IN_PLACE_MAX_T == 2,
-        "TILE_FNS picks the in-place tile for 1 and 2 tokens"
+        "tile_fns picks the in-place tile for 1 and 2 tokens"
     );
 
     /// Byte codes of sub-step `i` of a line: `(line >> 2i) & 3` (a 16-bit shift moves bits across
@@ -281,7 +305,7 @@ mod simd {
     /// twice the independent `vpdpbusd` chains. Zen 5, 27B shapes, one thread: M = 4 12-14 %, M = 8 3-4 %,
     /// M = 16 2-3 % faster than one chain per token (~85 % of the `vpdpbusd` issue rate at 8-16).
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")]
-    unsafe fn tile<const T: usize>(p: &Tile) {
+    unsafe fn tile<const T: usize, const LINES: usize>(p: &Tile) {
         // SAFETY (whole body): the caller's pointers cover the row group (4·Kp code bytes, Gp·16
         // scales), tokens m0 .. m0 + T of q (Kp each), their groups (Gp each) and T total lines; line
         // reads stay below Kp / 16 lines; prefetches never fault.
@@ -289,13 +313,12 @@ mod simd {
             let x: [*const i8; T] = std::array::from_fn(|t| p.q.add((p.m0 + t) * p.kp));
             let mask = _mm512_set1_epi8(3);
             let mut tot: [__m512; T] = std::array::from_fn(|_| _mm512_setzero_ps());
-            let lines = p.g / LINE_K;
             for gi in 0..p.gp {
                 let mut acc: [__m512i; T] = std::array::from_fn(|t| {
                     _mm512_set1_epi32(*p.neg_qsum.add((p.m0 + t) * p.gp + gi))
                 });
                 let mut acc_odd = [_mm512_setzero_si512(); T];
-                for j in gi * lines..(gi + 1) * lines {
+                for j in gi * LINES..(gi + 1) * LINES {
                     let at = p.codes.add(j * LINE_BYTES);
                     _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(STREAM_AHEAD).cast());
                     let wv = _mm512_loadu_si512(at.cast());
@@ -329,14 +352,13 @@ mod simd {
     /// `2i` (exact: every term is a multiple of 4^i, so the totals are [`tile`]'s bit for bit). No shift
     /// per line and the latency hidden: ~255 G weights/s.
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")]
-    unsafe fn tile_in_place<const T: usize>(p: &Tile) {
+    unsafe fn tile_in_place<const T: usize, const LINES: usize>(p: &Tile) {
         // SAFETY (whole body): as `tile`'s; line pairs stay inside the group (an even number of lines).
         unsafe {
             let x: [*const i8; T] = std::array::from_fn(|t| p.q.add((p.m0 + t) * p.kp));
             let masks: [__m512i; 4] =
                 std::array::from_fn(|i| _mm512_set1_epi8((3u8 << (2 * i)) as i8));
             let mut tot: [__m512; T] = std::array::from_fn(|_| _mm512_setzero_ps());
-            let lines = p.g / LINE_K;
             for gi in 0..p.gp {
                 // acc[t][4·h + i]: chain 0 starts from −Σq (the codes are t + 1), the others from 0.
                 let mut acc: [[__m512i; 8]; T] = std::array::from_fn(|t| {
@@ -344,9 +366,9 @@ mod simd {
                     a[0] = _mm512_set1_epi32(*p.neg_qsum.add((p.m0 + t) * p.gp + gi));
                     a
                 });
-                for j0 in (gi * lines..(gi + 1) * lines).step_by(2) {
+                for pair in 0..LINES / 2 {
                     for h in 0..2 {
-                        let j = j0 + h;
+                        let j = gi * LINES + 2 * pair + h;
                         let at = p.codes.add(j * LINE_BYTES);
                         _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(STREAM_AHEAD).cast());
                         let wv = _mm512_loadu_si512(at.cast());
