@@ -7,7 +7,7 @@ kernel (``_C::cpu_attention_with_kv_cache``), side by side in one run, and end t
 1. Kernels. Per shape (``1.7b``: Qwen3-1.7B's 16 query / 8 KV heads of 128; ``27b``: Qwen3.5-27B's 24 / 4 of
    256), case ``SEQSxCONTEXT`` and thread count: the cache is written by vLLM's own ``reshape_and_cache``
    (its ``vec`` layout, blocks of 128 in shuffled order, bf16), then both kernels answer the same decode
-   step (one query token per sequence). Reported: ms per call (median of round-robin calls,
+   step (one query token per sequence). Reported: ms per call (median of round-robin runs of calls,
    ``timed_together`` of benches/bench_cpu_op.py), the KV bytes read per second and their fraction of the
    streaming read bandwidth (``torch.sum`` over 1 GiB), the speed-up, and the largest difference between
    the two outputs. Each case is sized past the last-level cache where the context allows (several copies

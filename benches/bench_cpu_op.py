@@ -23,8 +23,8 @@ op runs on torch's intra-op pool, like ``F.linear``):
   directly (``_core``), and the old Python dispatch path for comparison, in interleaved rounds (min per
   side); plus a native call with almost no work next to ``torch.add`` (what any op call costs).
 
-* the ternary modes and torch bf16 of one (shape, M, threads) are timed **round-robin** in one loop
-  (``timed_together``; the ``--hot`` rows in a loop of their own, so cold calls do not evict their
+* the ternary modes and torch bf16 of one (shape, M, threads) are timed **round-robin** in one loop, each
+  round timing a ~10 ms run of back-to-back calls per side (``timed_together``; the ``--hot`` rows in a loop of their own, so cold calls do not evict their
   weights): ``x bf16`` is the ratio of medians, ``x min`` the ratio of the fastest calls (the AMX unit
   here is shared with a sibling hardware thread, so phases differ by up to 5x);
 * ``--variants amx,avx512`` times the int8 mode once per kernel variant (rows ``int8/amx``,
@@ -83,30 +83,47 @@ def timed(fn, copies: int, budget_s: float, min_calls: int = 8) -> float:
     return times[len(times) // 2]
 
 
-def timed_together(fns: dict, budget_s: float, min_rounds: int = 3) -> dict:
-    """Round-robin timing: ``fns`` maps a name to ``(fn, copies, setup)``; every round calls each ``fn(i)``
-    once (i cycling over its copies), after its untimed ``setup()`` if any. Returns name -> (median, min)
-    seconds per call.
+MAX_RUN_CALLS = 1000  # calls per timed run, however fast one is
+
+
+def timed_together(fns: dict, budget_s: float, min_rounds: int = 3, run_s: float = 0.01) -> dict:
+    """Round-robin timing: ``fns`` maps a name to ``(fn, copies, setup)``; every round times one **run** of
+    each: its untimed ``setup()`` if any, then ``fn(i)`` called back to back for about ``run_s`` seconds
+    (at least once; i cycling on over its copies from round to round). Returns name -> (median, min)
+    seconds per call, over the rounds.
 
     Interleaving matters here: AMX throughput on this machine swings by up to 5x within seconds (the tile
-    unit is shared with a sibling hardware thread outside this VM), so timing one side after the other
-    compares different phases. Both sides of a ratio see the same phases this way, and the ratio of the
-    minima estimates the uncontended one."""
-    for fn, copies, setup in fns.values():
+    unit is shared with a sibling hardware thread outside this VM), and a VM's memory bandwidth jumps
+    between levels, so timing one side after the other compares different phases. Both sides of a ratio
+    see the same phases this way, and the ratio of the minima estimates the uncontended one.
+
+    Runs rather than single calls because a decoding model calls its layers back to back: one call timed
+    alone right after another side's 1 GiB read ran 5-10 % slower than the same call among others
+    (Zen 5, 5120 -> 17408 at M = 1, one thread: 33-35 vs 36-38 GB/s; after 25 ms asleep 31-32)."""
+    reps = {}
+    for name, (fn, copies, setup) in fns.items():
+        spent = 0.0
         for i in range(copies):
             if setup:
                 setup()
+            t0 = time.perf_counter()
             fn(i)
+            spent += time.perf_counter() - t0
+        reps[name] = min(MAX_RUN_CALLS, max(1, round(run_s * copies / max(spent, 1e-9))))
     times = {name: [] for name in fns}
     spent, r = 0.0, 0
+    at = dict.fromkeys(fns, 0)
     while r < min_rounds or spent < budget_s:
         for name, (fn, copies, setup) in fns.items():
             if setup:
                 setup()
+            n, i0 = reps[name], at[name]
             t0 = time.perf_counter()
-            fn(r % copies)
+            for i in range(i0, i0 + n):
+                fn(i % copies)
             dt = time.perf_counter() - t0
-            times[name].append(dt)
+            at[name] = (i0 + n) % copies
+            times[name].append(dt / n)
             spent += dt
         r += 1
         if r >= 2000:

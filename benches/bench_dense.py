@@ -7,7 +7,7 @@ Ternary checkpoints keep their embeddings / tied ``lm_head`` (BitNet b1.58 2B4T:
 projections (Qwen3.5's ``in_proj_ba``: 5120 → 96) dense. vLLM CPU multiplies them with oneDNN where oneDNN
 takes bf16 (AVX512_BF16 / AMX), else with ``torch.nn.functional.linear`` — the ``torch`` column here, which
 on such CPUs converts element by element. Per shape, M and thread count: milliseconds (median of
-round-robin calls, ``timed_together`` of benches/bench_cpu_op.py), GB/s of the bf16 weight and its fraction of
+round-robin runs of calls, ``timed_together`` of benches/bench_cpu_op.py), GB/s of the bf16 weight and its fraction of
 the streaming bandwidth (the bound at M = 1), G weight-tokens/s, and the speed-up over torch. Weights are
 cold: each side cycles through copies that together exceed the last-level cache; ours are on 2 MiB pages, where
 the plugin moves a weight it routes to the kernel (``ternary_rs.serving.hugepages``), torch's on its own pages,

@@ -11,6 +11,8 @@ with ``xs_g = max|x_g|/127`` per weight group (or one ``max(max|x|, 1e-5)/127`` 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -495,9 +497,7 @@ def _check_dense_tile_path(with_bias):
     assert torch.equal(OP(x, qk, sk, n, k, g, bias).reshape(60, n), OP(x.reshape(60, k), qk, sk, n, k, g, bias))
 
 
-def test_bench_round_robin_timing_calls_every_side_in_turn():
-    """benches/bench_cpu_op.py's ratios come from round-robin timing: every side once per round, each
-    after its own untimed setup, copies cycled; (median, min) per side."""
+def load_bench_cpu_op():
     import importlib.util
     from pathlib import Path
 
@@ -505,12 +505,19 @@ def test_bench_round_robin_timing_calls_every_side_in_turn():
     spec = importlib.util.spec_from_file_location("bench_cpu_op", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_round_robin_timing_calls_every_side_in_turn():
+    """benches/bench_cpu_op.py's ratios come from round-robin timing: every side once per round, each
+    after its own untimed setup, copies cycled; (median, min) per side."""
+    bench = load_bench_cpu_op()
     log = []
     fns = {
         "a": (lambda i: log.append(("a", i)), 2, lambda: log.append("setup a")),
         "b": (lambda i: log.append(("b", i)), 3, None),
     }
-    got = bench.timed_together(fns, budget_s=0.0, min_rounds=4)
+    got = bench.timed_together(fns, budget_s=0.0, min_rounds=4, run_s=0.0)
     warm = ["setup a", ("a", 0), "setup a", ("a", 1), ("b", 0), ("b", 1), ("b", 2)]
     assert log[: len(warm)] == warm
     rounds = [e for e in log[len(warm):] if e != "setup a"]
@@ -518,6 +525,26 @@ def test_bench_round_robin_timing_calls_every_side_in_turn():
     assert log[len(warm):].count("setup a") == 4
     for median, fastest in got.values():
         assert 0 <= fastest <= median
+
+
+def test_bench_round_robin_timing_times_runs_of_calls():
+    """With ``run_s``, each side's turn in a round is a run of back-to-back calls (as a decoding model calls
+    its layers), the same length every round, its copies cycling on from one run to the next; the times
+    are per call."""
+    bench = load_bench_cpu_op()
+    log = []
+
+    def slow(i):
+        log.append(i)
+        time.sleep(0.002)
+
+    got = bench.timed_together({"a": (slow, 3, None)}, budget_s=0.0, min_rounds=3, run_s=0.008)
+    rounds = log[3:]  # after the warm pass over the 3 copies
+    n = len(rounds) // 3
+    assert len(rounds) == 3 * n and n >= 2
+    assert rounds == [i % 3 for i in range(3 * n)]
+    median, fastest = got["a"]
+    assert 0.002 <= fastest <= median < 0.008
 
 
 def reference_lanes_layout(q: torch.Tensor, s: torch.Tensor, k: int, g: int) -> tuple[np.ndarray, np.ndarray]:
