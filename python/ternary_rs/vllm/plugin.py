@@ -68,6 +68,19 @@ def _install_cpu_defaults() -> None:
         return attention_backend_path(path, selected_backend)
 
     cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    _install_cpu_sampler()
+
+
+def _install_cpu_sampler() -> None:
+    """Top-p (and top-k with it) on CPU by selection instead of vLLM's sort of every row
+    (:mod:`ternary_rs.serving.sampling`), unless ``TERNARY_RS_CPU_SAMPLER=vllm``. The sampler looks the
+    function up in its module at each call, so replacing the module attribute is enough."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    from ternary_rs.serving import sampling
+
+    if sampling.enabled() and not getattr(topk_topp_sampler.apply_top_k_top_p, "_ternary_rs", False):
+        topk_topp_sampler.apply_top_k_top_p = sampling.fast_apply_top_k_top_p(topk_topp_sampler.apply_top_k_top_p)
 
 
 def vllm_paging(cache_config):

@@ -29,6 +29,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_set_default_int8, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_set_warm_up_pass, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_warm_up_pass, m)?)?;
+    m.add_function(wrap_pyfunction!(top_k_top_p_mask_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(register_torch_cpu_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(register_torch_cpu_moe_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(register_torch_cpu_dense_kernel, m)?)?;
@@ -39,6 +40,36 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ACTIVATIONS_INT8_GROUP", torch::ACTIVATIONS_INT8_GROUP)?;
     m.add("ACTIVATIONS_INT8_TOKEN", torch::ACTIVATIONS_INT8_TOKEN)?;
     Ok(())
+}
+
+/// Mask, in place, the `rows × vocab` f32 logits at `logits_ptr` to each row's top-k (`k_ptr`: `rows`
+/// int64, 0 = none) and then top-p (`p_ptr`: `rows` f32, 0 = none) set
+/// (`ternary_core::sampling::mask_top_k_top_p`), on torch's intra-op pool once a native kernel is
+/// registered (inside vLLM), else on the ternary-rs pool. ValueError, nothing written, for a NaN logit or
+/// a p outside (0, 1].
+#[pyfunction]
+fn top_k_top_p_mask_cpu(
+    py: Python<'_>,
+    logits_ptr: usize,
+    rows: usize,
+    vocab: usize,
+    k_ptr: usize,
+    p_ptr: usize,
+) -> PyResult<()> {
+    let n = checked_len(rows, vocab, "logits")?;
+    // SAFETY: the caller passes live, contiguous tensors of these lengths (Python checks them).
+    let logits = unsafe { slice_at_mut::<f32>(logits_ptr, n, "logits")? };
+    let k = (k_ptr != 0)
+        .then(|| unsafe { slice_at::<i64>(k_ptr, rows, "k") })
+        .transpose()?;
+    let p = (p_ptr != 0)
+        .then(|| unsafe { slice_at::<f32>(p_ptr, rows, "p") })
+        .transpose()?;
+    py.detach(move || match torch::intra_op_pool() {
+        Some(pool) => ternary_core::sampling::mask_top_k_top_p(logits, vocab, k, p, &pool),
+        None => ternary_core::sampling::mask_top_k_top_p(logits, vocab, k, p, &Rayon),
+    })
+    .map_err(to_py)
 }
 
 /// Register the native CPU kernel of `ternary_rs::ternary_linear` with torch's dispatcher (the schema

@@ -24,6 +24,7 @@ pub mod fuzzing;
 pub mod hadamard;
 pub mod kernels;
 pub mod repack;
+pub mod sampling;
 pub mod threads;
 
 pub use error::{Error, Result};

@@ -16,6 +16,7 @@ const ORDER: &[&str] = &[
     "container",
     "hadamard",
     "attention",
+    "sampling",
     "canonical",
     "formats",
     "repack",
@@ -25,7 +26,7 @@ const ORDER: &[&str] = &[
 
 /// Beside the codec stack: only the top (`fuzzing`) may use them; callers outside the crate connect
 /// them to the codecs.
-const BESIDE_THE_STACK: &[&str] = &["container", "hadamard", "attention"];
+const BESIDE_THE_STACK: &[&str] = &["container", "hadamard", "attention", "sampling"];
 const TOP: &str = "fuzzing";
 
 fn src_dir() -> PathBuf {
