@@ -347,6 +347,38 @@ def test_failure_cause_is_vllm_s_own_error():
     assert failure_cause(["all fine"]) is None
 
 
+def test_a_server_stuck_after_its_start_up_failed_is_stopped(monkeypatch, capsys):
+    """vLLM logged that its engine failed to start but its process never exited (a CI run once sat 900 s
+    so): ``serve`` stops the whole group after the grace period and reports vLLM's own cause, not a hang."""
+    import psutil
+
+    from ternary_rs.serving import serve as sv
+
+    monkeypatch.setattr(sv, "STARTUP_FAILURE_GRACE_S", 1.0)
+    monkeypatch.setattr(sv, "HEALTH_POLL_S", 0.2)
+    stuck = ("import subprocess, sys, time\n"
+             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+             "print(child.pid, flush=True)\n"
+             "print('(EngineCore pid=7) ERROR 12-07 07:55:25 [core.py:1510] EngineCore failed to start.', "
+             "file=sys.stderr)\n"
+             "print('(EngineCore pid=7) ERROR 12-07 07:55:25 [core.py:1510] ValueError: Available memory on node 0 "
+             "is less than requested', file=sys.stderr, flush=True)\n"
+             "time.sleep(600)\n")
+    t0 = time.monotonic()
+    code = sv.run_server([sys.executable, "-c", stuck], "demo", ["--port", str(free_port())])
+    took = time.monotonic() - t0
+    out, err = capsys.readouterr()
+    assert code == 128 + signal.SIGINT, code  # stopped by the first signal of _stop's sequence
+    assert took < 30, took
+    assert "start-up failed and was still running 1 s later: stopping it" in err
+    last = err.strip().splitlines()[-1]
+    assert "before it answered" in last and last.endswith("ValueError: Available memory on node 0 is less than "
+                                                          "requested"), last
+    grandchild = int(out.split()[0])
+    time.sleep(0.5)
+    assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+
+
 def test_xdg_cache_home_and_no_cache(demo):
     root, src, _ = demo
     xdg = root / "xdg"

