@@ -91,6 +91,8 @@ def served(tmp_path_factory):
         gdn_prefill = (getattr(gdn, "causal_conv1d_torch", None),
                        getattr(getattr(gdn, "ops", None), "chunk_gated_delta_rule_cpu", None),
                        type(getattr(gdn, "F", None)).__name__)
+        gdn_decode = (getattr(getattr(gdn, "_cpu_gdn_attention_nonspec", None), "_ternary_rs", False),
+                      llm.apply_model(_gdn_decode_layers)[0])
         del llm
     finally:
         os.environ.clear()
@@ -102,7 +104,7 @@ def served(tmp_path_factory):
 
     ref = AutoModelForCausalLM.from_pretrained(tiny.hf_dir, dtype=torch.float32).eval()
     return {"tiny": tiny, "ckpt": ckpt, "sequences": got, "prompt_lens": prompt_lens, "ref": ref,
-            "layers": served_layers, "kv_check": kv_check, "gdn_prefill": gdn_prefill}
+            "layers": served_layers, "kv_check": kv_check, "gdn_prefill": gdn_prefill, "gdn_decode": gdn_decode}
 
 
 def test_gdn_prefill_is_the_plugin_s(served):
@@ -113,6 +115,14 @@ def test_gdn_prefill_is_the_plugin_s(served):
     assert conv is causal_conv1d_fn_cpu
     assert functional == "_FunctionalWithFastDepthwise"  # the MTP path's convolution
     assert (delta_rule is chunk_gated_delta_rule_cpu) == (not bf16_gemm_is_native())
+
+
+def test_gdn_decode_is_the_plugin_s(served):
+    """The greedy tokens above were decoded through the plugin's one-call GDN step
+    (ternary_rs.vllm.gdn_decode) in every GDN layer."""
+    installed, layers = served["gdn_decode"]
+    assert installed
+    assert layers and set(layers) == {"GdnLayer"}, layers
 
 
 def test_kv_space_model_matches_vllm_s_concurrency(served):
@@ -131,6 +141,11 @@ def test_kv_space_model_matches_vllm_s_concurrency(served):
     assert z.linear_layers == 3 and z.attention_layers == 1
     predicted = float(kv["space_gib"]) * GIB / z.vllm_bytes(kv["max_model_len"])
     assert kv["concurrency"] == pytest.approx(predicted, rel=0.01), (kv, z)
+
+
+def _gdn_decode_layers(model) -> list[str]:
+    """In the engine: what each GDN layer's decode ran on (the kernel's layer parameters, built on first use)."""
+    return [type(getattr(m, "_ternary_rs_gdn", None)).__name__ for m in model.modules() if hasattr(m, "A_log")]
 
 
 def _embedding_layers(model) -> dict:

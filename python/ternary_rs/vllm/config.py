@@ -161,12 +161,14 @@ class TernaryConfig(QuantizationConfig):
 
         from .dense import DenseEmbeddingMethod, DenseLinearMethod
         from .embedding import TernaryEmbeddingMethod
+        from .gdn_decode import install_cpu_gdn_decode
         from .gdn_prefill import install_cpu_gdn_prefill
         from .linear import TernaryLinearMethod
         from .warm_up import install_cpu_warm_up_pass
 
         install_cpu_warm_up_pass()
         install_cpu_gdn_prefill()
+        install_cpu_gdn_decode()
         if isinstance(layer, ParallelLMHead):
             # A tied lm_head has no tensors of its own: it is whatever embed_tokens is.
             ternary = self._embedding_is_ternary() if self.tie_word_embeddings else self._is_ternary(prefix)

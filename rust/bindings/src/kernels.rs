@@ -30,6 +30,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_set_warm_up_pass, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_warm_up_pass, m)?)?;
     m.add_function(wrap_pyfunction!(top_k_top_p_mask_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(gdn_decode_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(register_torch_cpu_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(register_torch_cpu_moe_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(register_torch_cpu_dense_kernel, m)?)?;
@@ -68,6 +69,109 @@ fn top_k_top_p_mask_cpu(
     py.detach(move || match torch::intra_op_pool() {
         Some(pool) => ternary_core::sampling::mask_top_k_top_p(logits, vocab, k, p, &pool),
         None => ternary_core::sampling::mask_top_k_top_p(logits, vocab, k, p, &Rayon),
+    })
+    .map_err(to_py)
+}
+
+/// One Gated DeltaNet decode step (`ternary_core::gdn::decode`) on raw tensors: `shape` = (key heads,
+/// value heads, key dim, value dim, conv width); `params` = pointers to the f32 conv weight, conv bias (0:
+/// none), A_log and dt_bias; `x` (bf16 rows of `x_stride`), `a` / `b` (bf16 rows of `gate_stride`),
+/// `slots` (int32, one per sequence); `conv` = (bf16 pointer, elements, slots, slot / channel / step
+/// strides); `state` = (f32 pointer, elements, slots, slot stride); `out` (bf16, sequences × value heads ×
+/// value dim). On torch's intra-op pool once a native kernel is registered, else the ternary-rs pool.
+/// ValueError, nothing written, for anything `ternary_core::gdn` refuses. The Python caller
+/// (`ternary_rs.serving.gdn`) checks devices, dtypes and extents first.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn gdn_decode_cpu(
+    py: Python<'_>,
+    shape: (usize, usize, usize, usize, usize),
+    params: (usize, usize, usize, usize),
+    x: (usize, usize),
+    gates: (usize, usize, usize),
+    slots: (usize, usize),
+    conv: (usize, usize, usize, usize, usize, usize),
+    state: (usize, usize, usize, usize),
+    out_ptr: usize,
+) -> PyResult<()> {
+    use ternary_core::gdn::{
+        self, ConvCache, DecodeInputs, DecodeStep, GdnParams, GdnShape, StateCache,
+    };
+    let shape = GdnShape {
+        key_heads: shape.0,
+        value_heads: shape.1,
+        key_dim: shape.2,
+        value_dim: shape.3,
+        conv_width: shape.4,
+    };
+    let (n, channels) = (slots.1, shape.conv_channels());
+    let rows = |stride: usize, row: usize, what: &str| -> PyResult<usize> {
+        match n {
+            0 => Ok(0),
+            _ => checked_len(n - 1, stride, what)?
+                .checked_add(row)
+                .ok_or_else(|| PyValueError::new_err(format!("{what}: size overflows"))),
+        }
+    };
+    let out_len = checked_len(
+        checked_len(n, shape.value_heads, "out")?,
+        shape.value_dim,
+        "out",
+    )?;
+    // SAFETY (every slice): the Python caller passes live tensors covering these extents, the caches and
+    // the output written by nobody else during the call (it checks them before calling).
+    let (params, inputs, conv, state, out) = unsafe {
+        let params = GdnParams {
+            conv_weight: slice_at::<f32>(
+                params.0,
+                checked_len(channels, shape.conv_width, "conv weight")?,
+                "conv weight",
+            )?,
+            conv_bias: (params.1 != 0)
+                .then(|| slice_at::<f32>(params.1, channels, "conv bias"))
+                .transpose()?,
+            a_log: slice_at::<f32>(params.2, shape.value_heads, "A_log")?,
+            dt_bias: slice_at::<f32>(params.3, shape.value_heads, "dt_bias")?,
+        };
+        let inputs = DecodeInputs {
+            x: slice_at::<bf16>(x.0, rows(x.1, channels, "x")?, "x")?,
+            x_stride: x.1,
+            a: slice_at::<bf16>(gates.0, rows(gates.2, shape.value_heads, "a")?, "a")?,
+            b: slice_at::<bf16>(gates.1, rows(gates.2, shape.value_heads, "b")?, "b")?,
+            gate_stride: gates.2,
+            slots: slice_at::<i32>(slots.0, n, "slots")?,
+        };
+        let conv = ConvCache {
+            data: slice_at_mut::<bf16>(conv.0, conv.1, "conv state")?,
+            slots: conv.2,
+            slot_stride: conv.3,
+            channel_stride: conv.4,
+            step_stride: conv.5,
+        };
+        let state = StateCache {
+            data: slice_at_mut::<f32>(state.0, state.1, "ssm state")?,
+            slots: state.2,
+            slot_stride: state.3,
+        };
+        (
+            params,
+            inputs,
+            conv,
+            state,
+            slice_at_mut::<bf16>(out_ptr, out_len, "out")?,
+        )
+    };
+    let (kernel, step) = (
+        torch::float_kernel(),
+        DecodeStep {
+            shape,
+            params,
+            inputs,
+        },
+    );
+    py.detach(move || match torch::intra_op_pool() {
+        Some(pool) => gdn::decode(&step, conv, state, out, kernel, &pool),
+        None => gdn::decode(&step, conv, state, out, kernel, &Rayon),
     })
     .map_err(to_py)
 }

@@ -35,6 +35,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::element::Element;
+use crate::fast_math::exp_nonpositive as exp;
 use crate::threads::ParallelFor;
 use crate::{Error, Result};
 
@@ -63,8 +64,6 @@ const ITEMS_PER_THREAD: usize = 4;
 const SPLIT_MIN_KEYS: usize = 256;
 /// Below this many cache bytes read, the call runs on the calling thread (a fork costs more).
 const PARALLEL_MIN_BYTES: usize = 1 << 17;
-/// Lowest `exp` argument computed (e⁻⁸⁶ ≈ 4·10⁻³⁸ is still a normal f32).
-const EXP_MIN_ARG: f32 = -86.0;
 
 /// Where a paged KV cache's slabs lie: block `b`, KV head `h` starts at `b · block_stride + h ·
 /// head_stride` and holds `2 · block_size · head_dim` values (keys, then values).
@@ -264,45 +263,7 @@ pub struct AttentionParams {
     pub softcap: Option<f32>,
 }
 
-/// Which build of the kernel runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kernel {
-    /// 16-lane AVX-512F with FMA.
-    Avx512,
-    /// 8-lane AVX2 with FMA and F16C.
-    Avx2,
-    /// Whatever the baseline target gives, without fused multiply-adds.
-    Portable,
-}
-
-impl Kernel {
-    /// The fastest build this CPU runs.
-    pub fn best() -> Self {
-        [Kernel::Avx512, Kernel::Avx2]
-            .into_iter()
-            .find(|k| k.is_supported())
-            .unwrap_or(Kernel::Portable)
-    }
-
-    /// Whether this CPU can run it.
-    pub fn is_supported(self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        let fma_f16c = || {
-            std::arch::is_x86_feature_detected!("fma")
-                && std::arch::is_x86_feature_detected!("f16c")
-                && !cfg!(miri)
-        };
-        match self {
-            Kernel::Portable => true,
-            #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512 => std::arch::is_x86_feature_detected!("avx512f") && fma_f16c(),
-            #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => std::arch::is_x86_feature_detected!("avx2") && fma_f16c(),
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => false,
-        }
-    }
-}
+pub use crate::fast_math::Kernel;
 
 /// One decode step's inputs: the query rows (one token per sequence), the layer's cache, the batch and
 /// the layer's settings.
@@ -1052,31 +1013,6 @@ fn exp_sum(v: &mut [f32], m: f32) -> f32 {
         acc[i] += *x;
     }
     tree_sum(acc)
-}
-
-/// `eˣ` for `x ≤ 0` (Cephes' `expf`: `x = n·ln2 + r`, `|r| ≤ ln2/2`, a degree-6 polynomial in `r`, times
-/// `2ⁿ`); `x < −86` is taken as −86. Only float operations and bit casts, so it vectorizes; NaN stays NaN.
-#[inline(always)]
-fn exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // 1.5 · 2²³: adding it rounds to an integer held in the low mantissa bits
-    const ROUND: f32 = 12_582_912.0;
-    let x = if x < EXP_MIN_ARG { EXP_MIN_ARG } else { x };
-    let t = x * LOG2E + ROUND;
-    let n = t - ROUND;
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let mut p = 1.987_569_1e-4f32;
-    p = p * r + 1.398_2e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5;
-    let y = p * r * r + r + 1.0;
-    // 2ⁿ from n's integer bits (n ∈ [−125, 0] for x ∈ [−86, 0])
-    let ni = t.to_bits().wrapping_sub(ROUND.to_bits());
-    y * f32::from_bits(ni.wrapping_add(127) << 23)
 }
 
 /// The float64 reference every build is tested against: for each sequence and query head, the scores of

@@ -18,9 +18,11 @@ pub mod container;
 mod cpu_features;
 pub mod element;
 pub mod error;
+pub mod fast_math;
 pub mod formats;
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
+pub mod gdn;
 pub mod hadamard;
 pub mod kernels;
 pub mod repack;

@@ -13,9 +13,11 @@ const ORDER: &[&str] = &[
     "threads",
     "cpu_features",
     "element",
+    "fast_math",
     "container",
     "hadamard",
     "attention",
+    "gdn",
     "sampling",
     "canonical",
     "formats",
@@ -26,7 +28,7 @@ const ORDER: &[&str] = &[
 
 /// Beside the codec stack: only the top (`fuzzing`) may use them; callers outside the crate connect
 /// them to the codecs.
-const BESIDE_THE_STACK: &[&str] = &["container", "hadamard", "attention", "sampling"];
+const BESIDE_THE_STACK: &[&str] = &["container", "hadamard", "attention", "gdn", "sampling"];
 const TOP: &str = "fuzzing";
 
 fn src_dir() -> PathBuf {

@@ -3,13 +3,12 @@
 
 use half::{bf16, f16};
 use ternary_core::attention::{
-    self, AttentionParams, CacheShape, DecodeBatch, DecodeStep, HeadStrides, Kernel, PagedKvCache,
+    self, AttentionParams, CacheShape, DecodeBatch, DecodeStep, HeadStrides, PagedKvCache,
 };
 use ternary_core::element::Element;
-use ternary_core::kernels::cpu::Variant;
 
 use super::abi::Api;
-use super::policy::variant;
+use super::policy::float_kernel;
 use super::pool::TorchPool;
 use super::tensor::Tensor;
 use super::{api_for, take_tensor};
@@ -255,11 +254,7 @@ impl Args<'_> {
             block_table_stride: table_stride,
         };
         // the build the CPU kernel variant names (forced by `TERNARY_RS_CPU_KERNEL` for comparisons)
-        let kernel = match variant() {
-            Variant::Scalar => Kernel::Portable,
-            Variant::Avx2 => Kernel::Avx2,
-            Variant::Avx512 | Variant::Amx => Kernel::Avx512,
-        };
+        let kernel = float_kernel();
         let step = DecodeStep {
             query,
             query_rows: q_rows,

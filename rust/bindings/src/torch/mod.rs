@@ -81,8 +81,9 @@ pub(crate) use dense_op::register as register_cpu_dense;
 pub(crate) use fwht_op::register as register_cpu_fwht;
 pub(crate) use moe_op::register as register_cpu_moe;
 pub(crate) use policy::{
-    resolve_precision, set_default_int8, set_variant, set_warm_up_pass, variant, warm_up_pass,
-    ACTIVATIONS_AUTO, ACTIVATIONS_EXACT, ACTIVATIONS_INT8_GROUP, ACTIVATIONS_INT8_TOKEN,
+    float_kernel, resolve_precision, set_default_int8, set_variant, set_warm_up_pass, variant,
+    warm_up_pass, ACTIVATIONS_AUTO, ACTIVATIONS_EXACT, ACTIVATIONS_INT8_GROUP,
+    ACTIVATIONS_INT8_TOKEN,
 };
 
 use abi::{registered_api, Api, BoxedFn, Handle};

@@ -51,6 +51,17 @@ pub(crate) fn variant() -> Variant {
     }
 }
 
+/// The build of the float kernels (decode attention, the Gated DeltaNet step) that the CPU kernel variant
+/// names: `TERNARY_RS_CPU_KERNEL` forces both, for comparisons.
+pub(crate) fn float_kernel() -> ternary_core::fast_math::Kernel {
+    use ternary_core::fast_math::Kernel;
+    match variant() {
+        Variant::Scalar => Kernel::Portable,
+        Variant::Avx2 => Kernel::Avx2,
+        Variant::Avx512 | Variant::Amx => Kernel::Avx512,
+    }
+}
+
 /// `None`: the dtype decides (int8 for bf16/fp16, exact for f32); `Some(false)`: exact for every
 /// dtype; `Some(true)`: int8 for every dtype.
 pub fn set_default_int8(v: Option<bool>) {
