@@ -141,6 +141,7 @@ def test_declines_what_it_does_not_read_and_touches_nothing():
     assert not decode_(s.layer, s.x, s.a, s.b, s.slots, conv, False, state.bfloat16(), out)  # bf16 state
     assert not decode_(s.layer, s.x, s.a, s.b, s.slots, conv, True, state, out)  # wrong conv layout
     assert not decode_(s.layer, s.x, s.a, s.b, s.slots, conv, False, state.transpose(2, 3), out)
+    assert not decode_(s.layer, s.x, s.a, s.b, s.slots[:, None], conv, False, state, out)  # 2-D slots
     dup = s.slots.clone()
     dup[1] = dup[0]
     assert not decode_(s.layer, s.x, s.a, s.b, dup, conv, False, state, out)  # one slot twice

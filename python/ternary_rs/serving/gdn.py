@@ -71,7 +71,7 @@ def decode_(layer: GdnLayer, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
     kernel does not take these tensors."""
     n = slots.numel()
     tensors = (x, a, b, slots, conv_cache, state_cache, out)
-    if any(t.device.type != "cpu" for t in tensors) or n == 0:
+    if any(t.device.type != "cpu" for t in tensors) or n == 0 or slots.dim() != 1:
         return False
     if x.dtype != torch.bfloat16 or a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 \
             or conv_cache.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 \
