@@ -178,8 +178,8 @@ pub struct DecodeStep<'a> {
 /// (sequence, key head).
 ///
 /// Refused before anything is written: sizes or strides that do not match the shape, a slot index outside
-/// the caches or used by two sequences (the error names the sequence), non-finite parameters are not
-/// checked (they propagate as in vLLM).
+/// the caches or used by two sequences (the error names the sequence). Non-finite values are not checked:
+/// they propagate as in vLLM.
 pub fn decode(
     step: &DecodeStep<'_>,
     conv: ConvCache<'_>,
