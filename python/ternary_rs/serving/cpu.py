@@ -56,6 +56,15 @@ KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
 LAYER_NAME_ENV = "VLLM_USE_LAYERNAME"
 
 
+def ours_unless_vllm(variable: str) -> bool:
+    """Whether one of ternary_rs's replacements of a vLLM CPU function is on: the environment ``variable`` is
+    ``auto`` (the default: ours) or ``vllm`` (keep vLLM's); any other value is refused with a ValueError."""
+    choice = os.environ.get(variable, "auto").strip().lower()
+    if choice not in ("auto", "vllm"):
+        raise ValueError(f"{variable}={choice!r}: expected auto or vllm")
+    return choice == "auto"
+
+
 class DoesNotFit(ValueError):
     """Not even one sequence of ``max_model_len`` tokens fits beside the weights."""
 

@@ -12,11 +12,10 @@ of sorting (the rules, and where a kept set can differ from vLLM's — ties at t
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .. import _core
+from .cpu import ours_unless_vllm
 
 SAMPLER_ENV = "TERNARY_RS_CPU_SAMPLER"
 
@@ -24,10 +23,7 @@ SAMPLER_ENV = "TERNARY_RS_CPU_SAMPLER"
 def enabled() -> bool:
     """Whether the plugin replaces vLLM's CPU top-k / top-p (``TERNARY_RS_CPU_SAMPLER``: ``auto``, the
     default, or ``vllm``)."""
-    choice = os.environ.get(SAMPLER_ENV, "auto").strip().lower()
-    if choice not in ("auto", "vllm"):
-        raise ValueError(f"{SAMPLER_ENV}={choice!r}: expected auto or vllm")
-    return choice == "auto"
+    return ours_unless_vllm(SAMPLER_ENV)
 
 
 def mask_top_k_top_p_(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> bool:

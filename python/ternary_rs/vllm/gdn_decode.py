@@ -14,11 +14,11 @@ read — to vLLM's own function. ``TERNARY_RS_CPU_GDN=vllm`` keeps vLLM's for ev
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 
 import torch
 
+from ..serving.cpu import ours_unless_vllm
 from ..serving.gdn import GdnLayer, decode_
 from .gdn_prefill import GDN_ATTENTION_MODULE
 
@@ -30,10 +30,7 @@ _LAYER_ATTR = "_ternary_rs_gdn"
 def enabled() -> bool:
     """Whether the plugin replaces vLLM's CPU GDN decode (``TERNARY_RS_CPU_GDN``: ``auto``, the default, or
     ``vllm``)."""
-    choice = os.environ.get(GDN_ENV, "auto").strip().lower()
-    if choice not in ("auto", "vllm"):
-        raise ValueError(f"{GDN_ENV}={choice!r}: expected auto or vllm")
-    return choice == "auto"
+    return ours_unless_vllm(GDN_ENV)
 
 
 def _unpacked_conv_weight(conv1d) -> torch.Tensor | None:
@@ -65,13 +62,14 @@ def layer_params(layer) -> GdnLayer | None:
     return built
 
 
-def _prefill_part(meta, num_decodes: int, num_decode_tokens: int):
-    """``meta`` for its prefill sequences alone, as if the batch had no decodes (vLLM puts decodes first)."""
+def _prefill_part(meta, num_decodes: int):
+    """``meta`` for its prefill sequences alone, as if the batch had no decodes (vLLM puts decodes first,
+    one token each)."""
     qsl = meta.non_spec_query_start_loc
     return dataclasses.replace(
         meta, num_decodes=0, num_decode_tokens=0,
         non_spec_state_indices_tensor=meta.non_spec_state_indices_tensor[num_decodes:],
-        non_spec_query_start_loc=qsl[num_decodes:] - num_decode_tokens,
+        non_spec_query_start_loc=qsl[num_decodes:] - num_decodes,
         has_initial_state=None if meta.has_initial_state is None else meta.has_initial_state[num_decodes:])
 
 
@@ -98,7 +96,7 @@ def fast_nonspec(original):
                        state_cache, core_attn_out[:nd]):
             return original(layer, meta, mixed_qkv, b, a, core_attn_out)
         if meta.num_prefills:
-            original(layer, _prefill_part(meta, nd, nd), mixed_qkv[nd:], b[nd:], a[nd:], core_attn_out[nd:])
+            original(layer, _prefill_part(meta, nd), mixed_qkv[nd:], b[nd:], a[nd:], core_attn_out[nd:])
         return None
 
     _cpu_gdn_attention_nonspec._ternary_rs = True  # type: ignore[attr-defined]

@@ -326,7 +326,6 @@ fn plan(
             state_len
         )));
     }
-    let mut seen: Vec<i32> = inputs.slots.to_vec();
     for (t, &slot) in inputs.slots.iter().enumerate() {
         if slot < 0 || slot as usize >= conv.slots.min(state.slots) {
             return Err(Error::invalid(format!(
@@ -335,6 +334,7 @@ fn plan(
             )));
         }
     }
+    let mut seen: Vec<i32> = inputs.slots.to_vec();
     seen.sort_unstable();
     if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
         let t = inputs.slots.iter().rposition(|&s| s == w[0]).unwrap_or(0);
@@ -720,8 +720,8 @@ fn gates(a: f32, b: f32, a_log: f32, dt_bias: f32) -> (f32, f32) {
 }
 
 /// The float64 reference: the same step with every operation in f64 (the convolution's output rounded to
-/// bf16 as in [`decode`]); updates `conv` and `state_f64` (the f32 state widened, one slot stride per
-/// slot) in place and returns `[sequences][value_heads][value_dim]` outputs, unrounded.
+/// bf16 as in [`decode`], each head's state widened to f64 and rounded back to f32 once); updates `conv`
+/// and `state_f32` in place and returns `[sequences][value_heads][value_dim]` outputs, unrounded.
 pub fn decode_reference(
     step: &DecodeStep<'_>,
     conv: ConvCache<'_>,
