@@ -265,6 +265,65 @@ def test_wrapper_leaves_what_it_does_not_run_to_vllm(vllm_conv_layout):
     assert len(calls) == 3 and calls[-1][1] is prefill_only
 
 
+def test_wrapper_binds_the_caches_once_and_again_when_vllm_replaces_them(vllm_conv_layout):
+    """The caches are checked once per layer and kept; new cache tensors (a new engine's) are bound anew,
+    and each step lands in the caches the layer holds at that step."""
+    from ternary_rs.vllm.gdn_decode import fast_nonspec
+
+    s = make_step(n=2, seed=7)
+    calls = []
+    wrapped = fast_nonspec(lambda *args: calls.append(args))
+    layer = fake_layer(s)
+    meta = FakeMeta(0, 0, 2, 2, s.slots.clone(), torch.tensor([0, 1, 2], dtype=torch.int32))
+    out = torch.zeros(2, s.hv, s.vd, dtype=torch.bfloat16)
+    wrapped(layer, meta, s.x, s.b, s.a, out)
+    want_out, want_conv, want_state = run_ours(s)
+    assert not calls and torch.equal(out, want_out) and torch.equal(layer.kv_cache[0], want_conv)
+    first = layer._ternary_rs_gdn_caches
+    wrapped(layer, meta, s.x, s.b, s.a, out)
+    assert layer._ternary_rs_gdn_caches is first  # not bound again
+    fresh = fake_layer(s).kv_cache
+    layer.kv_cache = fresh
+    out.zero_()
+    wrapped(layer, meta, s.x, s.b, s.a, out)
+    assert not calls and torch.equal(out, want_out)
+    assert torch.equal(fresh[0], want_conv) and torch.equal(fresh[1].view_as(want_state), want_state)
+    # a state the kernel cannot read as [K, V] per slot (not contiguous): vLLM's function, caches untouched
+    layer.kv_cache = [s.conv.clone(), s.state.clone().transpose(2, 3)]
+    before = [t.clone() for t in layer.kv_cache]
+    wrapped(layer, meta, s.x, s.b, s.a, out)
+    assert len(calls) == 1 and all(torch.equal(t, u) for t, u in zip(layer.kv_cache, before))
+
+
+def test_bound_step_reads_only_the_first_n_rows():
+    """decode_bound on vLLM's padded step tensors (more rows than decodes, a / b views of one projection):
+    the same as the one-shot decode_ on exactly those rows, the rest of out untouched."""
+    from ternary_rs.serving.gdn import bind_caches, decode_bound
+
+    s = make_step(n=3, seed=9, strided=True)
+    n = 2
+    conv, state = s.conv.clone(), s.state.clone()
+    caches = bind_caches(s.layer, conv, False, state)
+    out = torch.full((3, s.hv, s.vd), 7.0, dtype=torch.bfloat16)
+    assert decode_bound(s.layer, caches, s.x, s.a, s.b, s.slots, n, out)
+    want_out, want_conv, want_state = run_ours(dataclasses.replace(s, x=s.x[:n], a=s.a[:n], b=s.b[:n],
+                                                                   slots=s.slots[:n]))
+    assert torch.equal(out[:n], want_out) and (out[n:] == 7).all()
+    assert torch.equal(conv, want_conv) and torch.equal(state, want_state)
+    # refused, nothing touched: n beyond the rows, slots of another dtype that do not fit, wrong widths
+    for args in ((s.x, s.a, s.b, s.slots, 4, out), (s.x[:, :-1], s.a, s.b, s.slots, n, out),
+                 (s.x, s.a[:, :-1], s.b[:, :-1], s.slots, n, out), (s.x, s.a, s.b, s.slots, n, out[:, :, :-1]),
+                 (s.x, s.a, s.b, s.slots[:1], n, out), (s.x.float(), s.a, s.b, s.slots, n, out)):
+        assert not decode_bound(s.layer, caches, *args)
+    assert torch.equal(conv, want_conv) and torch.equal(state, want_state)
+    # int64 slots (converted) give the same as int32
+    conv2, state2 = s.conv.clone(), s.state.clone()
+    out2 = torch.zeros(n, s.hv, s.vd, dtype=torch.bfloat16)
+    assert decode_bound(s.layer, bind_caches(s.layer, conv2, False, state2), s.x, s.a, s.b, s.slots.long(), n,
+                        out2)
+    assert torch.equal(out2, want_out) and torch.equal(state2, want_state)
+
+
 def test_install_wraps_vllm_s_function_once_and_the_opt_out(monkeypatch):
     from ternary_rs.vllm import gdn_decode
 

@@ -8,7 +8,8 @@ channels, 16 key / 48 value heads of 128), batch 1: ~276 µs per layer, of which
 of Python and copies. :func:`fast_nonspec` runs the decode sequences through
 :func:`ternary_rs.serving.gdn.decode_` (one call, the state read and written once) and leaves everything
 else — prefill sequences of a mixed batch, speculative decoding, layouts or dtypes the kernel does not
-read — to vLLM's own function. ``TERNARY_RS_CPU_GDN=vllm`` keeps vLLM's for every step.
+read — to vLLM's own function. ``TERNARY_RS_CPU_GDN=vllm`` keeps vLLM's for every step. A layer's caches
+are checked once and kept bound on the layer (:func:`layer_caches`); each step checks only its own tensors.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ import sys
 import torch
 
 from ..serving.cpu import ours_unless_vllm
-from ..serving.gdn import GdnLayer, decode_
+from ..serving.gdn import GdnCaches, GdnLayer, bind_caches, decode_bound
 from .gdn_prefill import GDN_ATTENTION_MODULE
 
 GDN_ENV = "TERNARY_RS_CPU_GDN"
 # Cached on each GDN layer: its GdnLayer, or False where the kernel cannot run it.
 _LAYER_ATTR = "_ternary_rs_gdn"
+# Cached on each GDN layer: its caches as bound (GdnCaches, or None where the kernel does not read them),
+# and the two cache tensors they were bound from.
+_CACHES_ATTR = "_ternary_rs_gdn_caches"
 
 
 def enabled() -> bool:
@@ -46,7 +50,7 @@ def _unpacked_conv_weight(conv1d) -> torch.Tensor | None:
 def layer_params(layer) -> GdnLayer | None:
     """``layer``'s :class:`GdnLayer` (built once and kept on the layer), or None where the kernel does not
     run it: another activation than SiLU, a convolution weight it cannot read."""
-    cached = getattr(layer, _LAYER_ATTR, None)
+    cached = layer.__dict__.get(_LAYER_ATTR)
     if cached is not None:
         return cached or None
     built = None
@@ -58,7 +62,7 @@ def layer_params(layer) -> GdnLayer | None:
                                    layer.head_v_dim, weight, layer.conv1d.bias, layer.A_log, layer.dt_bias)
     except AttributeError:  # not the GDN layer this was written against
         built = None
-    setattr(layer, _LAYER_ATTR, built if built is not None else False)
+    layer.__dict__[_LAYER_ATTR] = built if built is not None else False
     return built
 
 
@@ -73,27 +77,42 @@ def _prefill_part(meta, num_decodes: int):
         has_initial_state=None if meta.has_initial_state is None else meta.has_initial_state[num_decodes:])
 
 
+def layer_caches(layer, params: GdnLayer) -> GdnCaches | None:
+    """``layer``'s KV caches bound for the kernel (:func:`ternary_rs.serving.gdn.bind_caches`), kept on the
+    layer while ``layer.kv_cache`` holds the same two tensors (vLLM binds them once per engine); None
+    where the kernel does not read them."""
+    conv_cache, state_cache = layer.kv_cache[0], layer.kv_cache[1]
+    cached = layer.__dict__.get(_CACHES_ATTR)
+    if cached is not None and cached[1] is conv_cache and cached[2] is state_cache:
+        return cached[0]
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    bound = None
+    state = state_cache
+    if state.dim() == 4:  # vLLM's CPU kernels read a slot's [V, K] state as [K, V]
+        try:
+            state = state.view(state.shape[0], state.shape[1], state.shape[3], state.shape[2])
+        except RuntimeError:  # not contiguous per slot: not a layout the kernel reads
+            state = None
+    if state is not None:
+        bound = bind_caches(params, conv_cache, is_conv_state_dim_first(), state)
+    layer.__dict__[_CACHES_ATTR] = (bound, conv_cache, state_cache)
+    return bound
+
+
 def fast_nonspec(original):
     """vLLM's ``_cpu_gdn_attention_nonspec(layer, metadata, mixed_qkv, b, a, core_attn_out)`` with the decode
     sequences taken by the native step."""
 
     def _cpu_gdn_attention_nonspec(layer, meta, mixed_qkv, b, a, core_attn_out):
         nd = meta.num_decodes
-        params = layer_params(layer) if nd else None
-        if params is None or meta.num_decode_tokens != nd or not dataclasses.is_dataclass(meta):
+        params = layer_params(layer) if nd and meta.num_decode_tokens == nd else None
+        caches = layer_caches(layer, params) if params is not None else None
+        if caches is None or (meta.num_prefills and not dataclasses.is_dataclass(meta)):
             return original(layer, meta, mixed_qkv, b, a, core_attn_out)
-        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-
-        conv_cache, state_cache = layer.kv_cache[0], layer.kv_cache[1]
-        if state_cache.dim() == 4:  # vLLM's CPU kernels read a slot's [V, K] state as [K, V]
-            try:
-                state_cache = state_cache.view(state_cache.shape[0], state_cache.shape[1], state_cache.shape[3],
-                                               state_cache.shape[2])
-            except RuntimeError:  # not contiguous per slot: not a layout the kernel reads
-                return original(layer, meta, mixed_qkv, b, a, core_attn_out)
-        slots = meta.non_spec_state_indices_tensor[:nd]
-        if not decode_(params, mixed_qkv[:nd], a[:nd], b[:nd], slots, conv_cache, is_conv_state_dim_first(),
-                       state_cache, core_attn_out[:nd]):
+        # vLLM puts the decodes first, one token each: rows and slots 0 .. nd
+        if not decode_bound(params, caches, mixed_qkv, a, b, meta.non_spec_state_indices_tensor, nd,
+                            core_attn_out):
             return original(layer, meta, mixed_qkv, b, a, core_attn_out)
         if meta.num_prefills:
             original(layer, _prefill_part(meta, nd), mixed_qkv[nd:], b[nd:], a[nd:], core_attn_out[nd:])
