@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::element::Element;
 use crate::fast_math::exp_nonpositive as exp;
-use crate::threads::ParallelFor;
+use crate::threads::{DisjointWrites, ParallelFor};
 use crate::{Error, Result};
 
 /// Largest head size accepted (vLLM's CPU attention supports up to 512).
@@ -305,9 +305,9 @@ pub fn decode_attention_with<T: Element>(
     let job = Job {
         plan: &plan,
         step,
-        out: OutRows(out.as_mut_ptr()),
+        out: DisjointWrites::new(out),
         out_rows,
-        partials: Partials(partials.as_mut_ptr()),
+        partials: DisjointWrites::new(&mut partials),
     };
     let next = AtomicUsize::new(0);
     let tasks = |_: Range<usize>| job.run_tasks(kernel, &next);
@@ -507,30 +507,15 @@ fn plan<T>(
     })
 }
 
-/// The output rows tasks write (disjoint (token, head) rows: checked by [`plan`]).
-#[derive(Clone, Copy)]
-struct OutRows<T>(*mut T);
-// SAFETY: tasks write disjoint rows of a buffer that outlives the parallel call.
-unsafe impl<T: Send> Sync for OutRows<T> {}
-unsafe impl<T: Send> Send for OutRows<T> {}
-
-/// The partial results of split spans (one disjoint slot per item).
-#[derive(Clone, Copy)]
-struct Partials(*mut f32);
-// SAFETY: as for `OutRows`: one writer per slot, the buffer outlives the parallel call.
-unsafe impl Sync for Partials {}
-unsafe impl Send for Partials {}
-
 struct Job<'p, 'a, T> {
     plan: &'p Plan,
     step: &'p DecodeStep<'a, T>,
-    out: OutRows<T>,
+    /// The output rows: disjoint (token, head) rows ([`plan`] checks), one item each.
+    out: DisjointWrites<T>,
     out_rows: HeadStrides,
-    partials: Partials,
+    /// The partial results of split spans: one slot per item.
+    partials: DisjointWrites<f32>,
 }
-
-// SAFETY: the raw pointers follow the rules of `OutRows` / `Partials`; the rest are shared references.
-unsafe impl<T: Element> Sync for Job<'_, '_, T> {}
 
 /// Per-thread scratch: the scaled query rows, the running softmax state and one chunk's scores.
 struct Scratch {
@@ -701,12 +686,7 @@ impl<T: Element> Job<'_, '_, T> {
         if item.partial != u32::MAX {
             let len = self.plan.partial_len();
             // SAFETY: slot `item.partial` of `split_items` slots of `len` values, written by this item only.
-            let slot = unsafe {
-                std::slice::from_raw_parts_mut(
-                    self.partials.0.add(item.partial as usize * len),
-                    len,
-                )
-            };
+            let slot = unsafe { self.partials.slice(item.partial as usize * len, len) };
             slot[..g].copy_from_slice(&s.m);
             slot[g..2 * g].copy_from_slice(&s.l);
             slot[2 * g..].copy_from_slice(&s.acc);
@@ -728,7 +708,7 @@ impl<T: Element> Job<'_, '_, T> {
         let at = self.out_rows.at(seq, head);
         // SAFETY: `plan` checked that `out` holds every row and that rows do not overlap; each (seq, head)
         // row is written by one item only.
-        let dst = unsafe { std::slice::from_raw_parts_mut(self.out.0.add(at), acc.len()) };
+        let dst = unsafe { self.out.slice(at, acc.len()) };
         let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
         for (o, &a) in dst.iter_mut().zip(acc) {
             *o = T::from_f32(a * inv);

@@ -35,7 +35,7 @@ use half::bf16;
 
 use crate::fast_math::exp_nonpositive;
 pub use crate::fast_math::Kernel;
-use crate::threads::ParallelFor;
+use crate::threads::{DisjointWrites, ParallelFor};
 use crate::{Error, Result};
 
 /// Largest key / value head size accepted (Qwen3.5 and Qwen3-Next use 128).
@@ -199,11 +199,11 @@ pub fn decode(
         shape: *shape,
         params: *params,
         inputs: *inputs,
-        conv: Shared(conv.data.as_mut_ptr()),
+        conv: DisjointWrites::new(conv.data),
         conv_strides: (conv.slot_stride, conv.channel_stride, conv.step_stride),
-        state: Shared(state.data.as_mut_ptr()),
+        state: DisjointWrites::new(state.data),
         state_stride: state.slot_stride,
-        out: Shared(out.as_mut_ptr()),
+        out: DisjointWrites::new(out),
     };
     let items = n * shape.key_heads;
     let run = |range: Range<usize>| {
@@ -346,22 +346,16 @@ fn plan(
     Ok(n)
 }
 
-/// A pointer the items share; each item writes only its own disjoint part (see [`decode`]).
-#[derive(Clone, Copy)]
-struct Shared<T>(*mut T);
-// SAFETY: only used for the disjoint writes `plan` guarantees.
-unsafe impl<T> Send for Shared<T> {}
-unsafe impl<T> Sync for Shared<T> {}
-
 struct Job<'a> {
     shape: GdnShape,
     params: GdnParams<'a>,
     inputs: DecodeInputs<'a>,
-    conv: Shared<bf16>,
+    /// Each item writes only its own slot's channels, state heads and output rows (`plan`).
+    conv: DisjointWrites<bf16>,
     conv_strides: (usize, usize, usize),
-    state: Shared<f32>,
+    state: DisjointWrites<f32>,
     state_stride: usize,
-    out: Shared<bf16>,
+    out: DisjointWrites<bf16>,
 }
 
 impl Job<'_> {
@@ -458,12 +452,13 @@ impl Job<'_> {
         let weight = self.params.conv_weight;
         let mut win = [[0f32; LANES]; MAX_CONV_WIDTH];
         let mut taps = [[0f32; LANES]; MAX_CONV_WIDTH];
-        // SAFETY: channels c0 .. c0 + lanes of this slot lie inside the cache (plan) and are this item's.
-        let at = unsafe { self.conv.0.add(slot * ss + c0 * cs) };
+        // Channels c0 .. c0 + lanes of this slot lie inside the cache (plan) and are this item's: the
+        // reads and writes through `at` below rely on it.
+        let at = self.conv.at(slot * ss + c0 * cs);
         for j in 0..w - 1 {
             if cs == 1 && lanes == LANES {
                 // vLLM's default layout: a step's channels are contiguous
-                // SAFETY: as above.
+                // SAFETY: this item's channels of step j, inside the cache (above).
                 let src = unsafe { std::slice::from_raw_parts(at.add(j * st), LANES) };
                 for l in 0..LANES {
                     win[j][l] = src[l].to_f32();
@@ -520,15 +515,11 @@ impl Job<'_> {
         let (decay, beta) = gates(a, b, self.params.a_log[h], self.params.dt_bias[h]);
         // SAFETY: head h of this slot: kd · vd values inside the cache (plan), only this item's.
         let st = unsafe {
-            std::slice::from_raw_parts_mut(
-                self.state.0.add(slot * self.state_stride + h * kd * vd),
-                kd * vd,
-            )
+            self.state
+                .slice(slot * self.state_stride + h * kd * vd, kd * vd)
         };
         // SAFETY: output row (t, h): vd values, only this item's.
-        let out = unsafe {
-            std::slice::from_raw_parts_mut(self.out.0.add((t * s.value_heads + h) * vd), vd)
-        };
+        let out = unsafe { self.out.slice((t * s.value_heads + h) * vd, vd) };
         let mut o = [0f32; MAX_HEAD_DIM];
         #[cfg(target_arch = "x86_64")]
         if WIDE && vd == WIDE_HEAD {

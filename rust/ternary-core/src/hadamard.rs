@@ -17,24 +17,13 @@
 //! previous op; [`Transform::apply`]: the ternary-rs rayon pool); a few rows (decode) run on the calling
 //! thread.
 
-use crate::threads::{ParallelFor, Rayon};
+use crate::threads::{DisjointWrites, ParallelFor, Rayon};
 use crate::{Error, Result};
 
 /// Largest block size accepted (2^16): far above Bonsai 2's 1024, and keeps the f32 scratch small.
 pub const MAX_BLOCK_SIZE: usize = 1 << 16;
 /// Rows below this many total elements are done on the calling thread (a fork costs more).
 const PARALLEL_MIN_ELEMENTS: usize = 1 << 15;
-
-/// The output rows tasks write (disjoint rows of one buffer).
-struct RowsOut<T>(*mut T);
-// SAFETY: tasks write disjoint rows; the buffer outlives the parallel call.
-unsafe impl<T: Send> Sync for RowsOut<T> {}
-
-impl<T> RowsOut<T> {
-    fn row(&self, r: usize, width: usize) -> *mut T {
-        self.0.wrapping_add(r * width)
-    }
-}
 
 /// Which way the transform goes (see module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -177,13 +166,13 @@ impl<'a> Transform<'a> {
         }
         // A few tasks per thread, each with one scratch row.
         let per_task = rows.div_ceil(4 * threads);
-        let out = RowsOut(output.as_mut_ptr());
+        let out = DisjointWrites::new(output);
         let w = self.width;
         par.run(rows.div_ceil(per_task), &|tasks| {
             let mut scratch = vec![0f32; w];
             for r in tasks.start * per_task..(tasks.end * per_task).min(rows) {
                 // SAFETY: `output` has rows · w elements; each row is written by one task only.
-                let dst = unsafe { std::slice::from_raw_parts_mut(out.row(r, w), w) };
+                let dst = unsafe { out.slice(r * w, w) };
                 self.row(&input[r * w..(r + 1) * w], dst, &mut scratch);
             }
         });

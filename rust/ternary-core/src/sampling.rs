@@ -19,7 +19,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::threads::ParallelFor;
+use crate::threads::{DisjointWrites, ParallelFor};
 use crate::{Error, Result};
 
 /// Largest vocabulary a row may have (logit index in 32 bits, and a bound on scratch space).
@@ -68,12 +68,12 @@ pub fn mask_top_k_top_p(
             i % vocab
         )));
     }
-    let out = RowsPtr(logits.as_mut_ptr());
+    let out = DisjointWrites::new(logits);
     par.run(rows, &|range| {
         let mut scratch = Scratch::default();
         for row in range {
             // SAFETY: rows are disjoint `vocab`-long slices of `logits`, each handed to one task.
-            let x = unsafe { out.row(row, vocab) };
+            let x = unsafe { out.slice(row * vocab, vocab) };
             let limit_k = k.map_or(0, |k| usize::try_from(k[row]).unwrap_or(0));
             mask_row(x, limit_k, p.map(|p| p[row]), &mut scratch);
         }
@@ -98,25 +98,6 @@ fn first_nan(logits: &[f32], vocab: usize, par: &dyn ParallelFor) -> Option<usiz
         }
     });
     Some(first.into_inner()).filter(|&i| i != usize::MAX)
-}
-
-/// The logits' base pointer, shared by the tasks (each writes its own rows only).
-#[derive(Clone, Copy)]
-struct RowsPtr(*mut f32);
-// SAFETY: tasks write disjoint rows.
-unsafe impl Send for RowsPtr {}
-unsafe impl Sync for RowsPtr {}
-
-impl RowsPtr {
-    /// Row `row` of `vocab` logits.
-    ///
-    /// # Safety
-    /// The row must be inside the buffer and no other task may touch it meanwhile.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn row(&self, row: usize, vocab: usize) -> &mut [f32] {
-        // SAFETY: as the caller promises.
-        unsafe { std::slice::from_raw_parts_mut(self.0.add(row * vocab), vocab) }
-    }
 }
 
 /// Per task: a copy of a row (the top-k selection) and the top-p candidates with their mass.

@@ -53,6 +53,44 @@ pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     pool().install(f)
 }
 
+/// A buffer that several tasks of one parallel call write, each task its own disjoint elements: the base
+/// pointer, shareable across the pool's threads (a raw pointer is neither `Send` nor `Sync`).
+///
+/// Sound only under that contract — no element written by two tasks, or read by one while another
+/// writes it, and the buffer alive until the call returns — which the user's plan or split guarantees
+/// and states where it creates one. Closures capture it whole through its methods (by value), never its
+/// raw pointer field.
+#[derive(Clone, Copy)]
+pub(crate) struct DisjointWrites<T>(*mut T);
+// SAFETY: see the type's contract; the tasks' writes never overlap.
+unsafe impl<T: Send> Send for DisjointWrites<T> {}
+unsafe impl<T: Send> Sync for DisjointWrites<T> {}
+
+impl<T> DisjointWrites<T> {
+    pub(crate) fn new(buffer: &mut [T]) -> Self {
+        Self(buffer.as_mut_ptr())
+    }
+
+    /// From a base pointer into a buffer (a part of one a caller splits further).
+    pub(crate) fn from_ptr(base: *mut T) -> Self {
+        Self(base)
+    }
+
+    /// The address of element `i` (computed, not dereferenced).
+    pub(crate) fn at(self, i: usize) -> *mut T {
+        self.0.wrapping_add(i)
+    }
+
+    /// Elements `start .. start + len`.
+    ///
+    /// # Safety
+    /// They lie inside the buffer, and no other task touches them while the slice lives.
+    pub(crate) unsafe fn slice<'b>(self, start: usize, len: usize) -> &'b mut [T] {
+        // SAFETY: as the caller promises.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
+    }
+}
+
 /// A parallel-for: run `f` over pieces of `0..n` that together cover it exactly once, possibly at the
 /// same time on several threads, and return when all are done.
 pub trait ParallelFor: Sync {

@@ -18,7 +18,7 @@
 use half::{bf16, f16};
 
 use super::Activation;
-use crate::threads::ParallelFor;
+use crate::threads::{DisjointWrites, ParallelFor};
 use crate::{Error, Result};
 
 /// Rows per tile: four rows share each load of a token's activations.
@@ -133,7 +133,8 @@ pub fn linear<T: Half>(
     T::to_f32_slice(x, &mut xf);
     let bias: Option<Vec<f32>> = bias.map(|b| b.iter().map(|v| v.to_f32()).collect());
     let tiles = n.div_ceil(TILE_ROWS);
-    let y_at = SharedOut(y.as_mut_ptr());
+    // Each task writes only its own tiles' elements.
+    let y_at = DisjointWrites::new(y);
     let job = |range: std::ops::Range<usize>| {
         let mut sums = vec![0f32; m * TILE_ROWS];
         // A run of tiles' outputs per token, converted to T in one call per token and run (one call per
@@ -162,7 +163,7 @@ pub fn linear<T: Half>(
             for t in 0..m {
                 // SAFETY: tile ranges are disjoint, so y[t][n0..n1] is written by this task only, and
                 // it lies inside y's m·n elements (t < m, n1 <= n).
-                let dst = unsafe { std::slice::from_raw_parts_mut(y_at.at(t * n + n0), n1 - n0) };
+                let dst = unsafe { y_at.slice(t * n + n0, n1 - n0) };
                 T::from_f32_slice(&run[t * run_rows..][..n1 - n0], dst);
             }
         }
@@ -170,23 +171,6 @@ pub fn linear<T: Half>(
     super::split_units(tiles, TILE_ROWS * k, m, pool, &job);
     Ok(())
 }
-
-/// y's data, written by disjoint tiles from several threads.
-struct SharedOut<T>(*mut T);
-
-impl<T> SharedOut<T> {
-    /// Element `i` (a method, so closures capture the wrapper rather than its raw pointer).
-    ///
-    /// # Safety
-    /// `i` is inside y.
-    unsafe fn at(&self, i: usize) -> *mut T {
-        // SAFETY: per the contract.
-        unsafe { self.0.add(i) }
-    }
-}
-// SAFETY: each task writes only its own tiles' elements (see `linear`).
-unsafe impl<T> Sync for SharedOut<T> {}
-unsafe impl<T> Send for SharedOut<T> {}
 
 /// `sums[t · 4 + r] = Σₖ xf[t][k] · ws[r][k]` for every token t.
 fn tile_sums<T: Half>(

@@ -59,7 +59,7 @@ use std::cell::RefCell;
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 
 use crate::canonical::check_shape;
-use crate::threads::ParallelFor;
+use crate::threads::{DisjointWrites, ParallelFor};
 use crate::{Error, Result};
 
 pub use layout::{Layout, ROWS};
@@ -472,13 +472,6 @@ pub(crate) struct Kernels {
     pub int8_wide: bool,
 }
 
-/// Raw output pointer shared by tasks that write disjoint elements.
-#[derive(Clone, Copy)]
-struct OutPtr<T>(*mut T);
-// SAFETY: tasks write disjoint (token, row) elements; the pointer outlives the parallel call.
-unsafe impl<T: Send> Send for OutPtr<T> {}
-unsafe impl<T: Send> Sync for OutPtr<T> {}
-
 /// Scratch buffers of one call, reused across calls on the same thread (no page faults per call).
 #[derive(Default)]
 struct Scratch {
@@ -629,7 +622,7 @@ pub fn gemm<T: Activation>(
         m,
         kernels,
         bias: bias_f.as_deref(),
-        y: OutPtr(y.as_mut_ptr()),
+        y: DisjointWrites::new(y),
         stream_y: std::mem::size_of_val(y) >= STREAM_Y_MIN_BYTES,
     };
     SCRATCH.with(|s| {
@@ -687,7 +680,8 @@ struct Job<'a, T> {
     m: usize,
     kernels: &'static Kernels,
     bias: Option<&'a [f32]>,
-    y: OutPtr<T>,
+    /// Tasks write disjoint (token, row) elements.
+    y: DisjointWrites<T>,
     /// Whether [`Job::store_tile`] streams whole lines past the caches ([`STREAM_Y_MIN_BYTES`]).
     stream_y: bool,
 }
@@ -847,8 +841,7 @@ impl<T: Activation> Job<'_, T> {
         }
         // SAFETY: y has m·n elements; (token, n0 .. n0 + len) is in bounds (asserted) and written by
         // this task only (tasks own disjoint rows).
-        let dst =
-            unsafe { std::slice::from_raw_parts_mut(self.y.0.add(token * n + n0), vals.len()) };
+        let dst = unsafe { self.y.slice(token * n + n0, vals.len()) };
         T::from_f32_slice(vals, dst);
     }
 
@@ -883,8 +876,7 @@ impl<T: Activation> Job<'_, T> {
         for t in 0..tokens {
             // SAFETY: y has m·n elements; (m0 + t, n0 .. n0 + rows) is in bounds (asserted) and
             // written by this task only (tasks own disjoint rows).
-            let dst =
-                unsafe { std::slice::from_raw_parts_mut(self.y.0.add((m0 + t) * n + n0), rows) };
+            let dst = unsafe { self.y.slice((m0 + t) * n + n0, rows) };
             let src = &tbuf[t * rows..(t + 1) * rows];
             if self.stream_y
                 && bytes.is_multiple_of(64)

@@ -16,10 +16,10 @@
 //! summed in f32 (slot order) and rounded once.
 
 use super::{
-    gemm, layout, quantize_rows, Activation, Job, KernelChoice, OutPtr, PreparedRef, QuantizedRows,
+    gemm, layout, quantize_rows, Activation, Job, KernelChoice, PreparedRef, QuantizedRows,
     Scratch, PARALLEL_MIN_WEIGHTS, ROWS, SCRATCH, STREAM_Y_MIN_BYTES, TASK_MIN_WEIGHTS,
 };
-use crate::threads::ParallelFor;
+use crate::threads::{DisjointWrites, ParallelFor};
 use crate::{Error, Result};
 
 /// Every expert's two weights in the kernel layout, expert `e` at index `e`.
@@ -242,7 +242,7 @@ fn grouped_gemm<T: Activation>(
             kernels,
             bias: None,
             // SAFETY (of the later writes): expert e's tasks write only its rows r of y.
-            y: OutPtr(y_ptr.wrapping_add(r.start * n)),
+            y: DisjointWrites::from_ptr(y_ptr.wrapping_add(r.start * n)),
             stream_y: r.len() * n * std::mem::size_of::<T>() >= STREAM_Y_MIN_BYTES,
         }
     };
