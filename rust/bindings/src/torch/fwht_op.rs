@@ -3,7 +3,7 @@
 //!
 //! Native for the same reason as `ternary_linear`: a rotated model calls it before every rotated layer
 //! (~280 times per decode step at 27B), and through a Python custom op each call in a compiled graph
-//! cost ~50 µs of dispatch, autograd wrapper and NumPy views around a 4.5 µs transform.
+//! cost ~50 µs of dispatch, autograd wrapper and NumPy views around a transform of a few µs.
 
 use half::{bf16, f16};
 use ternary_core::hadamard::{Direction, Element, Transform};
