@@ -237,7 +237,7 @@ impl<'a> Transform<'a> {
             }
         }
         for block in scratch.chunks_exact_mut(self.block_size) {
-            fwht_block_portable(block);
+            fwht_block(block);
         }
         // Store: normalization and (Inverse) signs fused with the dtype conversion.
         let norm = self.norm;
@@ -278,37 +278,10 @@ pub fn fwht_block_reference(block: &mut [f32]) {
 
 /// Fast unnormalized transform of one block in place; bit-identical to [`fwht_block_reference`].
 ///
-/// The butterflies are only additions and subtractions, so the AVX-512 / AVX2 builds of the same code
-/// (picked at run time) give the same bits as the baseline build.
-pub fn fwht_block(block: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F (checked just above).
-            return unsafe { fwht_block_avx512(block) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2 (checked just above).
-            return unsafe { fwht_block_avx2(block) };
-        }
-    }
-    fwht_block_portable(block)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn fwht_block_avx512(block: &mut [f32]) {
-    fwht_block_portable(block)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn fwht_block_avx2(block: &mut [f32]) {
-    fwht_block_portable(block)
-}
-
+/// Inlined into [`Transform`]'s row, which is built for the CPU's widest vectors; the butterflies are only
+/// additions and subtractions, so every build gives the same bits.
 #[inline(always)]
-fn fwht_block_portable(block: &mut [f32]) {
+pub fn fwht_block(block: &mut [f32]) {
     let n = block.len();
     if n < 8 {
         fwht_block_reference(block);
@@ -611,7 +584,7 @@ mod tests {
     /// Every build of a row (baseline, AVX2, AVX-512 where the CPU has them) against the baseline one,
     /// bit for bit, for each element type, direction, signs and gather; values include ±0, subnormal,
     /// huge, infinite and NaN inputs (NaN payloads and bf16 / f16 rounding go through every store).
-    fn rows_of_every_build_match<T: Element>(x: &[f32]) {
+    fn rows_of_every_build_match<T: Element>(x: &[f32], block: usize) {
         let width = x.len();
         let src: Vec<T> = x.iter().map(|&v| T::from_f32(v)).collect();
         let signs: Vec<f32> = (0..width)
@@ -627,7 +600,7 @@ mod tests {
             (Direction::Forward, None, None),
             (Direction::Inverse, Some(&signs[..]), None),
         ] {
-            let t = Transform::new(width, 256, direction, signs, gather).unwrap();
+            let t = Transform::new(width, block, direction, signs, gather).unwrap();
             let mut scratch = vec![0f32; width];
             let mut want = vec![T::from_f32(0.0); width];
             t.row_portable(&src, &mut want, &mut scratch);
@@ -684,14 +657,14 @@ mod tests {
         for (i, v) in specials.iter().enumerate() {
             x[i * 97 % width] = *v;
         }
-        rows_of_every_build_match::<f32>(&x);
-        rows_of_every_build_match::<bf16>(&x);
-        rows_of_every_build_match::<f16>(&x);
+        rows_of_every_build_match::<f32>(&x, 256);
+        rows_of_every_build_match::<bf16>(&x, 256);
+        rows_of_every_build_match::<f16>(&x, 256);
         // And finite values only (no NaN spreading through whole blocks).
         let finite = lcg(22, width);
-        rows_of_every_build_match::<f32>(&finite);
-        rows_of_every_build_match::<bf16>(&finite);
-        rows_of_every_build_match::<f16>(&finite);
+        rows_of_every_build_match::<f32>(&finite, 256);
+        rows_of_every_build_match::<bf16>(&finite, 256);
+        rows_of_every_build_match::<f16>(&finite, 256);
     }
 
     proptest! {
@@ -704,6 +677,15 @@ mod tests {
             fwht_block(&mut a);
             fwht_block_reference(&mut b);
             prop_assert_eq!(a, b);
+        }
+
+        /// The builds of a row at every block size (the 8-point kernel, and the reference below 8).
+        #[test]
+        fn row_builds_agree_at_every_block_size(log_b in 0u32..12, blocks in 1usize..4, seed in any::<u64>()) {
+            let b = 1usize << log_b;
+            let x = lcg(seed, b * blocks);
+            rows_of_every_build_match::<f32>(&x, b);
+            rows_of_every_build_match::<bf16>(&x, b);
         }
 
         #[test]
