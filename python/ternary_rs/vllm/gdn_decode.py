@@ -6,7 +6,7 @@ its output) around two C++ kernels. Measured on two Zen 5 cores at Bonsai 2's wi
 channels, 16 key / 48 value heads of 128), batch 1: ~276 µs per layer, of which the two kernels take ~180
 (the delta rule reads and writes the slot's 3 MB of f32 state) — ~130 µs per layer and 48 layers per token
 of Python and copies. :func:`fast_nonspec` runs the decode sequences through
-:func:`ternary_rs.serving.gdn.decode_` (one call, the state read and written once) and leaves everything
+:func:`ternary_rs.serving.gdn.decode_bound` (one call, the state read and written once) and leaves everything
 else — prefill sequences of a mixed batch, speculative decoding, layouts or dtypes the kernel does not
 read — to vLLM's own function. ``TERNARY_RS_CPU_GDN=vllm`` keeps vLLM's for every step. A layer's caches
 are checked once and kept bound on the layer (:func:`layer_caches`); each step checks only its own tensors.
