@@ -746,8 +746,13 @@ def test_kv_space_counts_vllm_s_hybrid_pages(monkeypatch):
 
     monkeypatch.setattr(cs, "_sizes", lambda model, context, kv_dtype, available, paging: replace(z, paging=paging))
     # 16 sequences of 1024 tokens: 4.70 GB -> rounded up to 5 GiB, not down to 4
-    space, _ = cs.kv_cache_space("m", max_model_len=1024, max_num_seqs=16, available=22 * gib, paging=off.paging)
+    space, why = cs.kv_cache_space("m", max_model_len=1024, max_num_seqs=16, available=22 * gib, paging=off.paging)
     assert space == 5 * gib and space // off.vllm_bytes(1024) >= 16
+    assert why.endswith("margin, room for 16 sequences of 1024 tokens")
+    # capped by the budget: the message says how many fit, not only the aim
+    space, why = cs.kv_cache_space("m", max_model_len=1024, max_num_seqs=64, available=12 * gib, paging=off.paging)
+    fits = space // off.vllm_bytes(1024)
+    assert 0 < fits < 64 and f"room for about {fits} sequences of 1024 tokens, of the 64 aimed for" in why
     space, _ = cs.kv_cache_space("m", max_model_len=1024, max_num_seqs=32, available=22 * gib, paging=off.paging)
     assert space == 9 * gib  # 9.4 GB aimed for, rounded up; the budget's 9.7 GiB allows it
     # with prefix caching: 16 sequences take exactly 7 GiB

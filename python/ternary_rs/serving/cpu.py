@@ -405,9 +405,15 @@ def kv_cache_space(model: str | os.PathLike, *, max_model_len: int | None, max_n
             f"one {context}-token sequence needs {need_gib} GiB of KV cache and recurrent state, but only "
             f"{max(0, budget) / GIB:.1f} GiB are left of the {available / GIB:.1f} GiB of available RAM after "
             f"the weights, activations and runtime ({fixed / GIB:.1f} GiB) and a {safety / GIB:.1f} GiB margin")
+    tokens = min(context, TYPICAL_TOKENS)
+    fits = int(gib * GIB // z.vllm_bytes(tokens))
+    # Say what the space holds, not only what was aimed for: capped by the budget it holds fewer (a 27B
+    # hybrid on 24 GB: about 25 of 64), and a user sizing a client pool needs that number.
+    room = (f"room for {seqs} sequences of {tokens} tokens" if fits >= seqs else
+            f"room for about {fits} sequences of {tokens} tokens, of the {seqs} aimed for (the RAM left caps it;"
+            f" shorter sequences take less)")
     why = (f"GiB: {available / GIB:.1f} GiB available - {fixed / GIB:.1f} GiB weights, activations and runtime"
-           f" - {safety / GIB:.1f} GiB margin, up to room for {seqs} sequences of "
-           f"{min(context, TYPICAL_TOKENS)} tokens")
+           f" - {safety / GIB:.1f} GiB margin, {room}")
     return gib * GIB, why
 
 
