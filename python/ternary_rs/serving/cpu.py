@@ -396,7 +396,9 @@ def kv_cache_space(model: str | os.PathLike, *, max_model_len: int | None, max_n
     budget, safety = _budget(z, available)
     one = z.one_sequence_bytes(context)
     seqs = min(max_num_seqs or TYPICAL_SEQUENCES, TYPICAL_SEQUENCES)
-    aim = max(MIN_TARGET_BYTES, one, seqs * z.vllm_bytes(min(context, TYPICAL_TOKENS)))
+    tokens = min(context, TYPICAL_TOKENS)
+    typical = z.vllm_bytes(tokens)
+    aim = max(MIN_TARGET_BYTES, one, seqs * typical)
     need_gib = max(1, math.ceil(one / GIB))
     # Whole GiB up, where the budget allows: rounding down left room for fewer sequences than aimed for.
     gib = max(need_gib, min(math.ceil(aim / GIB), int(budget // GIB)))
@@ -405,8 +407,7 @@ def kv_cache_space(model: str | os.PathLike, *, max_model_len: int | None, max_n
             f"one {context}-token sequence needs {need_gib} GiB of KV cache and recurrent state, but only "
             f"{max(0, budget) / GIB:.1f} GiB are left of the {available / GIB:.1f} GiB of available RAM after "
             f"the weights, activations and runtime ({fixed / GIB:.1f} GiB) and a {safety / GIB:.1f} GiB margin")
-    tokens = min(context, TYPICAL_TOKENS)
-    fits = int(gib * GIB // z.vllm_bytes(tokens))
+    fits = int(gib * GIB // typical)
     # Say what the space holds, not only what was aimed for: capped by the budget it holds fewer (a 27B
     # hybrid on 24 GB: about 25 of 64), and a user sizing a client pool needs that number.
     room = (f"room for {seqs} sequences of {tokens} tokens" if fits >= seqs else
