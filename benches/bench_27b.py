@@ -22,7 +22,10 @@
    and the weight bytes read per second as a fraction of the streaming bandwidth measured at the start
    (``torch.sum``, as ``bench_cpu_op.py``) and of the bandwidth of the model's own weight pages read right
    before and after that batch size's timed run (``weight_read_bandwidth``: this VM's bandwidth drifts
-   between ~45 and ~80 GB/s within minutes, so only the bracketing figure describes the run). ``--rotation both`` then serves the same weights without the
+   between ~45 and ~80 GB/s within minutes, so only the bracketing figure describes the run); then the same
+   fractions for all the bytes a step moves: the weights and each sequence's Gated-DeltaNet state, read and
+   written back (~0.15 GB per sequence at this shape with vLLM's f32 recurrent state: ~4.5 % more than the
+   weights at batch 1). ``--rotation both`` then serves the same weights without the
    rotation (the shards linked, the config without it).
 3. ``--llama-cpp`` (needs ``LLAMA_CPP_BIN``, ``scripts/build_llama_cpp.sh``): the unrotated weights as a TQ2_0
    GGUF written by ``ternary-rs convert --gguf-type TQ2_0 --requantize`` (TQ2_0 has one scale per 256
@@ -197,6 +200,21 @@ def checkpoint_bytes(d: Path) -> int:
 def parameters(layers: int) -> int:
     ternary, dense = tensor_list(layers)
     return sum(n * k for n, k in ternary.values()) + sum(int(np.prod(s)) for s in dense.values())
+
+
+def state_bytes(layers: int) -> int:
+    """Bytes of one sequence's Gated-DeltaNet state (recurrent and conv, every linear-attention layer): a
+    decode step reads all of it and writes it back, so each sequence in a step adds twice this to the weight
+    bytes that step streams. The recurrent state is f32 where vLLM CPU makes it so (AVX512_BF16 CPUs,
+    ``ternary_rs.serving.cpu.recurrent_state_bytes``), the conv state bf16. The full-attention layers' KV
+    cache read at these lengths (16-token prompts, ``--tokens`` new ones) is ~1 MB a step: left out."""
+    from ternary_rs.serving.cpu import recurrent_state_bytes
+
+    gdn_layers = sum(kind == "linear_attention" for kind in layer_types(layers))
+    conv_channels = 2 * GDN_K_HEADS * GDN_HEAD_DIM + GDN_V_HEADS * GDN_HEAD_DIM
+    recurrent = GDN_V_HEADS * GDN_HEAD_DIM * GDN_HEAD_DIM * recurrent_state_bytes()
+    conv = (CONV_KERNEL - 1) * conv_channels * 2
+    return gdn_layers * (recurrent + conv)
 
 
 # ------------------------------------------------------------------------------------------ serving (child)
@@ -425,11 +443,13 @@ def main() -> None:
         bandwidth = stream_bandwidth(threads)
         # Bytes a decode step reads at batch 1: every ternary weight but the embedding (one row is gathered).
         per_token = size - VOCAB * (HIDDEN // 4 + HIDDEN // GROUP * 2)
+        state = state_bytes(args.layers)
         print(f"streaming read bandwidth ({threads} threads): {bandwidth:.1f} GB/s; a decode step reads "
-              f"{per_token / 1e9:.2f} GB of weights")
+              f"{per_token / 1e9:.2f} GB of weights, and reads and writes {state / 1e9:.3f} GB of recurrent state "
+              f"per sequence")
         variants = {"rotated": [ckpt], "unrotated": [unrotated_twin(ckpt, root / (ckpt.name + "-unrotated"))]}
         variants["both"] = variants["rotated"] + variants["unrotated"]
-        batch1 = {model.name: run_one(args, model, batches, size, per_token, bandwidth)
+        batch1 = {model.name: run_one(args, model, batches, size, per_token, state, bandwidth)
                   for model in variants[args.rotation]}
         if args.llama_cpp:
             unrotated = variants["unrotated"][0]
@@ -438,10 +458,12 @@ def main() -> None:
             before = stream_bandwidth(threads)
             theirs = llama_bench(gguf_path, args.tokens, threads)
             after = stream_bandwidth(threads)
+            mean = (before + after) / 2
             print(f"== upstream llama.cpp, {gguf_path.name}, {threads} threads, batch 1: {theirs:.2f} tok/s "
                   f"(weights {theirs * per_token / 1e9:.2f} GB/s, counting our bytes per step: "
-                  f"{theirs * per_token / 1e9 / ((before + after) / 2):.0%} of the streaming bandwidth read right "
-                  f"before / after it, {before:.1f} / {after:.1f} GB/s)")
+                  f"{theirs * per_token / 1e9 / mean:.0%} of the streaming bandwidth read right "
+                  f"before / after it, {before:.1f} / {after:.1f} GB/s; with the recurrent state read and "
+                  f"written: {theirs * (per_token + 2 * state) / 1e9 / mean:.0%})")
             for name, ours in batch1.items():
                 if ours:
                     print(f"   {name} batch 1: {ours:.2f} tok/s = {ours / theirs:.2f}x llama.cpp (goal 1.8x)")
@@ -450,7 +472,8 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def run_one(args, model: Path, batches: list[int], size: int, per_token: int, bandwidth: float) -> float | None:
+def run_one(args, model: Path, batches: list[int], size: int, per_token: int, state: int,
+            bandwidth: float) -> float | None:
     """Serve ``model`` in a fresh process and print its figures; returns the batch-1 decode tok/s (if timed)."""
     env = dict(os.environ)
     if args.kv_space_gib is not None:
@@ -485,18 +508,22 @@ def run_one(args, model: Path, batches: list[int], size: int, per_token: int, ba
           f"(ratio {peak / goal:.2f}; KV cache space {gib(r['kv_cache_bytes'])})")
     print(f"load {r['load_s']:.0f} s; {args.tokens} decode tokens per request")
     # "of streaming": against the start-up figure (torch.sum over 1 GiB, before loading) and against the
-    # model's own weight pages read just before and after that batch size's timed run (their mean).
+    # model's own weight pages read just before and after that batch size's timed run (their mean). "+ state":
+    # the bytes a step moves with each sequence's recurrent state read and written back (``state_bytes``).
     print(f"{'batch':>5} {'first token s':>13} {'decode tok/s':>12} {'x batch 1':>9} {'weights GB/s':>12} "
-          f"{'of streaming':>12} {'weight pages GB/s before/after':>30} {'of those':>8}")
+          f"{'of streaming':>12} {'weight pages GB/s before/after':>30} {'of those':>8} {'+ state GB/s':>12} "
+          f"{'of streaming':>12} {'of pages':>8}")
     one = next((x["decode_tok_per_s"] for x in r["runs"] if x["batch"] == 1), None)
     for x in r["runs"]:
         rate = x["decode_tok_per_s"]
         steps = rate / x["batch"]  # decode steps per second: each reads the weights once
         read = steps * per_token / 1e9
+        moved = steps * (per_token + 2 * state * x["batch"]) / 1e9
         before, after = x["bandwidth"]
+        pages = (before + after) / 2
         print(f"{x['batch']:>5} {x['ttft_s']:>13.2f} {rate:>12.2f} {(rate / one if one else float('nan')):>9.2f} "
               f"{read:>12.2f} {read / bandwidth:>12.0%} {f'{before:.1f} / {after:.1f}':>30} "
-              f"{read / ((before + after) / 2):>8.0%}")
+              f"{read / pages:>8.0%} {moved:>12.2f} {moved / bandwidth:>12.0%} {moved / pages:>8.0%}")
     return one
 
 
