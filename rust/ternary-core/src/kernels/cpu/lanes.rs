@@ -38,20 +38,6 @@ pub(crate) struct Tokens {
     pub neg_qsum: Vec<i32>,
     pub xs: Vec<f32>,
     pub gp: usize,
-    /// The same tokens pass by pass ([`passes`]) for the SIMD lanes kernel ([`Tokens::fill_passes`]).
-    by_pass: ByPass,
-}
-
-/// The activations of a call ordered pass by pass ([`passes`]): a pass of `tp` tokens from token `m0`
-/// holds its codes as 4-byte words `[Kp / 4][tp]` from word `m0 · Kp / 4`, and its `−Σq` and `xs` as
-/// `[Gp][tp]` from `m0 · Gp`. So each of a line's broadcasts is at a constant offset from one pointer
-/// that steps once per line: with a pointer per token (`q + t · Kp`), eight tokens' addresses were
-/// recomputed per line, ~8 scalar ops per 32 `vpdpbusd` that took issue slots from them.
-#[derive(Default)]
-struct ByPass {
-    q: Vec<i32>,
-    neg_qsum: Vec<i32>,
-    xs: Vec<f32>,
 }
 
 impl Tokens {
@@ -66,34 +52,6 @@ impl Tokens {
             // Σq of a group is an integer of at most 256 · 128 in magnitude: exact in f32.
             self.neg_qsum.push(-(qsum4[i * rep] as i32));
             self.xs.push(xs4[i * rep]);
-        }
-    }
-
-    /// Order the call's codes `q` (`m · Kp`) and the sums and scales [`Tokens::fill`] took, pass by pass,
-    /// for the SIMD lanes kernel ([`ByPass`]). A call of one token needs no copy: its order is the same.
-    pub fn fill_passes(&mut self, q: &[i8], m: usize, kp: usize) {
-        let gp = self.gp;
-        assert!(kp.is_multiple_of(4) && q.len() >= m * kp && self.xs.len() >= m * gp);
-        let b = &mut self.by_pass;
-        b.q.clear();
-        b.neg_qsum.clear();
-        b.xs.clear();
-        if m <= 1 {
-            return;
-        }
-        for (m0, tp) in passes(m) {
-            for k4 in 0..kp / 4 {
-                for t in m0..m0 + tp {
-                    let at = t * kp + 4 * k4;
-                    b.q.push(i32::from_le_bytes(std::array::from_fn(|i| q[at + i] as u8)));
-                }
-            }
-            for gi in 0..gp {
-                for t in m0..m0 + tp {
-                    b.neg_qsum.push(self.neg_qsum[t * gp + gi]);
-                    b.xs.push(self.xs[t * gp + gi]);
-                }
-            }
         }
     }
 }
@@ -247,54 +205,43 @@ mod simd {
         assert!(tokens.gp == gp && tokens.xs.len() >= m * gp && tokens.neg_qsum.len() >= m * gp);
         assert!(q.len() >= m * kp && grp < Layout::Lanes16.units(w.rows));
         let (codes, scales) = group(w, grp);
-        // One token's codes, sums and scales are already in pass order ([`Tokens::fill_passes`]).
-        let b = &tokens.by_pass;
-        let (pq, pneg, pxs) = if m == 1 {
-            (
-                q.as_ptr().cast::<i32>(),
-                tokens.neg_qsum.as_ptr(),
-                tokens.xs.as_ptr(),
-            )
-        } else {
-            assert!(b.q.len() >= m * kp / 4 && b.xs.len() >= m * gp && b.neg_qsum.len() >= m * gp);
-            (b.q.as_ptr(), b.neg_qsum.as_ptr(), b.xs.as_ptr())
-        };
         out.clear();
         out.resize(m, [0.0; LANE_ROWS]);
         for (m0, t) in passes(m) {
-            // SAFETY (the `add`s): pass offsets inside the asserted m · Kp / 4 words and m · Gp values.
-            let args = unsafe {
-                Tile {
-                    codes: codes.as_ptr(),
-                    scales: scales.as_ptr(),
-                    gp,
-                    q: pq.add(m0 * kp / 4),
-                    neg_qsum: pneg.add(m0 * gp),
-                    xs: pxs.add(m0 * gp),
-                    tot: out[m0..].as_mut_ptr().cast(),
-                }
+            let args = Tile {
+                codes: codes.as_ptr(),
+                scales: scales.as_ptr(),
+                gp,
+                kp,
+                q: q.as_ptr(),
+                neg_qsum: tokens.neg_qsum.as_ptr(),
+                xs: tokens.xs.as_ptr(),
+                m0,
+                tot: out[m0..].as_mut_ptr().cast(),
             };
             // SAFETY: the caller checked AVX-512 VNNI; every pointer covers what `Tile` says (asserted
-            // sizes: the row group's 4·Kp code bytes and Gp·16 scales, the pass's t · Kp codes and
-            // t · Gp sums / scales in pass order, t output lines from m0).
+            // sizes: the row group's 4·Kp code bytes and Gp·16 scales, tokens m0 .. m0 + t ≤ m of Kp
+            // codes and Gp sums / scales, t output lines from m0).
             unsafe { fns[t - 1](&args) };
         }
     }
 
-    /// One pass of `T` tokens over a row group, its tokens in pass order ([`ByPass`]).
+    /// One pass of `T` tokens (`m0 ..`) over a row group.
     struct Tile {
         /// The row group's `4 · Kp` code bytes.
         codes: *const u8,
         /// The row group's `[Gp][16]` scales.
         scales: *const f16,
         gp: usize,
-        /// The pass's codes, 4-byte words `[Kp / 4][T]`.
-        q: *const i32,
-        /// `[Gp][T]`.
+        kp: usize,
+        /// Codes, `[m][Kp]`.
+        q: *const i8,
+        /// `[m][Gp]`.
         neg_qsum: *const i32,
-        /// `[Gp][T]`.
+        /// `[m][Gp]`.
         xs: *const f32,
-        /// `[T][16]` f32 totals of the pass's tokens.
+        m0: usize,
+        /// `[T][16]` f32 totals of tokens m0 ...
         tot: *mut f32,
     }
 
@@ -350,9 +297,11 @@ mod simd {
     }
 
     /// `p`, hidden from the optimizer: a pointer it cannot relate to the loop counter stays a base
-    /// register, so the broadcasts address `[base + disp]`. Derived from the counter, they became
-    /// `[base + index · scale + disp]`, and an indexed memory operand costs `vpdpbusd` an extra issue
-    /// slot on Intel cores (un-lamination): 3-4 % of the kernel in a microbenchmark (Emerald Rapids).
+    /// register of its own, so the broadcasts address `[base + disp]`. Derived from the counter, they
+    /// became `[base + index · scale + disp]` (with per-line address arithmetic for each token), and an
+    /// indexed memory operand costs `vpdpbusd` an extra issue slot on Intel cores (un-lamination): in a
+    /// microbenchmark of the kernel's loop 264 against 272-275 G weight-tokens/s (Emerald Rapids), the same
+    /// with one pointer per token or one for all.
     #[inline(always)]
     fn opaque<P>(mut p: *const P) -> *const P {
         // SAFETY: an empty template; the register passes through unchanged.
@@ -373,15 +322,18 @@ mod simd {
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")]
     unsafe fn tile<const T: usize, const LINES: usize>(p: &Tile) {
         // SAFETY (whole body): the caller's pointers cover the row group (4·Kp code bytes, Gp·16
-        // scales), the pass's T · Kp / 4 code words and T · Gp sums and scales, and T total lines; line
+        // scales), tokens m0 .. m0 + T of q (Kp each), their groups (Gp each) and T total lines; line
         // reads stay below Kp / 16 lines; prefetches never fault.
         unsafe {
+            // Each token's codes of the current line (see `opaque`).
+            let mut x: [*const i8; T] = std::array::from_fn(|t| p.q.add((p.m0 + t) * p.kp));
             let mask = _mm512_set1_epi8(3);
             let mut tot: [__m512; T] = std::array::from_fn(|_| _mm512_setzero_ps());
-            let (mut at, mut qp) = (p.codes, p.q);
+            let mut at = p.codes;
             for gi in 0..p.gp {
-                let mut acc: [__m512i; T] =
-                    std::array::from_fn(|t| _mm512_set1_epi32(*p.neg_qsum.add(gi * T + t)));
+                let mut acc: [__m512i; T] = std::array::from_fn(|t| {
+                    _mm512_set1_epi32(*p.neg_qsum.add((p.m0 + t) * p.gp + gi))
+                });
                 let mut acc_odd = [_mm512_setzero_si512(); T];
                 for _ in 0..LINES {
                     _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(STREAM_AHEAD).cast());
@@ -391,7 +343,8 @@ mod simd {
                         for t in 0..T {
                             // The token's 4 codes of columns 16·j + 4·i .. + 4 (the broadcast folds into
                             // `vpdpbusd`'s memory operand).
-                            let xq = _mm512_set1_epi32(qp.add(i * T + t).read_unaligned());
+                            let xq =
+                                _mm512_set1_epi32(x[t].add(4 * i).cast::<i32>().read_unaligned());
                             if i % 2 == 1 {
                                 acc_odd[t] = _mm512_dpbusd_epi32(acc_odd[t], c, xq);
                             } else {
@@ -400,7 +353,9 @@ mod simd {
                         }
                     }
                     at = at.add(LINE_BYTES);
-                    qp = opaque(qp.add(4 * T));
+                    for t in 0..T {
+                        x[t] = opaque(x[t].add(LINE_K));
+                    }
                 }
                 let sums = std::array::from_fn(|t| _mm512_add_epi32(acc[t], acc_odd[t]));
                 finish_group(p, gi, &sums, &mut tot);
@@ -419,15 +374,16 @@ mod simd {
     unsafe fn tile_in_place<const T: usize, const LINES: usize>(p: &Tile) {
         // SAFETY (whole body): as `tile`'s; line pairs stay inside the group (an even number of lines).
         unsafe {
+            let mut x: [*const i8; T] = std::array::from_fn(|t| p.q.add((p.m0 + t) * p.kp));
             let masks: [__m512i; 4] =
                 std::array::from_fn(|i| _mm512_set1_epi8((3u8 << (2 * i)) as i8));
             let mut tot: [__m512; T] = std::array::from_fn(|_| _mm512_setzero_ps());
-            let (mut at, mut qp) = (p.codes, p.q);
+            let mut at = p.codes;
             for gi in 0..p.gp {
                 // acc[t][4·h + i]: chain 0 starts from −Σq (the codes are t + 1), the others from 0.
                 let mut acc: [[__m512i; 8]; T] = std::array::from_fn(|t| {
                     let mut a = [_mm512_setzero_si512(); 8];
-                    a[0] = _mm512_set1_epi32(*p.neg_qsum.add(gi * T + t));
+                    a[0] = _mm512_set1_epi32(*p.neg_qsum.add((p.m0 + t) * p.gp + gi));
                     a
                 });
                 for _pair in 0..LINES / 2 {
@@ -437,12 +393,16 @@ mod simd {
                         for i in 0..4 {
                             let c = _mm512_and_si512(wv, masks[i]);
                             for t in 0..T {
-                                let xq = _mm512_set1_epi32(qp.add(i * T + t).read_unaligned());
+                                let xq = _mm512_set1_epi32(
+                                    x[t].add(4 * i).cast::<i32>().read_unaligned(),
+                                );
                                 acc[t][4 * h + i] = _mm512_dpbusd_epi32(acc[t][4 * h + i], c, xq);
                             }
                         }
                         at = at.add(LINE_BYTES);
-                        qp = opaque(qp.add(4 * T));
+                        for t in 0..T {
+                            x[t] = opaque(x[t].add(LINE_K));
+                        }
                     }
                 }
                 let sums = std::array::from_fn(|t| {
@@ -477,7 +437,7 @@ mod simd {
         unsafe {
             let s = _mm512_cvtph_ps(_mm256_loadu_si256(p.scales.add(gi * LANE_ROWS).cast()));
             for t in 0..T {
-                let cs = _mm512_mul_ps(s, _mm512_set1_ps(*p.xs.add(gi * T + t)));
+                let cs = _mm512_mul_ps(s, _mm512_set1_ps(*p.xs.add((p.m0 + t) * p.gp + gi)));
                 tot[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), cs, tot[t]);
             }
         }

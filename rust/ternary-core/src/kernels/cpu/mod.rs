@@ -734,9 +734,6 @@ impl<T: Activation> Job<'_, T> {
         let xq = quantize_rows(self.kernels, w, x, m, precision == Precision::Int8Token, s)
             .of(&s.q, &s.xs4, &s.qsum4);
         s.tokens.fill(xq.xs4, xq.qsum4, m, gp);
-        if simd {
-            s.tokens.fill_passes(xq.q, m, kp);
-        }
         let tokens = &s.tokens;
         row_groups(&|grp, out| lanes::int8(&w, grp, xq.q, tokens, m, simd, out));
     }
