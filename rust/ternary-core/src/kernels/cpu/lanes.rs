@@ -341,8 +341,8 @@ mod simd {
                     for i in 0..4 {
                         let c = unpack(wv, i, mask);
                         for t in 0..T {
-                            // The token's 4 codes of columns 16·j + 4·i .. + 4 (the broadcast folds into
-                            // `vpdpbusd`'s memory operand).
+                            // The token's 4 codes of the line's columns 4·i .. + 4 (the broadcast folds
+                            // into `vpdpbusd`'s memory operand).
                             let xq =
                                 _mm512_set1_epi32(x[t].add(4 * i).cast::<i32>().read_unaligned());
                             if i % 2 == 1 {
